@@ -1,0 +1,3 @@
+"""Tessera: a node-level GPU sharing agent for Kubernetes."""
+
+__version__ = "0.1.0"

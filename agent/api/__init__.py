@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of the kubelet APIs (proto/). Regenerate with: python proto/generate.py"""

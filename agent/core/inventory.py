@@ -1,0 +1,105 @@
+"""What the node has: an immutable snapshot of its GPUs and MIG devices, as discovered through NVML."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where an instance sits: GPU instances in memory slices, compute instances in compute slices."""
+
+    start: int
+    size: int
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.size}"
+
+
+@dataclass(frozen=True, slots=True)
+class MigDevice:
+    """One compute instance, which the driver exposes as one MIG device."""
+
+    uuid: str
+    parent_uuid: str
+    gpu_index: int
+    mig_index: int
+    profile: str  # e.g. "1g.10gb", "1c.3g.40gb", "1g.10gb+me" (derived by the naming rule)
+    gi_id: int
+    ci_id: int
+    gi_profile_id: int
+    ci_profile_id: int
+    gi_slices: int
+    ci_slices: int
+    placement: Placement
+    memory_mib: int
+    multiprocessor_count: int
+
+    @property
+    def is_full_instance(self) -> bool:
+        """True when the compute instance spans its whole GPU instance (C == G)."""
+        return self.ci_slices == self.gi_slices
+
+    @property
+    def index(self) -> str:
+        """NVIDIA's device index for a MIG device: ``"<gpu>:<mig>"``."""
+        return f"{self.gpu_index}:{self.mig_index}"
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """One physical GPU."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_mib: int
+    compute_capability: tuple[int, int]
+    pci_bus_id: str
+    pci_device_id: int  # NVML's 0xDDDDVVVV form
+    minor_number: int
+    architecture: str
+    mig_capable: bool
+    mig_enabled: bool = False
+    mig_pending: bool | None = None  # the mode after the next reset; None when not MIG capable
+    mig_devices: tuple[MigDevice, ...] = ()
+    nvlink_peers: tuple[int, ...] = ()  # indices of GPUs reachable over NVLink
+    numa_node: int | None = None
+    compute_mode: str | None = None  # None when the driver does not say (e.g. parent of a MIG GPU)
+
+    @property
+    def mig_change_pending(self) -> bool:
+        """A MIG mode change was requested and waits for a GPU reset."""
+        return self.mig_pending is not None and self.mig_pending != self.mig_enabled
+
+    @property
+    def cc_string(self) -> str:
+        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuFailure:
+    """A GPU that NVML could not describe, with the NVML error name (e.g. ``GPU_IS_LOST``)."""
+
+    index: int
+    error: str
+    operation: str
+    uuid: str | None = None
+
+    def __str__(self) -> str:
+        who = f"GPU {self.index}" + (f" ({self.uuid})" if self.uuid else "")
+        return f"{who}: {self.operation} failed with NVML_ERROR_{self.error}"
+
+
+@dataclass(frozen=True, slots=True)
+class Inventory:
+    """The node as NVML describes it at one moment."""
+
+    driver_version: str
+    nvml_version: str
+    cuda_driver_version: int | None
+    gpus: tuple[Gpu, ...] = ()
+    failures: tuple[GpuFailure, ...] = field(default=())
+
+    def gpu_by_uuid(self, uuid: str) -> Gpu | None:
+        return next((g for g in self.gpus if g.uuid == uuid), None)

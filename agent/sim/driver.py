@@ -1,0 +1,622 @@
+"""The simulated GPU driver: node state and the hardware's rules, in plain Python.
+
+``SimDriver`` is what ``libnvidia-ml.so.1`` would talk to: GPUs, MIG GPU and compute instances, processes,
+events. Its operations raise ``NvmlFault`` with a real ``nvmlReturn_t`` code wherever the real driver
+fails, and ``libnvml`` turns them into return codes for pynvml. Tests drive it through its control
+methods (``add_process``, ``inject_xid``, ``lose_gpu`` ...), never through the agent.
+
+All state sits behind one lock; ``wait_event`` sleeps on a condition of that lock, so the event thread
+of the agent blocks exactly as it would in ``nvmlEventSetWait``.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid as uuidlib
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from agent.sim.hardware import CiProfile, GiProfile, GpuModel
+from agent.sim.nvml_codes import (
+    COMPUTE_MODES,
+    EVENT_CLOCK,
+    EVENT_DOUBLE_BIT_ECC,
+    EVENT_MIG_CONFIG_CHANGE,
+    EVENT_PSTATE,
+    EVENT_SINGLE_BIT_ECC,
+    EVENT_XID_CRITICAL,
+    GPU_INSTANCE_PROFILE_COUNT,
+    INVALID_INSTANCE_ID,
+    XID_FALLEN_OFF_THE_BUS,
+    Return,
+)
+
+_UUID_NAMESPACE = uuidlib.UUID("5d1e4c1e-7e55-4e7a-9a3c-7e55e7a0c0de")
+EVENT_QUEUE_LIMIT = 4096  # per event set; the oldest events are dropped past it, as a bounded kernel queue would
+
+
+class NvmlFault(Exception):
+    """A failure the real driver would report with ``code``."""
+
+    def __init__(self, code: Return, detail: str = "") -> None:
+        super().__init__(f"{code.name}: {detail}" if detail else code.name)
+        self.code = code
+
+
+@dataclass(eq=False)
+class SimComputeInstance:
+    id: int
+    profile: CiProfile
+    placement: tuple[int, int]
+    uuid: str
+    compute_mode: int = 0
+
+
+@dataclass(eq=False)
+class SimGpuInstance:
+    id: int
+    profile: GiProfile
+    placement: tuple[int, int]
+    cis: dict[int, SimComputeInstance] = field(default_factory=dict)
+
+    def memory_slices(self) -> set[int]:
+        start, size = self.placement
+        return set(range(start, start + size))
+
+
+@dataclass(eq=False)
+class SimProcess:
+    pid: int
+    used_mib: int
+    gi_id: int = INVALID_INSTANCE_ID
+    ci_id: int = INVALID_INSTANCE_ID
+
+
+@dataclass(eq=False)
+class SimGpu:
+    index: int
+    model: GpuModel
+    uuid: str
+    pci_bus_id: str  # "00000000:07:00.0"
+    minor_number: int
+    numa_node: int
+    pcie_switch: int
+    serial: str
+    mig_current: bool = False
+    mig_pending: bool = False
+    mig_needs_reset: bool = False  # a MIG mode change only takes effect at the next GPU reset
+    compute_mode: int = 0
+    gis: dict[int, SimGpuInstance] = field(default_factory=dict)
+    processes: dict[int, SimProcess] = field(default_factory=dict)
+    utilization: tuple[int, int] = (0, 0)
+    lost: bool = False
+    nvlink_peers: frozenset[int] = frozenset()
+    nvswitch: bool = False
+    mig_generation: int = 0  # counts compute instances ever created, so MIG UUIDs are new on re-creation
+
+    def mig_devices(self) -> list[tuple[SimGpuInstance, SimComputeInstance]]:
+        """MIG devices in index order: by GPU instance id, then compute instance id."""
+        devices = []
+        for gi_id in sorted(self.gis):
+            gi = self.gis[gi_id]
+            devices += [(gi, gi.cis[ci_id]) for ci_id in sorted(gi.cis)]
+        return devices
+
+    def used_memory_slices(self) -> set[int]:
+        return set().union(*(gi.memory_slices() for gi in self.gis.values())) if self.gis else set()
+
+
+@dataclass(eq=False)
+class SimEventSet:
+    registrations: dict[int, int] = field(default_factory=dict)  # GPU index -> event mask
+    queue: deque[SimEvent] = field(default_factory=lambda: deque(maxlen=EVENT_QUEUE_LIMIT))
+    freed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SimEvent:
+    gpu_index: int
+    event_type: int
+    data: int
+    gi_id: int = INVALID_INSTANCE_ID
+    ci_id: int = INVALID_INSTANCE_ID
+
+
+@dataclass
+class _InjectedFault:
+    symbol: str
+    code: Return
+    remaining: int
+    gpu_index: int | None
+
+
+def gpu_uuid(node_name: str, index: int) -> str:
+    return f"GPU-{uuidlib.uuid5(_UUID_NAMESPACE, f'{node_name}/gpu/{index}')}"
+
+
+def gi_id_for_placement(model: GpuModel, start: int, size: int) -> int:
+    """GPU instance ids follow the placement (recent drivers): a binary tree over the memory slices.
+
+    On 8-slice GPUs 8-wide is 0, 4-wide 1 + start/4, 2-wide 3 + start/2, 1-wide 7 + start.
+    """
+    return model.memory_slices // size - 1 + start // size
+
+
+class SimDriver:
+    """A node's GPUs under the hardware's rules."""
+
+    def __init__(
+        self,
+        gpus: Iterable[SimGpu],
+        *,
+        driver_version: str = "580.95.05",
+        cuda_driver_version: int = 13000,
+    ) -> None:
+        self.gpus: list[SimGpu] = list(gpus)
+        self.driver_version = driver_version
+        self.nvml_version = f"13.{driver_version}"
+        self.cuda_driver_version = cuda_driver_version
+        self.lock = threading.RLock()
+        self._event_ready = threading.Condition(self.lock)
+        self._event_sets: list[SimEventSet] = []
+        self._faults: list[_InjectedFault] = []
+        self.init_count = 0
+
+    # ----- lookups -------------------------------------------------------------------------------
+
+    def gpu(self, index: int) -> SimGpu:
+        """The GPU at ``index``; a lost GPU fails every call with GPU_IS_LOST."""
+        if not 0 <= index < len(self.gpus):
+            raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"no GPU {index}")
+        gpu = self.gpus[index]
+        if gpu.lost:
+            raise NvmlFault(Return.ERROR_GPU_IS_LOST, f"GPU {index} has fallen off the bus")
+        return gpu
+
+    def mig_gpu(self, index: int) -> SimGpu:
+        """A GPU for a GPU/compute instance call: MIG capable and MIG enabled, else NOT_SUPPORTED."""
+        gpu = self.gpu(index)
+        if not gpu.model.mig_capable or not gpu.mig_current:
+            raise NvmlFault(Return.ERROR_NOT_SUPPORTED, f"MIG is not enabled on GPU {index}")
+        return gpu
+
+    def find_uuid(self, uuid: str) -> tuple[int, SimGpuInstance | None, SimComputeInstance | None]:
+        for gpu in self.gpus:
+            if gpu.uuid == uuid:
+                self.gpu(gpu.index)
+                return gpu.index, None, None
+            for gi, ci in gpu.mig_devices():
+                if ci.uuid == uuid:
+                    self.gpu(gpu.index)
+                    return gpu.index, gi, ci
+        raise NvmlFault(Return.ERROR_NOT_FOUND, f"no device with UUID {uuid}")
+
+    def find_bus_id(self, bus_id: str) -> int:
+        wanted = _normalise_bus_id(bus_id)
+        for gpu in self.gpus:
+            if _normalise_bus_id(gpu.pci_bus_id) == wanted:
+                return self.gpu(gpu.index).index
+        raise NvmlFault(Return.ERROR_NOT_FOUND, f"no GPU at {bus_id}")
+
+    def live_gi(self, gpu_index: int, gi: SimGpuInstance) -> SimGpuInstance:
+        """Check that a GPU instance handle still names a live instance (handles die with it)."""
+        gpu = self.mig_gpu(gpu_index)
+        if gpu.gis.get(gi.id) is not gi:
+            raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, "stale GPU instance handle")
+        return gi
+
+    def live_ci(self, gpu_index: int, gi: SimGpuInstance, ci: SimComputeInstance) -> SimComputeInstance:
+        self.live_gi(gpu_index, gi)
+        if gi.cis.get(ci.id) is not ci:
+            raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, "stale compute instance handle")
+        return ci
+
+    # ----- MIG mode ------------------------------------------------------------------------------
+
+    def set_mig_mode(self, index: int, enabled: bool) -> Return:
+        """Request a MIG mode; returns the activation status (an NVML code that pynvml does not raise).
+
+        The change applies at once when the GPU is idle and can be reset in place; otherwise it stays
+        pending until ``reset_gpu``. Changing the mode destroys every GPU and compute instance.
+        """
+        with self.lock:
+            gpu = self.gpu(index)
+            if not gpu.model.mig_capable:
+                raise NvmlFault(Return.ERROR_NOT_SUPPORTED, f"GPU {index} ({gpu.model.nvml_name}) is not MIG capable")
+            gpu.mig_pending = enabled
+            if gpu.mig_current == enabled:
+                return Return.SUCCESS
+            if gpu.processes:
+                return Return.ERROR_IN_USE
+            if gpu.mig_needs_reset:
+                return Return.ERROR_RESET_REQUIRED
+            self._activate_mig_mode(gpu)
+            return Return.SUCCESS
+
+    def _activate_mig_mode(self, gpu: SimGpu) -> None:
+        gpu.mig_current = gpu.mig_pending
+        gpu.gis.clear()
+        gpu.compute_mode = 0
+        self._emit(gpu.index, EVENT_MIG_CONFIG_CHANGE, 0)
+
+    def reset_gpu(self, index: int) -> None:
+        """``nvidia-smi -r``: applies a pending MIG mode and loses every GPU/compute instance."""
+        with self.lock:
+            gpu = self.gpu(index)
+            if gpu.processes:
+                raise NvmlFault(Return.ERROR_IN_USE, f"GPU {index} has running processes")
+            if gpu.mig_current != gpu.mig_pending:
+                self._activate_mig_mode(gpu)
+            elif gpu.gis:
+                gpu.gis.clear()
+                self._emit(gpu.index, EVENT_MIG_CONFIG_CHANGE, 0)
+            gpu.utilization = (0, 0)
+
+    # ----- GPU instances -------------------------------------------------------------------------
+
+    def gi_profile_by_index(self, index: int, profile_index: int) -> GiProfile:
+        gpu = self.gpu(index)
+        if profile_index >= GPU_INSTANCE_PROFILE_COUNT or profile_index < 0:
+            raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"profile index {profile_index} out of range")
+        gpu = self.mig_gpu(index)
+        profile = gpu.model.gi_profile_by_index(profile_index)
+        if profile is None:
+            raise NvmlFault(Return.ERROR_NOT_SUPPORTED, f"{gpu.model.nvml_name} has no profile index {profile_index}")
+        return profile
+
+    def gi_profile_by_id(self, index: int, profile_id: int, *, need_mig: bool = True) -> GiProfile:
+        gpu = self.mig_gpu(index) if need_mig else self.gpu(index)
+        if not gpu.model.mig_capable:
+            raise NvmlFault(Return.ERROR_NOT_SUPPORTED, f"GPU {index} is not MIG capable")
+        profile = gpu.model.gi_profile_by_id(profile_id)
+        if profile is None:
+            raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"{gpu.model.nvml_name} has no GI profile id {profile_id}")
+        return profile
+
+    def gi_possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
+        """Every placement of the profile, occupied or not; answers even while MIG is off."""
+        return list(self.gi_profile_by_id(index, profile_id, need_mig=False).placements)
+
+    def gi_remaining_capacity(self, index: int, profile_id: int) -> int:
+        with self.lock:
+            gpu = self.mig_gpu(index)
+            profile = self.gi_profile_by_id(index, profile_id)
+            return _remaining(gpu, profile, gpu.used_memory_slices(), _me_used(gpu))
+
+    def create_gpu_instance(
+        self, index: int, profile_id: int, placement: tuple[int, int] | None = None
+    ) -> SimGpuInstance:
+        """Create a GPU instance, at ``placement`` or where this driver would put it."""
+        with self.lock:
+            gpu = self.mig_gpu(index)
+            profile = self.gi_profile_by_id(index, profile_id)
+            used = gpu.used_memory_slices()
+            if placement is not None and placement not in profile.placements:
+                raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"{placement} is not a placement of {profile.name}")
+            if _remaining(gpu, profile, used, _me_used(gpu)) == 0:
+                raise NvmlFault(Return.ERROR_INSUFFICIENT_RESOURCES, f"no room for {profile.name} on GPU {index}")
+            if placement is None:
+                placement = _default_placement(gpu, profile, used)
+            elif not _is_free(placement, used):
+                raise NvmlFault(Return.ERROR_INSUFFICIENT_RESOURCES, f"placement {placement} is occupied")
+            if placement is None:
+                raise NvmlFault(Return.ERROR_INSUFFICIENT_RESOURCES, f"no free placement for {profile.name}")
+            gi = SimGpuInstance(gi_id_for_placement(gpu.model, *placement), profile, placement)
+            gpu.gis[gi.id] = gi
+            self._emit(index, EVENT_MIG_CONFIG_CHANGE, 0)
+            return gi
+
+    def destroy_gpu_instance(self, index: int, gi: SimGpuInstance) -> None:
+        with self.lock:
+            gpu = self.mig_gpu(index)
+            self.live_gi(index, gi)
+            if gi.cis:
+                raise NvmlFault(Return.ERROR_IN_USE, f"GPU instance {gi.id} still has compute instances")
+            if any(p.gi_id == gi.id for p in gpu.processes.values()):
+                raise NvmlFault(Return.ERROR_IN_USE, f"GPU instance {gi.id} has running processes")
+            del gpu.gis[gi.id]
+            self._emit(index, EVENT_MIG_CONFIG_CHANGE, 0)
+
+    def gpu_instances(self, index: int, profile_id: int) -> list[SimGpuInstance]:
+        with self.lock:
+            gpu = self.mig_gpu(index)
+            self.gi_profile_by_id(index, profile_id)
+            return [gpu.gis[i] for i in sorted(gpu.gis) if gpu.gis[i].profile.id == profile_id]
+
+    def gpu_instance_by_id(self, index: int, gi_id: int) -> SimGpuInstance:
+        with self.lock:
+            gpu = self.mig_gpu(index)
+            if gi_id not in gpu.gis:
+                raise NvmlFault(Return.ERROR_NOT_FOUND, f"no GPU instance {gi_id} on GPU {index}")
+            return gpu.gis[gi_id]
+
+    # ----- compute instances ---------------------------------------------------------------------
+
+    def ci_profile_by_index(self, index: int, gi: SimGpuInstance, profile_index: int) -> CiProfile:
+        self.live_gi(index, gi)
+        if not 0 <= profile_index < 9:
+            raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"CI profile index {profile_index} out of range")
+        profile = next((p for p in gi.profile.ci_profiles if p.index == profile_index), None)
+        if profile is None:
+            raise NvmlFault(Return.ERROR_NOT_SUPPORTED, f"{gi.profile.name} has no CI profile index {profile_index}")
+        return profile
+
+    def ci_profile_by_id(self, index: int, gi: SimGpuInstance, profile_id: int) -> CiProfile:
+        self.live_gi(index, gi)
+        profile = next((p for p in gi.profile.ci_profiles if p.id == profile_id), None)
+        if profile is None:
+            raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"{gi.profile.name} has no CI profile id {profile_id}")
+        return profile
+
+    def ci_remaining_capacity(self, index: int, gi: SimGpuInstance, profile_id: int) -> int:
+        with self.lock:
+            profile = self.ci_profile_by_id(index, gi, profile_id)
+            free = len(_free_ci_placements(gi, profile))
+            return max(0, min(profile.instance_count - _ci_count(gi, profile), free))
+
+    def create_compute_instance(
+        self, index: int, gi: SimGpuInstance, profile_id: int, placement: tuple[int, int] | None = None
+    ) -> SimComputeInstance:
+        with self.lock:
+            gpu = self.mig_gpu(index)
+            profile = self.ci_profile_by_id(index, gi, profile_id)
+            free = _free_ci_placements(gi, profile)
+            if _ci_count(gi, profile) >= profile.instance_count or not free:
+                raise NvmlFault(Return.ERROR_INSUFFICIENT_RESOURCES, f"no room for the CI in GPU instance {gi.id}")
+            if placement is None:
+                placement = free[0]
+            elif placement not in profile.placements:
+                raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"{placement} is not a CI placement")
+            elif placement not in free:
+                raise NvmlFault(Return.ERROR_INSUFFICIENT_RESOURCES, f"CI placement {placement} is occupied")
+            ci_id = next(i for i in range(len(gi.cis) + 1) if i not in gi.cis)
+            gpu.mig_generation += 1
+            mig_uuid = f"MIG-{uuidlib.uuid5(_UUID_NAMESPACE, f'{gpu.uuid}/mig/{gpu.mig_generation}')}"
+            ci = SimComputeInstance(ci_id, profile, placement, mig_uuid)
+            gi.cis[ci_id] = ci
+            self._emit(index, EVENT_MIG_CONFIG_CHANGE, 0)
+            return ci
+
+    def destroy_compute_instance(self, index: int, gi: SimGpuInstance, ci: SimComputeInstance) -> None:
+        with self.lock:
+            gpu = self.mig_gpu(index)
+            self.live_ci(index, gi, ci)
+            if any(p.gi_id == gi.id and p.ci_id == ci.id for p in gpu.processes.values()):
+                raise NvmlFault(Return.ERROR_IN_USE, f"compute instance {gi.id}/{ci.id} has running processes")
+            del gi.cis[ci.id]
+            self._emit(index, EVENT_MIG_CONFIG_CHANGE, 0)
+
+    def compute_instances(self, index: int, gi: SimGpuInstance, profile_id: int) -> list[SimComputeInstance]:
+        with self.lock:
+            self.ci_profile_by_id(index, gi, profile_id)
+            return [gi.cis[i] for i in sorted(gi.cis) if gi.cis[i].profile.id == profile_id]
+
+    def compute_instance_by_id(self, index: int, gi: SimGpuInstance, ci_id: int) -> SimComputeInstance:
+        with self.lock:
+            self.live_gi(index, gi)
+            if ci_id not in gi.cis:
+                raise NvmlFault(Return.ERROR_NOT_FOUND, f"no compute instance {ci_id} in GPU instance {gi.id}")
+            return gi.cis[ci_id]
+
+    def max_mig_device_count(self, index: int) -> int:
+        gpu = self.gpu(index)
+        return gpu.model.max_gpu_instances if gpu.model.mig_capable and gpu.mig_current else 0
+
+    # ----- compute mode, processes, utilization ---------------------------------------------------
+
+    def set_compute_mode(self, index: int, mode: int, ci: SimComputeInstance | None = None) -> None:
+        with self.lock:
+            gpu = self.gpu(index)
+            if mode not in COMPUTE_MODES:
+                raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"compute mode {mode} is not supported")
+            if ci is not None:
+                ci.compute_mode = mode
+            elif gpu.mig_current:
+                raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "with MIG enabled the compute mode is set per MIG device")
+            else:
+                gpu.compute_mode = mode
+
+    def processes(self, index: int, mig: tuple[SimGpuInstance, SimComputeInstance] | None = None) -> list[SimProcess]:
+        with self.lock:
+            gpu = self.gpu(index)
+            procs = sorted(gpu.processes.values(), key=lambda p: p.pid)
+            if mig is None:
+                return procs
+            gi, ci = mig
+            return [p for p in procs if p.gi_id == gi.id and p.ci_id == ci.id]
+
+    def used_memory_mib(self, index: int, mig: tuple[SimGpuInstance, SimComputeInstance] | None = None) -> int:
+        if mig is None:
+            return sum(p.used_mib for p in self.processes(index))
+        gi, _ = mig
+        return sum(p.used_mib for p in self.gpu(index).processes.values() if p.gi_id == gi.id)
+
+    def utilization(self, index: int) -> tuple[int, int]:
+        gpu = self.gpu(index)
+        if gpu.mig_current:
+            raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "utilization is not reported on a MIG-enabled GPU")
+        return gpu.utilization
+
+    # ----- events --------------------------------------------------------------------------------
+
+    def supported_events(self, index: int) -> int:
+        gpu = self.gpu(index)
+        mask = EVENT_SINGLE_BIT_ECC | EVENT_DOUBLE_BIT_ECC | EVENT_PSTATE | EVENT_XID_CRITICAL | EVENT_CLOCK
+        return mask | (EVENT_MIG_CONFIG_CHANGE if gpu.model.mig_capable else 0)
+
+    def create_event_set(self) -> SimEventSet:
+        with self.lock:
+            event_set = SimEventSet()
+            self._event_sets.append(event_set)
+            return event_set
+
+    def register_events(self, event_set: SimEventSet, index: int, mask: int) -> None:
+        with self.lock:
+            unsupported = mask & ~self.supported_events(index)
+            if unsupported:
+                raise NvmlFault(Return.ERROR_NOT_SUPPORTED, f"event types {unsupported:#x} are not supported")
+            self._check_event_set(event_set)
+            event_set.registrations[index] = event_set.registrations.get(index, 0) | mask
+
+    def free_event_set(self, event_set: SimEventSet) -> None:
+        with self.lock:
+            self._check_event_set(event_set)
+            event_set.freed = True
+            self._event_sets.remove(event_set)
+            self._event_ready.notify_all()
+
+    def wait_event(self, event_set: SimEventSet, timeout_ms: int) -> SimEvent:
+        """Block until an event arrives in the set, or fail with TIMEOUT after ``timeout_ms``."""
+        with self._event_ready:
+            self._check_event_set(event_set)
+            self._event_ready.wait_for(lambda: event_set.queue or event_set.freed, timeout_ms / 1000)
+            self._check_event_set(event_set)
+            if not event_set.queue:
+                raise NvmlFault(Return.ERROR_TIMEOUT, f"no event within {timeout_ms} ms")
+            return event_set.queue.popleft()
+
+    def _check_event_set(self, event_set: SimEventSet) -> None:
+        if event_set.freed:
+            raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, "event set was freed")
+
+    def _emit(
+        self, index: int, event_type: int, data: int, gi_id: int = INVALID_INSTANCE_ID, ci_id: int = INVALID_INSTANCE_ID
+    ) -> None:
+        event = SimEvent(index, event_type, data, gi_id, ci_id)
+        delivered = False
+        for event_set in self._event_sets:
+            if event_set.registrations.get(index, 0) & event_type:
+                event_set.queue.append(event)
+                delivered = True
+        if delivered:
+            self._event_ready.notify_all()
+
+    # ----- control: what tests and the demo do to the node ----------------------------------------
+
+    def inject_xid(self, index: int, xid: int, *, mig_uuid: str | None = None) -> None:
+        """An Xid critical error on a GPU, or attributed to one MIG device of it."""
+        with self.lock:
+            gpu = self.gpus[index]
+            gi_id = ci_id = INVALID_INSTANCE_ID
+            if mig_uuid is not None:
+                gi, ci = next((gi, ci) for gi, ci in gpu.mig_devices() if ci.uuid == mig_uuid)
+                gi_id, ci_id = gi.id, ci.id
+            self._emit(index, EVENT_XID_CRITICAL, xid, gi_id, ci_id)
+
+    def lose_gpu(self, index: int) -> None:
+        """The GPU falls off the bus (Xid 79): from now on every call on it fails with GPU_IS_LOST."""
+        with self.lock:
+            self._emit(index, EVENT_XID_CRITICAL, XID_FALLEN_OFF_THE_BUS)
+            self.gpus[index].lost = True
+
+    def recover_gpu(self, index: int) -> None:
+        """The GPU answers again (as after a node-level recovery); its MIG instances are gone."""
+        with self.lock:
+            gpu = self.gpus[index]
+            gpu.lost = False
+            gpu.gis.clear()
+            gpu.processes.clear()
+
+    def add_process(self, index: int, pid: int, used_mib: int, *, mig_uuid: str | None = None) -> None:
+        with self.lock:
+            gpu = self.gpu(index)
+            gi_id = ci_id = INVALID_INSTANCE_ID
+            if mig_uuid is not None:
+                gi, ci = next(((gi, ci) for gi, ci in gpu.mig_devices() if ci.uuid == mig_uuid), (None, None))
+                if gi is None or ci is None:
+                    raise ValueError(f"GPU {index} has no MIG device {mig_uuid}")
+                gi_id, ci_id = gi.id, ci.id
+            elif gpu.mig_current:
+                raise ValueError(f"GPU {index} is in MIG mode: a process runs on one of its MIG devices")
+            gpu.processes[pid] = SimProcess(pid, used_mib, gi_id, ci_id)
+
+    def remove_process(self, pid: int) -> None:
+        with self.lock:
+            for gpu in self.gpus:
+                gpu.processes.pop(pid, None)
+
+    def set_utilization(self, index: int, gpu_percent: int, memory_percent: int = 0) -> None:
+        with self.lock:
+            self.gpus[index].utilization = (gpu_percent, memory_percent)
+
+    def inject_error(self, symbol: str, code: Return, *, times: int = 1, gpu_index: int | None = None) -> None:
+        """Make the next ``times`` calls of the C function ``symbol`` (optionally on one GPU) fail with ``code``."""
+        with self.lock:
+            self._faults.append(_InjectedFault(symbol, code, times, gpu_index))
+
+    def take_injected_fault(self, symbol: str, gpu_index: int | None) -> Return | None:
+        with self.lock:
+            for fault in self._faults:
+                if fault.symbol == symbol and fault.gpu_index in (None, gpu_index):
+                    fault.remaining -= 1
+                    if fault.remaining <= 0:
+                        self._faults.remove(fault)
+                    return fault.code
+            return None
+
+
+# ----- placement rules ---------------------------------------------------------------------------
+
+
+def _is_free(placement: tuple[int, int], used: set[int]) -> bool:
+    start, size = placement
+    return used.isdisjoint(range(start, start + size))
+
+
+def _me_used(gpu: SimGpu) -> bool:
+    return any(gi.profile.has_media_extensions for gi in gpu.gis.values())
+
+
+def _remaining(gpu: SimGpu, profile: GiProfile, used: set[int], me_used: bool, trial: GiProfile | None = None) -> int:
+    """``nvmlDeviceGetGpuInstanceRemainingCapacity``: min(instances left, free aligned placements).
+
+    ``trial`` is one more instance that a caller is trying out (its slices are already in ``used``).
+    """
+    if profile.has_media_extensions and me_used:
+        return 0
+    existing = sum(1 for gi in gpu.gis.values() if gi.profile.id == profile.id)
+    existing += 1 if trial is not None and trial.id == profile.id else 0
+    if len(gpu.gis) + (trial is not None) >= gpu.model.max_gpu_instances:
+        return 0
+    free = sum(1 for p in profile.placements if _is_free(p, used))
+    return max(0, min(profile.instance_count - existing, free))
+
+
+def _default_placement(gpu: SimGpu, profile: GiProfile, used: set[int]) -> tuple[int, int] | None:
+    """Where ``nvmlDeviceCreateGpuInstance`` puts an instance when the caller does not say.
+
+    The driver's choice is undocumented; this heuristic reproduces the sequences observed on A100 and
+    H100 80GB (facts: ``observed_default_placement_sequences``): take the free placement that leaves the
+    most remaining capacity summed over all profiles, ties to the lowest start.
+    """
+    free = [p for p in profile.placements if _is_free(p, used)]
+    if not free:
+        return None
+    me_used = _me_used(gpu) or profile.has_media_extensions
+
+    def score(placement: tuple[int, int]) -> tuple[int, int]:
+        after = used | set(range(placement[0], placement[0] + placement[1]))
+        total = sum(_remaining(gpu, other, after, me_used, trial=profile) for other in gpu.model.gi_profiles)
+        return total, -placement[0]
+
+    return max(free, key=score)
+
+
+def _ci_count(gi: SimGpuInstance, profile: CiProfile) -> int:
+    return sum(1 for ci in gi.cis.values() if ci.profile.id == profile.id)
+
+
+def _free_ci_placements(gi: SimGpuInstance, profile: CiProfile) -> list[tuple[int, int]]:
+    used = set().union(*(range(ci.placement[0], ci.placement[0] + ci.placement[1]) for ci in gi.cis.values()))
+    return [p for p in profile.placements if _is_free(p, used)]
+
+
+def _normalise_bus_id(bus_id: str) -> str:
+    """NVML accepts ``0000:07:00.0`` and ``00000000:07:00.0``; compare on one form."""
+    parts = bus_id.strip().lower().split(":")
+    if len(parts) == 3:
+        return f"{int(parts[0], 16):08x}:{parts[1]}:{parts[2]}"
+    if len(parts) == 2:
+        return f"00000000:{parts[0]}:{parts[1]}"
+    return bus_id.strip().lower()
