@@ -57,7 +57,84 @@ def _parser() -> argparse.ArgumentParser:
     _node_flag(inventory)
     _env_flag(inventory, "--format", "TESSERA_FORMAT", default="table", choices=["table", "json"], help="output format")
     inventory.add_argument("--details", action="store_true", help="also print memory, MIG mode, NVLink and NUMA")
+
+    run = commands.add_parser("run", help="run the agent: serve the node's GPUs to the kubelet")
+    _agent_flags(run)
+    _env_flag(
+        run, "--simulate", "TESSERA_SIMULATE", help="use a simulated node (spec file or preset) instead of the driver"
+    )
+    _env_flag(run, "--sim-control", "TESSERA_SIM_CONTROL", help="with --simulate: serve a control socket here")
+
+    demo = commands.add_parser("demo", help="a simulated node, an emulated kubelet and the real agent, end to end")
+    _env_flag(demo, "--node", "TESSERA_NODE", default="demo", help="the simulated node: a spec file or preset")
+    _env_flag(
+        demo,
+        "--mig-strategy",
+        "TESSERA_MIG_STRATEGY",
+        default="mixed",
+        choices=["none", "single", "mixed"],
+        help="how MIG devices are advertised",
+    )
     return parser
+
+
+def _agent_flags(parser: argparse.ArgumentParser) -> None:
+    _env_flag(parser, "--config", "TESSERA_CONFIG", help="the sharing config file (NVIDIA config version v1)")
+    _env_flag(
+        parser,
+        "--device-plugin-dir",
+        "TESSERA_DEVICE_PLUGIN_DIR",
+        default="/var/lib/kubelet/device-plugins",
+        help="the kubelet's device-plugin directory",
+    )
+    _env_flag(
+        parser,
+        "--pod-resources-socket",
+        "TESSERA_POD_RESOURCES_SOCKET",
+        default="/var/lib/kubelet/pod-resources/kubelet.sock",
+        help="the kubelet's PodResources socket",
+    )
+    _env_flag(
+        parser,
+        "--mig-strategy",
+        "TESSERA_MIG_STRATEGY",
+        choices=["none", "single", "mixed"],
+        help="how MIG devices are advertised (default: the config's, else none)",
+    )
+    _env_flag(
+        parser,
+        "--device-list-strategy",
+        "TESSERA_DEVICE_LIST_STRATEGY",
+        help="how devices reach the runtime: envvar, volume-mounts, cdi-cri, cdi-annotations (comma list; "
+        "default: the config's, else envvar)",
+    )
+    _env_flag(
+        parser, "--cdi-kind", "TESSERA_CDI_KIND", default="nvidia.com/gpu", help="CDI device kind for cdi-* strategies"
+    )
+    _env_flag(
+        parser,
+        "--ignored-xids",
+        "TESSERA_IGNORED_XIDS",
+        help="XIDs that do not make a device unhealthy (default NVIDIA's: 13,31,43,45,68,109); "
+        "DP_DISABLE_HEALTHCHECKS / DP_ENABLE_HEALTHCHECKS are honoured too",
+    )
+    _env_flag(
+        parser,
+        "--health-recovery-seconds",
+        "TESSERA_HEALTH_RECOVERY_SECONDS",
+        default="60",
+        type=float,
+        help="quiet time after a critical XID before a device is probed and made healthy again; 0 = never",
+    )
+    _env_flag(parser, "--log-format", "TESSERA_LOG_FORMAT", default="text", choices=["text", "json"], help="log format")
+    _env_flag(
+        parser,
+        "--log-level",
+        "TESSERA_LOG_LEVEL",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level",
+    )
 
 
 def _check_env_choices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -73,6 +150,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _check_env_choices(parser, args)
+    if args.command == "run":
+        return _run(args)
+    if args.command == "demo":
+        from agent.demo import run_demo
+
+        return run_demo(args.node, args.mig_strategy)
+    return _describe(args)
+
+
+def _describe(args: argparse.Namespace) -> int:
     from agent.backend import gpu_backend
     from agent.gpu.discovery import DiscoveryError, discover
     from agent.gpu.nvml import NvmlUnavailable
@@ -92,6 +179,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "inventory":
         return _print_inventory(inventory, args)
     return _print_plan(inventory, args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from agent.core.resources import PlanError
+    from agent.gpu.discovery import DiscoveryError
+    from agent.gpu.nvml import NvmlUnavailable
+    from agent.logs import configure
+    from agent.run import OptionsError, build_options, run_agent
+    from agent.sim.spec import SimSpecError
+
+    configure(args.log_format, args.log_level)
+    try:
+        options = build_options(args, dict(os.environ))
+        return run_agent(options, args.simulate, args.sim_control)
+    except (OptionsError, SimSpecError) as error:
+        print(f"tessera: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except PlanError as error:
+        print(f"tessera: {error}", file=sys.stderr)
+        return EXIT_PLAN_ERROR
+    except (NvmlUnavailable, DiscoveryError) as error:
+        print(f"tessera: {error}", file=sys.stderr)
+        return EXIT_NVML
 
 
 def _print_inventory(inventory: object, args: argparse.Namespace) -> int:

@@ -1,0 +1,381 @@
+"""The reconcile loop: the one place that owns Tessera's mutable state.
+
+Everything that happens — an XID from the NVML event thread, a new ``kubelet.sock``, a closed
+ListAndWatch stream, a registration result, the clock — arrives as an event on one queue. The loop
+consumes them in order, recomputes the plan and device health with the pure core, and applies the
+difference: it starts and stops resource servers, hands them new immutable snapshots, and (re)registers
+resources with the kubelet. gRPC handler threads only read the snapshots they are given.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.core.health import (
+    HealthPolicy,
+    HealthState,
+    due_for_probe,
+    probe_failed,
+    probe_succeeded,
+    record_fault,
+    units_for_event,
+)
+from agent.core.inventory import Inventory
+from agent.core.plan import plan
+from agent.core.resources import MigStrategy, PlanConfig, ResourcePlan
+from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
+from agent.gpu.discovery import discover
+from agent.gpu.health import NvmlEventWatcher, WatchFailed, XidEvent, probe
+from agent.plugin.registration import KUBELET_SOCKET, RegistrationError, register
+from agent.plugin.server import ResourceServer
+from agent.plugin.watch import KubeletSocketChanged, KubeletWatcher
+
+log = logging.getLogger(__name__)
+
+XID_GPU_LOST = 79
+TICK_SECONDS = 0.1
+STREAM_RETRY_DELAY = 0.2  # after a closed stream, give a restarting kubelet a moment to clean up
+MAX_BACKOFF = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOptions:
+    device_plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
+    pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    mig_strategy: MigStrategy = MigStrategy.NONE
+    allocation: AllocationOptions = field(default_factory=AllocationOptions)
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+    liveness_probe_seconds: float = 5.0
+
+    @property
+    def kubelet_socket(self) -> Path:
+        return self.device_plugin_dir / KUBELET_SOCKET
+
+
+@dataclass(frozen=True, slots=True)
+class StreamClosed:
+    resource: str
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrationDone:
+    resource: str
+    attempt: int
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+@dataclass
+class _Registration:
+    """Where one resource stands with the kubelet."""
+
+    due_at: float | None = 0.0  # when to (re)register; None when nothing is due
+    in_flight: int = 0  # the attempt number being made, 0 if none
+    attempts: int = 0  # consecutive failures
+    registered: bool = False
+    last_error: str | None = None
+
+
+@dataclass
+class AgentStatus:
+    """What the outside world may read (health endpoints, the demo): replaced, never mutated."""
+
+    resources: dict[str, ResourceSnapshot] = field(default_factory=dict)
+    registered: frozenset[str] = frozenset()
+    kubelet_present: bool = False
+
+
+class Agent:
+    """Discovers the node, serves its resources to the kubelet and keeps them healthy and registered."""
+
+    def __init__(self, options: AgentOptions, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.options = options
+        self._clock = clock
+        self._events: queue.Queue[object] = queue.Queue()
+        self._servers: dict[str, ResourceServer] = {}
+        self._registrations: dict[str, _Registration] = {}
+        self._registrar = ThreadPoolExecutor(1, thread_name_prefix="register")
+        self._inventory: Inventory | None = None
+        self._plan: ResourcePlan | None = None
+        self._health = HealthState()
+        self._snapshots: dict[str, ResourceSnapshot] = {}
+        self._kubelet_present = False
+        self._next_liveness = 0.0
+        self._plugin_dir_present: bool | None = None
+        self._event_watcher: NvmlEventWatcher | None = None
+        self._kubelet_watcher: KubeletWatcher | None = None
+        self.status = AgentStatus()
+        self.started = threading.Event()
+
+    # ----- the outside world talks to the loop only through events --------------------------------
+
+    def post(self, event: object) -> None:
+        self._events.put(event)
+
+    def stop(self) -> None:
+        self.post(Stop())
+
+    # ----- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Start, then reconcile until ``stop()``; on the way out stop every server and remove its socket."""
+        self._start()
+        self.started.set()
+        try:
+            while True:
+                try:
+                    event = self._events.get(timeout=TICK_SECONDS)
+                except queue.Empty:
+                    event = None
+                if isinstance(event, Stop):
+                    break
+                if event is not None:
+                    self._handle(event)
+                self._tick()
+        finally:
+            self._shutdown()
+
+    def _start(self) -> None:
+        self._inventory = discover()
+        log.info(
+            "discovered gpus=%d failed=%d driver=%s",
+            len(self._inventory.gpus),
+            len(self._inventory.failures),
+            self._inventory.driver_version,
+        )
+        self._plan = plan(PlanConfig(mig_strategy=self.options.mig_strategy), self._inventory)
+        for warning in self._plan.warnings:
+            log.warning("plan: %s", warning)
+        self._publish()
+        self._event_watcher = NvmlEventWatcher([g.uuid for g in self._inventory.gpus], self.post)
+        self._event_watcher.start()
+        self._kubelet_watcher = KubeletWatcher(self.options.kubelet_socket, self.post)
+        self._kubelet_watcher.start()
+
+    def _shutdown(self) -> None:
+        for watcher in (self._kubelet_watcher, self._event_watcher):
+            if watcher is not None:
+                watcher.stop()
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()
+        self._registrar.shutdown(wait=True, cancel_futures=True)
+        log.info("stopped")
+
+    def _handle(self, event: object) -> None:
+        match event:
+            case XidEvent():
+                self._on_xid(event)
+            case WatchFailed(gpu_uuid=uuid, error=error):
+                units = [uuid] if uuid else [g.uuid for g in self._gpus()]
+                self._health = record_fault(self._health, units, f"health watch failed: {error}", self._clock())
+                self._publish()
+            case KubeletSocketChanged(present=present):
+                self._on_kubelet(present)
+            case StreamClosed(resource=resource):
+                self._want_registration(resource, delay=STREAM_RETRY_DELAY)
+            case RegistrationDone():
+                self._on_registered(event)
+            case _:
+                log.error("unknown event %r", event)
+
+    def _tick(self) -> None:
+        now = self._clock()
+        self._probe_faults(now)
+        if now >= self._next_liveness:
+            self._next_liveness = now + self.options.liveness_probe_seconds
+            self._check_liveness(now)
+        if not self._plugin_dir_ready():
+            return
+        for name, server in list(self._servers.items()):
+            if not server.socket_present():
+                log.warning("plugin socket removed resource=%s socket=%s; serving it again", name, server.socket_path)
+                self._restart_server(name)
+        self._start_due_registrations(now)
+
+    def _plugin_dir_ready(self) -> bool:
+        """The device-plugin directory exists; said once when it does not, and once when it appears."""
+        present = self.options.device_plugin_dir.is_dir()
+        if present != self._plugin_dir_present:
+            self._plugin_dir_present = present
+            if present:
+                log.info("device-plugin directory is there path=%s", self.options.device_plugin_dir)
+            else:
+                log.error(
+                    "device-plugin directory does not exist path=%s fix='mount the kubelet device-plugin "
+                    "directory (hostPath /var/lib/kubelet/device-plugins) or pass --device-plugin-dir'; waiting",
+                    self.options.device_plugin_dir,
+                )
+        return present
+
+    # ----- health ---------------------------------------------------------------------------------
+
+    def _on_xid(self, event: XidEvent) -> None:
+        if not self.options.health.is_critical(event.xid):
+            log.info("ignored XID gpu=%s xid=%d", event.gpu_uuid, event.xid)
+            return
+        assert self._inventory is not None
+        units = units_for_event(self._inventory, event.gpu_uuid, event.gi_id, event.ci_id)
+        lost = event.xid == XID_GPU_LOST
+        self._health = record_fault(
+            self._health, units, f"XID {event.xid}", self._clock(), lost=lost, gpu_uuid=event.gpu_uuid
+        )
+        log.warning("critical XID gpu=%s xid=%d unhealthy=%s", event.gpu_uuid, event.xid, ",".join(units))
+        self._publish()
+
+    def _probe_faults(self, now: float) -> None:
+        changed = False
+        for unit in due_for_probe(self._health, self.options.health, now):
+            error = self._probe_unit(unit)
+            if error is None:
+                log.info("recovered unit=%s after=%r", unit, self._health.faults[unit].reason)
+                self._health = probe_succeeded(self._health, unit)
+                changed = True
+            else:
+                log.info("still unhealthy unit=%s error=NVML_ERROR_%s", unit, error)
+                self._health = probe_failed(self._health, unit, now)
+        if changed:
+            self._publish()
+
+    def _check_liveness(self, now: float) -> None:
+        """Catch a GPU that fell off the bus without an event reaching us."""
+        lost = [g.uuid for g in self._gpus() if g.uuid not in self._health.faults and probe(g.uuid) == "GPU_IS_LOST"]
+        if lost:
+            log.warning("GPU lost gpus=%s", ",".join(lost))
+            self._health = record_fault(self._health, lost, "GPU is lost", now, lost=True)
+            self._publish()
+
+    def _probe_unit(self, unit: str) -> str | None:
+        for gpu in self._gpus():
+            if gpu.uuid == unit:
+                return probe(unit)
+            if any(m.uuid == unit for m in gpu.mig_devices):
+                return probe(gpu.uuid, unit)
+        return None  # the unit no longer exists: nothing to keep unhealthy
+
+    def _gpus(self) -> tuple:
+        return self._inventory.gpus if self._inventory else ()
+
+    # ----- serving --------------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        """Recompute every resource's snapshot and apply the difference to the running servers."""
+        assert self._plan is not None and self._inventory is not None
+        snapshots = build_snapshots(self._plan, self._health, self._inventory, self.options.allocation)
+        for name in self._servers.keys() - snapshots.keys():
+            self._servers.pop(name).stop()
+            self._registrations.pop(name, None)
+            log.info("resource removed resource=%s", name)
+        for name, snapshot in snapshots.items():
+            server = self._servers.get(name)
+            if server is None:
+                self._servers[name] = self._new_server(snapshot)
+                self._want_registration(name)
+            elif snapshot.listing() != server.snapshot.listing() or snapshot.options != server.snapshot.options:
+                server.update(snapshot)
+        self._snapshots = snapshots
+        self._refresh_status()
+
+    def _new_server(self, snapshot: ResourceSnapshot) -> ResourceServer:
+        server = ResourceServer(
+            snapshot,
+            self.options.device_plugin_dir,
+            on_stream_closed=lambda resource: self.post(StreamClosed(resource)),
+        )
+        if not self.options.device_plugin_dir.is_dir():
+            return server  # served once the directory appears (the tick sees its socket missing)
+        try:
+            server.start()
+        except OSError as error:
+            log.error("cannot serve resource=%s socket=%s error=%r", snapshot.name, server.socket_path, str(error))
+        return server
+
+    def _restart_server(self, name: str) -> None:
+        self._servers.pop(name).stop(grace=0)
+        self._servers[name] = self._new_server(self._snapshots[name])
+        self._want_registration(name)
+
+    # ----- registration ---------------------------------------------------------------------------
+
+    def _on_kubelet(self, present: bool) -> None:
+        self._kubelet_present = present
+        if not present:
+            log.warning("waiting for the kubelet socket=%s", self.options.kubelet_socket)
+            for registration in self._registrations.values():
+                registration.registered = False
+            self._refresh_status()
+            return
+        log.info("kubelet is up socket=%s; registering %d resources", self.options.kubelet_socket, len(self._servers))
+        for name in self._servers:
+            self._want_registration(name, reset_backoff=True)
+
+    def _want_registration(self, name: str, *, delay: float = 0.0, reset_backoff: bool = False) -> None:
+        registration = self._registrations.setdefault(name, _Registration())
+        if reset_backoff:
+            registration.attempts = 0
+        due = self._clock() + delay
+        registration.due_at = due if registration.due_at is None else min(registration.due_at, due)
+
+    def _start_due_registrations(self, now: float) -> None:
+        if not self._kubelet_present:
+            return
+        for name, registration in self._registrations.items():
+            if registration.in_flight or registration.due_at is None or now < registration.due_at:
+                continue
+            server = self._servers[name]
+            if not server.socket_present():
+                continue  # the tick serves it again first
+            registration.due_at = None
+            registration.in_flight = registration.attempts + 1
+            self._registrar.submit(self._register, name, server.socket_path.name, registration.in_flight)
+
+    def _register(self, name: str, endpoint: str, attempt: int) -> None:
+        """Runs on the registrar thread: the kubelet dials back inside Register, which can take seconds."""
+        try:
+            register(self.options.kubelet_socket, endpoint, name)
+        except RegistrationError as error:
+            self.post(RegistrationDone(name, attempt, str(error)))
+        else:
+            self.post(RegistrationDone(name, attempt, None))
+
+    def _on_registered(self, done: RegistrationDone) -> None:
+        registration = self._registrations.get(done.resource)
+        if registration is None:
+            return  # the resource went away meanwhile
+        registration.in_flight = 0
+        if done.error is None:
+            registration.registered, registration.attempts, registration.last_error = True, 0, None
+            log.info("registered resource=%s attempt=%d", done.resource, done.attempt)
+        else:
+            registration.registered = False
+            registration.attempts += 1
+            backoff = min(MAX_BACKOFF, 0.5 * 2 ** (registration.attempts - 1))
+            if done.error != registration.last_error or registration.attempts in (1, 5, 10):
+                log.warning(
+                    "registration failed resource=%s attempt=%d retry_in=%.1fs error=%r",
+                    done.resource,
+                    done.attempt,
+                    backoff,
+                    done.error,
+                )
+            registration.last_error = done.error
+            self._want_registration(done.resource, delay=backoff)
+        self._refresh_status()
+
+    def _refresh_status(self) -> None:
+        self.status = AgentStatus(
+            resources=dict(self._snapshots),
+            registered=frozenset(n for n, r in self._registrations.items() if r.registered),
+            kubelet_present=self._kubelet_present,
+        )

@@ -1,0 +1,91 @@
+"""``preferred``: which devices the kubelet should pick for a container (``GetPreferredAllocation``).
+
+For full GPUs the best set is the best-connected one: every pair of GPUs in the set scores by its link
+(NVLink beats the same NUMA node beats crossing sockets) and the set with the highest total wins, ties to
+the lowest GPU indices. Everything else keeps the plan's order. Deterministic: the same inputs always give
+the same answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from itertools import combinations
+from math import comb
+
+from agent.core.resources import Device
+
+NVLINK_SCORE = 100
+SAME_NUMA_SCORE = 20
+CROSS_NUMA_SCORE = 10
+EXHAUSTIVE_LIMIT = 20_000  # combinations to try before falling back to a greedy choice
+
+
+class PreferenceError(ValueError):
+    """The request is malformed; maps to INVALID_ARGUMENT."""
+
+
+def preferred(
+    available: Sequence[str],
+    must_include: Sequence[str],
+    size: int,
+    devices: Mapping[str, Device],
+    nvlink_peers: Mapping[int, frozenset[int]],
+) -> list[str]:
+    """``size`` IDs from ``available`` that include ``must_include``, best connected first.
+
+    Unknown IDs in ``available`` are ignored (the kubelet may hold a stale view); unknown IDs in
+    ``must_include``, a size below ``len(must_include)`` or above what is available are errors.
+    """
+    unknown = [i for i in must_include if i not in devices]
+    if unknown:
+        raise PreferenceError(f"unknown device IDs in must_include: {', '.join(unknown)}")
+    if size < max(1, len(set(must_include))):
+        raise PreferenceError(f"allocation size {size} is smaller than the {len(set(must_include))} required devices")
+    candidates = list(dict.fromkeys(i for i in available if i in devices and i not in must_include))
+    required = list(dict.fromkeys(must_include))
+    needed = size - len(required)
+    if needed > len(candidates):
+        raise PreferenceError(
+            f"not enough available devices: {size} requested, {len(required) + len(candidates)} available"
+        )
+    order = {device_id: n for n, device_id in enumerate(devices)}
+    candidates.sort(key=order.__getitem__)
+    if needed == 0:
+        return required
+    if not all(devices[i].mig_uuid is None for i in (*required, *candidates)):
+        return required + candidates[:needed]
+    return required + _best_connected(required, candidates, needed, devices, nvlink_peers)
+
+
+def _pair_score(a: Device, b: Device, nvlink_peers: Mapping[int, frozenset[int]]) -> int:
+    if a.gpu_index == b.gpu_index:
+        return NVLINK_SCORE * 2
+    if b.gpu_index in nvlink_peers.get(a.gpu_index, frozenset()):
+        return NVLINK_SCORE
+    if a.numa_node is not None and a.numa_node == b.numa_node:
+        return SAME_NUMA_SCORE
+    return CROSS_NUMA_SCORE
+
+
+def _set_score(ids: Sequence[str], devices: Mapping[str, Device], nvlink_peers: Mapping[int, frozenset[int]]) -> int:
+    return sum(_pair_score(devices[a], devices[b], nvlink_peers) for a, b in combinations(ids, 2))
+
+
+def _best_connected(
+    required: list[str],
+    candidates: list[str],
+    needed: int,
+    devices: Mapping[str, Device],
+    nvlink_peers: Mapping[int, frozenset[int]],
+) -> list[str]:
+    if comb(len(candidates), needed) <= EXHAUSTIVE_LIMIT:
+        # combinations() yields in plan order and max() keeps the first best: ties go to the lowest indices.
+        best = max(
+            combinations(candidates, needed), key=lambda picked: _set_score([*required, *picked], devices, nvlink_peers)
+        )
+        return list(best)
+    picked: list[str] = []  # greedy: add the device that raises the score most, ties to plan order
+    for _ in range(needed):
+        remaining = [c for c in candidates if c not in picked]
+        picked.append(max(remaining, key=lambda c: _set_score([*required, *picked, c], devices, nvlink_peers)))
+    return picked

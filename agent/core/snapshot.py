@@ -1,0 +1,61 @@
+"""What one resource server serves: an immutable snapshot of its devices, their health and options.
+
+The reconcile loop builds a new snapshot whenever anything changes and hands it to the server; gRPC
+handler threads only ever read the snapshot they picked up, so nothing is shared mutable state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
+from agent.core.health import HealthState
+from agent.core.inventory import Inventory
+from agent.core.resources import Device, ResourcePlan
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationOptions:
+    strategies: tuple[DeviceListStrategy, ...] = (DeviceListStrategy.ENVVAR,)
+    cdi_kind: str = DEFAULT_CDI_KIND
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceSnapshot:
+    name: str
+    devices: tuple[Device, ...]
+    health: Mapping[str, bool]
+    nvlink_peers: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    options: AllocationOptions = AllocationOptions()
+    by_id: Mapping[str, Device] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_id", MappingProxyType({d.id: d for d in self.devices}))
+        object.__setattr__(self, "health", MappingProxyType(dict(self.health)))
+
+    def listing(self) -> tuple[tuple[str, bool, int | None], ...]:
+        """What ListAndWatch sends: (ID, healthy, NUMA node) per device. Equal listings need no update."""
+        return tuple((d.id, self.health[d.id], d.numa_node) for d in self.devices)
+
+    @property
+    def healthy_count(self) -> int:
+        return sum(self.health.values())
+
+
+def build_snapshots(
+    plan: ResourcePlan, health: HealthState, inventory: Inventory, options: AllocationOptions
+) -> dict[str, ResourceSnapshot]:
+    peers = {gpu.index: frozenset(gpu.nvlink_peers) for gpu in inventory.gpus}
+    return {
+        resource.name: ResourceSnapshot(
+            name=resource.name,
+            devices=resource.devices,
+            health=health.device_health(resource.devices),
+            nvlink_peers=peers,
+            options=options,
+        )
+        for resource in plan.resources
+        if resource.devices
+    }

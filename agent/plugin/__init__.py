@@ -1,0 +1,1 @@
+"""The kubelet Device Plugin API: one gRPC server per resource, registration, restart detection."""
