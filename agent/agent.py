@@ -17,7 +17,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
+from agent.config.effective import FlagOverrides, effective
+from agent.config.labels import CONFIG_LABEL, NodeLabelChanged
+from agent.config.model import ConfigError, ConfigModel
+from agent.config.source import LoadedConfig, load_config, read_config_set
+from agent.config.watch import ConfigSourceChanged, ConfigWatcher
 from agent.core.health import (
     HealthPolicy,
     HealthState,
@@ -29,7 +35,7 @@ from agent.core.health import (
 )
 from agent.core.inventory import Inventory
 from agent.core.plan import plan
-from agent.core.resources import MigStrategy, PlanConfig, ResourcePlan
+from agent.core.resources import MigStrategy, PlanError, ResourcePlan
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
 from agent.gpu.discovery import discover
 from agent.gpu.health import NvmlEventWatcher, WatchFailed, XidEvent, probe
@@ -43,14 +49,20 @@ XID_GPU_LOST = 79
 TICK_SECONDS = 0.1
 STREAM_RETRY_DELAY = 0.2  # after a closed stream, give a restarting kubelet a moment to clean up
 MAX_BACKOFF = 30.0
+SERVE_RETRY_SECONDS = 1.0  # a socket that could not be served is tried again this often
 
 
 @dataclass(frozen=True, slots=True)
 class AgentOptions:
     device_plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
-    mig_strategy: MigStrategy = MigStrategy.NONE
-    allocation: AllocationOptions = field(default_factory=AllocationOptions)
+    overrides: FlagOverrides = field(default_factory=FlagOverrides)  # flags given explicitly (or by env)
+    mig_strategy: MigStrategy | None = None  # for embedding: an explicit MIG strategy
+    allocation: AllocationOptions | None = None  # for embedding: explicit allocation options
+    config_path: Path | None = None  # a config file, or a directory of named configs (a mounted ConfigMap)
+    config_name: str | None = None  # which named config to use (else node label, match, default)
+    node_name: str | None = None  # this node, for its nvidia.com/device-plugin.config label
+    kubeconfig: str | None = None  # outside a pod: how to reach the Kubernetes API
     health: HealthPolicy = field(default_factory=HealthPolicy)
     liveness_probe_seconds: float = 5.0
 
@@ -94,6 +106,13 @@ class AgentStatus:
     resources: dict[str, ResourceSnapshot] = field(default_factory=dict)
     registered: frozenset[str] = frozenset()
     kubelet_present: bool = False
+    config_name: str | None = None
+    config_digest: str | None = None
+    config_error: str | None = None  # why the newest config was rejected (the last good one is in force)
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
 
 
 class Agent:
@@ -108,11 +127,20 @@ class Agent:
         self._registrar = ThreadPoolExecutor(1, thread_name_prefix="register")
         self._inventory: Inventory | None = None
         self._plan: ResourcePlan | None = None
+        self._loaded: LoadedConfig | None = None
+        self._effective = effective(ConfigModel(), self._overrides())
+        self._config_error: str | None = None
+        self._config_label: str | None = None
+        self._said: set[str] = set()  # warnings already logged, so a reload does not repeat them
+        self._config_watcher: ConfigWatcher | None = None
+        self._label_watcher: Stoppable | None = None
         self._health = HealthState()
         self._snapshots: dict[str, ResourceSnapshot] = {}
         self._kubelet_present = False
         self._next_liveness = 0.0
         self._plugin_dir_present: bool | None = None
+        self._serve_errors: dict[str, str] = {}  # resource -> why its socket could not be served
+        self._serve_retry_at: dict[str, float] = {}
         self._event_watcher: NvmlEventWatcher | None = None
         self._kubelet_watcher: KubeletWatcher | None = None
         self.status = AgentStatus()
@@ -130,9 +158,9 @@ class Agent:
 
     def run(self) -> None:
         """Start, then reconcile until ``stop()``; on the way out stop every server and remove its socket."""
-        self._start()
-        self.started.set()
         try:
+            self._start()
+            self.started.set()
             while True:
                 try:
                     event = self._events.get(timeout=TICK_SECONDS)
@@ -154,17 +182,21 @@ class Agent:
             len(self._inventory.failures),
             self._inventory.driver_version,
         )
-        self._plan = plan(PlanConfig(mig_strategy=self.options.mig_strategy), self._inventory)
-        for warning in self._plan.warnings:
-            log.warning("plan: %s", warning)
+        self._plan = ResourcePlan((), MigStrategy.NONE)
+        self._start_label_watcher()
+        self._apply_config()
         self._publish()
+        if self.options.config_path is not None:
+            self._config_watcher = ConfigWatcher(self.options.config_path, self.post)
+            self._config_watcher.start()
         self._event_watcher = NvmlEventWatcher([g.uuid for g in self._inventory.gpus], self.post)
         self._event_watcher.start()
         self._kubelet_watcher = KubeletWatcher(self.options.kubelet_socket, self.post)
         self._kubelet_watcher.start()
 
     def _shutdown(self) -> None:
-        for watcher in (self._kubelet_watcher, self._event_watcher):
+        self.started.set()  # a caller waiting for the start learns that it is over
+        for watcher in (self._kubelet_watcher, self._event_watcher, self._config_watcher, self._label_watcher):
             if watcher is not None:
                 watcher.stop()
         for server in self._servers.values():
@@ -187,6 +219,15 @@ class Agent:
                 self._want_registration(resource, delay=STREAM_RETRY_DELAY)
             case RegistrationDone():
                 self._on_registered(event)
+            case ConfigSourceChanged():
+                self._apply_config()
+            case NodeLabelChanged(key=key, value=value) if key == CONFIG_LABEL:
+                if value != self._config_label:
+                    log.info("node label changed key=%s value=%s", key, value)
+                    self._config_label = value
+                    self._apply_config()
+            case NodeLabelChanged():
+                pass
             case _:
                 log.error("unknown event %r", event)
 
@@ -200,7 +241,12 @@ class Agent:
             return
         for name, server in list(self._servers.items()):
             if not server.socket_present():
-                log.warning("plugin socket removed resource=%s socket=%s; serving it again", name, server.socket_path)
+                if server.serving:
+                    log.warning(
+                        "plugin socket removed resource=%s socket=%s; serving it again", name, server.socket_path
+                    )
+                elif now < self._serve_retry_at.get(name, 0.0):
+                    continue  # it could not be served a moment ago: do not retry (and fail) every tick
                 self._restart_server(name)
         self._start_due_registrations(now)
 
@@ -218,6 +264,81 @@ class Agent:
                     self.options.device_plugin_dir,
                 )
         return present
+
+    # ----- config ---------------------------------------------------------------------------------
+
+    def _overrides(self) -> FlagOverrides:
+        given, explicit = self.options.overrides, self.options.allocation
+        return FlagOverrides(
+            mig_strategy=str(self.options.mig_strategy) if self.options.mig_strategy else given.mig_strategy,
+            device_list_strategy=tuple(str(s) for s in explicit.strategies) if explicit else given.device_list_strategy,
+            allocation_policy=str(explicit.policy) if explicit else given.allocation_policy,
+            cdi_kind=explicit.cdi_kind if explicit else given.cdi_kind,
+        )
+
+    def _start_label_watcher(self) -> None:
+        """Follow this node's config label, when there is a node name and a Kubernetes API to ask."""
+        if not (self.options.node_name and self.options.config_path and self.options.config_path.is_dir()):
+            return
+        from agent.config.node_label import NodeLabelError, NodeLabelWatcher, load_kube_api, read_node_labels
+
+        try:
+            api = load_kube_api(self.options.kubeconfig)
+        except Exception as error:  # no API is a degraded mode, not a failure: the other selectors still work
+            log.warning("cannot reach the Kubernetes API; node label selection is off error=%r", str(error))
+            return
+        if api is None:
+            return
+        try:
+            self._config_label = read_node_labels(api, self.options.node_name).get(CONFIG_LABEL)
+        except NodeLabelError as error:
+            log.warning("cannot read the node's labels; trying again in the background error=%r", str(error))
+        self._label_watcher = NodeLabelWatcher(api, self.options.node_name, [CONFIG_LABEL], self.post)
+        self._label_watcher.start()
+
+    def _apply_config(self) -> None:
+        """Load the config for this node; apply it if it is valid here, else keep the last good one."""
+        assert self._inventory is not None
+        try:
+            loaded = self._load_config()
+            if self._loaded is not None and (loaded.name, loaded.digest) == (self._loaded.name, self._loaded.digest):
+                return  # same config: nothing to do
+            chosen = effective(loaded.model, self._overrides())
+            new_plan = plan(chosen.plan, self._inventory)
+        except (ConfigError, PlanError) as error:
+            message = str(error)
+            if message != self._config_error:
+                kept = f"keeping config {self._loaded.name!r}" if self._loaded else "advertising nothing until fixed"
+                log.error("config rejected; %s error=%r", kept, message)
+            self._config_error = message
+            self._refresh_status()
+            return
+        for warning in (*loaded.warnings, *new_plan.warnings):
+            if warning not in self._said:
+                self._said.add(warning)
+                log.warning("config: %s", warning)
+        log.info(
+            "config applied name=%s reason=%r resources=%s",
+            loaded.name,
+            loaded.reason,
+            ",".join(r.name for r in new_plan.resources) or "none",
+        )
+        self._loaded, self._effective, self._plan, self._config_error = loaded, chosen, new_plan, None
+        if self._snapshots or self._servers:
+            self._publish()
+        else:
+            self._refresh_status()
+
+    def _load_config(self) -> LoadedConfig:
+        path = self.options.config_path
+        if path is None:
+            return LoadedConfig(None, ConfigModel(), (), "", "no --config given")
+        return load_config(
+            read_config_set(path),
+            requested=self.options.config_name,
+            label=self._config_label,
+            gpu_products=[g.name for g in self._gpus()],
+        )
 
     # ----- health ---------------------------------------------------------------------------------
 
@@ -272,7 +393,7 @@ class Agent:
     def _publish(self) -> None:
         """Recompute every resource's snapshot and apply the difference to the running servers."""
         assert self._plan is not None and self._inventory is not None
-        snapshots = build_snapshots(self._plan, self._health, self._inventory, self.options.allocation)
+        snapshots = build_snapshots(self._plan, self._health, self._inventory, self._effective.allocation)
         for name in self._servers.keys() - snapshots.keys():
             self._servers.pop(name).stop()
             self._registrations.pop(name, None)
@@ -298,7 +419,12 @@ class Agent:
         try:
             server.start()
         except OSError as error:
-            log.error("cannot serve resource=%s socket=%s error=%r", snapshot.name, server.socket_path, str(error))
+            if self._serve_errors.get(snapshot.name) != str(error):  # said once, not at every retry
+                log.error("cannot serve resource=%s socket=%s error=%r", snapshot.name, server.socket_path, str(error))
+            self._serve_errors[snapshot.name] = str(error)
+            self._serve_retry_at[snapshot.name] = self._clock() + SERVE_RETRY_SECONDS
+        else:
+            self._serve_errors.pop(snapshot.name, None)
         return server
 
     def _restart_server(self, name: str) -> None:
@@ -378,4 +504,7 @@ class Agent:
             resources=dict(self._snapshots),
             registered=frozenset(n for n, r in self._registrations.items() if r.registered),
             kubelet_present=self._kubelet_present,
+            config_name=self._loaded.name if self._loaded else None,
+            config_digest=self._loaded.digest if self._loaded else None,
+            config_error=self._config_error,
         )

@@ -10,8 +10,13 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent import __version__
+
+if TYPE_CHECKING:
+    from agent.core.inventory import Inventory
 
 EXIT_OK = 0
 EXIT_PLAN_ERROR = 1
@@ -47,11 +52,17 @@ def _parser() -> argparse.ArgumentParser:
         plan,
         "--mig-strategy",
         "TESSERA_MIG_STRATEGY",
-        default="none",
         choices=["none", "single", "mixed"],
-        help="how MIG devices are advertised",
+        help="how MIG devices are advertised (default: the config's, else none)",
     )
+    _env_flag(plan, "--config", "TESSERA_CONFIG", help="a sharing config file, or a directory of named configs")
+    _env_flag(plan, "--config-name", "TESSERA_CONFIG_NAME", help="which named config of a --config directory")
+    plan.add_argument("--node-label", help="the value of the node's nvidia.com/device-plugin.config label")
     _env_flag(plan, "--format", "TESSERA_FORMAT", default="table", choices=["table", "json"], help="output format")
+
+    validate = commands.add_parser("validate", help="check a sharing config file or directory (exit 0 when valid)")
+    validate.add_argument("path", help="a config file, or a directory of named configs")
+    validate.add_argument("--strict", action="store_true", help="unknown keys are errors, not warnings")
 
     inventory = commands.add_parser("inventory", help="list the node's GPUs and MIG devices (like nvidia-smi -L)")
     _node_flag(inventory)
@@ -79,7 +90,27 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _agent_flags(parser: argparse.ArgumentParser) -> None:
-    _env_flag(parser, "--config", "TESSERA_CONFIG", help="the sharing config file (NVIDIA config version v1)")
+    _env_flag(
+        parser,
+        "--config",
+        "TESSERA_CONFIG",
+        help="the sharing config: a file, or a directory of named configs (a mounted ConfigMap); watched for changes",
+    )
+    _env_flag(parser, "--config-name", "TESSERA_CONFIG_NAME", help="which named config of a --config directory to use")
+    _env_flag(
+        parser,
+        "--node-name",
+        "TESSERA_NODE_NAME",
+        help="this node (for its nvidia.com/device-plugin.config label); NODE_NAME is read too",
+    )
+    _env_flag(parser, "--kubeconfig", "KUBECONFIG", help="outside a pod: the kubeconfig for reading the node label")
+    _env_flag(
+        parser,
+        "--shared-devices-allocation-policy",
+        "TESSERA_SHARED_DEVICES_ALLOCATION_POLICY",
+        choices=["distributed", "packed"],
+        help="where replicas go (default: the config's, else distributed)",
+    )
     _env_flag(
         parser,
         "--device-plugin-dir",
@@ -108,9 +139,7 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         help="how devices reach the runtime: envvar, volume-mounts, cdi-cri, cdi-annotations (comma list; "
         "default: the config's, else envvar)",
     )
-    _env_flag(
-        parser, "--cdi-kind", "TESSERA_CDI_KIND", default="nvidia.com/gpu", help="CDI device kind for cdi-* strategies"
-    )
+    _env_flag(parser, "--cdi-kind", "TESSERA_CDI_KIND", help="CDI device kind for cdi-* strategies (nvidia.com/gpu)")
     _env_flag(
         parser,
         "--ignored-xids",
@@ -156,6 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from agent.demo import run_demo
 
         return run_demo(args.node, args.mig_strategy)
+    if args.command == "validate":
+        from agent.config.validate import validate_path
+
+        return validate_path(Path(args.path), strict=args.strict)
     return _describe(args)
 
 
@@ -218,13 +251,31 @@ def _print_inventory(inventory: object, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _print_plan(inventory: object, args: argparse.Namespace) -> int:
+def _print_plan(inventory: Inventory, args: argparse.Namespace) -> int:
+    from agent.config.effective import FlagOverrides, effective
+    from agent.config.model import ConfigError, ConfigModel
+    from agent.config.source import load_config, read_config_set
     from agent.core.plan import plan
-    from agent.core.resources import MigStrategy, PlanConfig, PlanError
+    from agent.core.resources import PlanError
     from agent.render import plan_table
 
     try:
-        result = plan(PlanConfig(mig_strategy=MigStrategy(args.mig_strategy)), inventory)  # type: ignore[arg-type]
+        model = ConfigModel()
+        if args.config:
+            loaded = load_config(
+                read_config_set(Path(args.config)),
+                requested=args.config_name,
+                label=args.node_label,
+                gpu_products=[g.name for g in inventory.gpus],
+            )
+            model = loaded.model
+            for warning in loaded.warnings:
+                print(f"tessera: warning: {warning}", file=sys.stderr)
+            print(f"tessera: config {loaded.name or '(defaults)'}: {loaded.reason}", file=sys.stderr)
+        result = plan(effective(model, FlagOverrides(mig_strategy=args.mig_strategy)).plan, inventory)
+    except ConfigError as error:
+        print(f"tessera: {error}", file=sys.stderr)
+        return EXIT_USAGE
     except PlanError as error:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_PLAN_ERROR

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent.core.inventory import Inventory
-from agent.core.resources import ResourcePlan
+from agent.core.resources import Resource, ResourcePlan
 
 
 def inventory_text(inventory: Inventory) -> str:
@@ -49,8 +49,14 @@ def plan_table(plan: ResourcePlan) -> str:
             )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
-    summary = ", ".join(f"{r.name} × {len(r.devices)}" for r in plan.resources) or "nothing"
+    summary = ", ".join(_resource_summary(r) for r in plan.resources) or "nothing"
     lines.append("")
     lines.append(f"Advertised (mig-strategy {plan.mig_strategy}): {summary}")
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def _resource_summary(resource: Resource) -> str:
+    if resource.sharing == "none":
+        return f"{resource.name} × {len(resource.devices)}"
+    return f"{resource.name} × {len(resource.devices)} ({resource.sharing}, {resource.replicas} per device)"

@@ -11,11 +11,10 @@ from pathlib import Path
 from types import FrameType
 
 from agent.agent import Agent, AgentOptions
-from agent.config.flags import ConfigError, load_config_file
-from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
+from agent.config.effective import FlagOverrides
+from agent.config.labels import validate_node_name
+from agent.core.allocation import DeviceListStrategy
 from agent.core.health import xid_policy
-from agent.core.resources import MigStrategy
-from agent.core.snapshot import AllocationOptions
 
 log = logging.getLogger(__name__)
 
@@ -25,21 +24,17 @@ class OptionsError(ValueError):
 
 
 def build_options(args: argparse.Namespace, environ: dict[str, str]) -> AgentOptions:
-    """Flags (or their env twins) first, then the config file's ``flags``, then defaults."""
-    file_flags = None
-    if args.config:
-        try:
-            file_flags = load_config_file(Path(args.config)).flags
-        except ConfigError as error:
-            raise OptionsError(str(error)) from error
-    mig = args.mig_strategy or (file_flags.mig_strategy if file_flags else None) or "none"
-    from_file = file_flags.plugin.device_list_strategy if file_flags else None
-    strategies = args.device_list_strategy.split(",") if args.device_list_strategy else from_file or ["envvar"]
-    try:
-        parsed = tuple(DeviceListStrategy(s.strip()) for s in strategies)
-    except ValueError as error:
-        known = ", ".join(s.value for s in DeviceListStrategy)
-        raise OptionsError(f"device-list-strategy: {error}; use one or more of {known}") from error
+    """The agent's options from flags (or their env twins). The config file is read by the agent itself, so
+    that it can be reloaded; explicit flags win over its ``flags`` section, as on NVIDIA's plugin."""
+    strategies = None
+    if args.device_list_strategy:
+        strategies = tuple(s.strip() for s in args.device_list_strategy.split(",") if s.strip())
+        unknown = [s for s in strategies if s not in {k.value for k in DeviceListStrategy}]
+        if unknown or not strategies:
+            known = ", ".join(k.value for k in DeviceListStrategy)
+            raise OptionsError(
+                f"--device-list-strategy: {', '.join(unknown) or 'empty'} is not valid; use one or more of {known}"
+            )
     quiet = args.health_recovery_seconds
     policy, rejected = xid_policy(
         args.ignored_xids,
@@ -49,11 +44,25 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> AgentOpt
     )
     if rejected:
         log.warning("ignored unknown XID entries entries=%s", ",".join(rejected))
+    node_name = args.node_name or environ.get("NODE_NAME") or None
+    if node_name is not None:
+        try:
+            validate_node_name(node_name)
+        except ValueError as error:
+            raise OptionsError(f"--node-name: {error}") from error
     return AgentOptions(
         device_plugin_dir=Path(args.device_plugin_dir),
         pod_resources_socket=Path(args.pod_resources_socket),
-        mig_strategy=MigStrategy(mig),
-        allocation=AllocationOptions(strategies=parsed, cdi_kind=args.cdi_kind or DEFAULT_CDI_KIND),
+        overrides=FlagOverrides(
+            mig_strategy=args.mig_strategy,
+            device_list_strategy=strategies,
+            allocation_policy=args.shared_devices_allocation_policy,
+            cdi_kind=args.cdi_kind,
+        ),
+        config_path=Path(args.config) if args.config else None,
+        config_name=args.config_name,
+        node_name=node_name,
+        kubeconfig=args.kubeconfig,
         health=policy,
     )
 

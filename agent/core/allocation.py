@@ -53,10 +53,21 @@ def validate_request(
     requested: Sequence[str],
     devices: Mapping[str, Device],
     healthy: Mapping[str, bool],
+    *,
+    fail_requests_greater_than_one: bool = False,
 ) -> list[Device]:
-    """The requested devices in request order, or ``AllocationError`` naming every bad ID."""
+    """The requested devices in request order, or ``AllocationError`` naming every bad ID.
+
+    With ``fail_requests_greater_than_one`` a request for more than one replica is refused with NVIDIA's
+    text, because two replicas of one GPU would silently give the container one GPU.
+    """
     if not requested:
         raise AllocationError(f"empty allocation request for {resource}: no device IDs")
+    if fail_requests_greater_than_one and len(requested) > 1 and any("::" in i for i in requested):
+        raise AllocationError(
+            f'invalid allocation request for "{resource}": maximum request size for shared resources is 1; '
+            f"found {len(requested)}"
+        )
     seen: set[str] = set()
     duplicates = [i for i in requested if i in seen or seen.add(i)]  # type: ignore[func-returns-value]
     if duplicates:

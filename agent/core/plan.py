@@ -1,38 +1,63 @@
-"""``plan(config, inventory) -> ResourcePlan``: which resources the node advertises, with which devices."""
+"""``plan(config, inventory) -> ResourcePlan``: which resources the node advertises, with which devices.
+
+Three steps, each pure and deterministic:
+1. every GPU and MIG device gets a resource by the MIG strategy (NVIDIA's ``none | single | mixed``) and
+   the ``resources`` naming rules (which Tessera honours; NVIDIA's plugin discards them);
+2. the sharing rules replicate the devices they select (``devices``: all, a count, or a list — also
+   honoured) into ``<uuid>::<n>`` replicas under the target name, leaving the rest dedicated;
+3. resources are sorted by name, devices by GPU index, MIG index and replica.
+"""
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
+from dataclasses import replace
+from fnmatch import translate
 
 from agent.core.inventory import Gpu, Inventory, MigDevice
 from agent.core.mig_naming import mig_resource_suffix
 from agent.core.resources import (
     GPU_RESOURCE,
     Device,
+    DeviceSelector,
     MigStrategy,
+    NamingRule,
     PlanConfig,
     PlanError,
+    ReplicaRule,
     Resource,
     ResourcePlan,
+    SharingConfig,
 )
+
+_LEGACY_MIG = re.compile(r"^MIG-(GPU-[0-9a-fA-F-]+)/(\d+)/(\d+)$")
 
 
 def plan(config: PlanConfig, inventory: Inventory) -> ResourcePlan:
-    """Map the node's GPUs and MIG devices to resources, following NVIDIA's MIG strategies.
-
-    GPUs that NVML could not describe are left out with a warning. Deterministic: devices are ordered
-    by GPU index, then MIG device index.
-    """
+    """The node's resources under ``config``; ``PlanError`` says why a config cannot apply to this node."""
     warnings = [f"{failure}; its devices are not advertised" for failure in inventory.failures]
     warnings += [_pending_warning(gpu) for gpu in inventory.gpus if gpu.mig_change_pending]
-    by_resource: dict[str, list[Device]] = defaultdict(list)
+    base = _base_resources(config, inventory, warnings)
+    resources = _share(config.sharing, base, inventory, warnings) if config.sharing else _dedicated(base)
+    return ResourcePlan(
+        resources=tuple(sorted(resources, key=lambda r: r.name)),
+        mig_strategy=config.mig_strategy,
+        warnings=tuple(warnings),
+    )
 
+
+# ----- step 1: one device per GPU or MIG device -------------------------------------------------------
+
+
+def _base_resources(config: PlanConfig, inventory: Inventory, warnings: list[str]) -> dict[str, list[Device]]:
     strategy = config.mig_strategy
     if strategy is MigStrategy.SINGLE:
         _check_single(inventory)
+    by_resource: dict[str, list[Device]] = defaultdict(list)
     for gpu in sorted(inventory.gpus, key=lambda g: g.index):
         if strategy is MigStrategy.NONE or not gpu.mig_enabled:
-            by_resource[GPU_RESOURCE].append(_gpu_device(gpu))
+            by_resource[_named(config.gpu_names, gpu.name, GPU_RESOURCE)].append(_gpu_device(gpu))
             continue
         if not gpu.mig_devices:
             warnings.append(f"GPU {gpu.index} ({gpu.uuid}) has MIG enabled but no MIG devices; it offers nothing")
@@ -43,11 +68,20 @@ def plan(config: PlanConfig, inventory: Inventory) -> ResourcePlan:
                     "only full GPU instances are advertised"
                 )
                 continue
-            name = GPU_RESOURCE if strategy is MigStrategy.SINGLE else _mig_resource_name(mig)
-            by_resource[name].append(_mig_device(gpu, mig))
+            default = GPU_RESOURCE if strategy is MigStrategy.SINGLE else _mig_resource_name(mig)
+            by_resource[_named(config.mig_names, mig.profile, default)].append(_mig_device(gpu, mig))
+    return by_resource
 
-    resources = tuple(Resource(name, tuple(devices)) for name, devices in sorted(by_resource.items()))
-    return ResourcePlan(resources=resources, mig_strategy=strategy, warnings=tuple(warnings))
+
+def _named(rules: tuple[NamingRule, ...], subject: str, default: str) -> str:
+    """The first rule whose glob matches the whole subject names the resource; else the default name."""
+    return next((rule.name for rule in rules if glob_matches(rule.pattern, subject)), default)
+
+
+def glob_matches(pattern: str, subject: str) -> bool:
+    """NVIDIA's anchored glob: only ``*`` is special and the pattern must match the whole string."""
+    regex = translate(pattern.replace("[", "[[]").replace("?", "[?]"))
+    return re.fullmatch(regex, subject) is not None
 
 
 def _check_single(inventory: Inventory) -> None:
@@ -81,6 +115,100 @@ def _check_single(inventory: Inventory) -> None:
             f"mig-strategy single needs one MIG profile on the whole node, found {len(counts)}: {found}; "
             "use mig-strategy mixed or give every GPU the same MIG layout"
         )
+
+
+# ----- step 2: sharing --------------------------------------------------------------------------------
+
+
+def _dedicated(base: dict[str, list[Device]]) -> list[Resource]:
+    return [Resource(name, tuple(devices)) for name, devices in base.items() if devices]
+
+
+def _share(
+    sharing: SharingConfig, base: dict[str, list[Device]], inventory: Inventory, warnings: list[str]
+) -> list[Resource]:
+    claimed: dict[str, str] = {}  # physical ID -> the rule that shares it
+    replicated: dict[str, list[Device]] = defaultdict(list)
+    replicas_of: dict[str, tuple[int, str]] = {}  # target -> (replicas, rule)
+    for rule in sharing.rules:
+        devices = base.get(rule.name, [])
+        if not devices:
+            warnings.append(f"{rule.where}: no device on this node is {rule.name}; nothing is shared by this entry")
+            continue
+        for device in _select(rule, devices, inventory):
+            if device.physical_id in claimed:
+                raise PlanError(
+                    f"{rule.where}: GPU {device.index} ({device.physical_id}) is already shared by "
+                    f"{claimed[device.physical_id]}; a device can be shared by one entry only"
+                )
+            claimed[device.physical_id] = rule.where
+            replicated[rule.target] += [
+                replace(device, id=f"{device.id}::{n}", replica=n) for n in range(rule.replicas)
+            ]
+        previous = replicas_of.setdefault(rule.target, (rule.replicas, rule.where))
+        if previous[0] != rule.replicas:
+            raise PlanError(
+                f"{rule.where}: {rule.target} gets {rule.replicas} replicas here but {previous[0]} in {previous[1]}; "
+                "one resource has one replica count"
+            )
+    resources = []
+    for name, devices in base.items():
+        dedicated = [d for d in devices if d.physical_id not in claimed]
+        if dedicated and name in replicated:
+            raise PlanError(
+                f"{name} would mix shared and dedicated devices ({len(dedicated)} not selected by "
+                f"{replicas_of[name][1]}); select all of them, or rename the shared resource"
+            )
+        if dedicated:
+            resources.append(Resource(name, tuple(dedicated)))
+    for name, devices in replicated.items():
+        ordered = sorted(devices, key=lambda d: (d.gpu_index, d.index, d.replica or 0))
+        resources.append(
+            Resource(
+                name,
+                tuple(ordered),
+                sharing=sharing.strategy,
+                replicas=replicas_of[name][0],
+                fail_requests_greater_than_one=sharing.fail_requests_greater_than_one,
+            )
+        )
+    return resources
+
+
+def _select(rule: ReplicaRule, devices: list[Device], inventory: Inventory) -> list[Device]:
+    selector: DeviceSelector = rule.devices
+    if selector.takes_all:
+        return devices
+    if selector.count is not None:
+        if selector.count > len(devices):
+            raise PlanError(
+                f"{rule.where}.devices: {selector.count} devices requested but {rule.name} has "
+                f"{len(devices)} on this node"
+            )
+        return devices[: selector.count]
+    chosen: list[Device] = []
+    for position, ref in enumerate(selector.refs):
+        wanted = _resolve_legacy_mig(ref, inventory)
+        match = next((d for d in devices if wanted in (d.index, d.mig_uuid or d.gpu_uuid)), None)
+        if match is None:
+            raise PlanError(f"{rule.where}.devices[{position}]: {ref!r} is not a {rule.name} device on this node")
+        if match not in chosen:
+            chosen.append(match)
+    return sorted(chosen, key=devices.index)
+
+
+def _resolve_legacy_mig(ref: str, inventory: Inventory) -> str:
+    """The R450 MIG form ``MIG-GPU-<uuid>/<gi>/<ci>`` names a MIG device by its GPU and GI/CI ids."""
+    legacy = _LEGACY_MIG.match(ref)
+    if legacy is None:
+        return ref
+    gpu = inventory.gpu_by_uuid(legacy[1])
+    gi, ci = int(legacy[2]), int(legacy[3])
+    mig = next((m for m in gpu.mig_devices if (m.gi_id, m.ci_id) == (gi, ci)), None) if gpu else None
+    return mig.uuid if mig else ref
+
+
+# ----- devices ----------------------------------------------------------------------------------------
 
 
 def _pending_warning(gpu: Gpu) -> str:

@@ -2,17 +2,20 @@
 
 For full GPUs the best set is the best-connected one: every pair of GPUs in the set scores by its link
 (NVLink beats the same NUMA node beats crossing sockets) and the set with the highest total wins, ties to
-the lowest GPU indices. Everything else keeps the plan's order. Deterministic: the same inputs always give
-the same answer.
+the lowest GPU indices. Replicas follow the allocation policy by their parent GPU (``distributed``: the
+least loaded GPU first; ``packed``: the fullest first — NVIDIA's policies, applied to MIG replicas too), and
+a multi-replica request stays on one device whenever one can hold it. MIG devices keep the plan's order.
+Deterministic: the same inputs always give the same answer, ties broken by plan order.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from itertools import combinations
 from math import comb
 
-from agent.core.resources import Device
+from agent.core.resources import AllocationPolicy, Device
 
 NVLINK_SCORE = 100
 SAME_NUMA_SCORE = 20
@@ -30,6 +33,7 @@ def preferred(
     size: int,
     devices: Mapping[str, Device],
     nvlink_peers: Mapping[int, frozenset[int]],
+    policy: AllocationPolicy = AllocationPolicy.DISTRIBUTED,
 ) -> list[str]:
     """``size`` IDs from ``available`` that include ``must_include``, best connected first.
 
@@ -52,6 +56,8 @@ def preferred(
     candidates.sort(key=order.__getitem__)
     if needed == 0:
         return required
+    if any(devices[i].replica is not None for i in (*required, *candidates)):
+        return required + _replicas(required, candidates, needed, devices, policy)
     if not all(devices[i].mig_uuid is None for i in (*required, *candidates)):
         return required + candidates[:needed]
     return required + _best_connected(required, candidates, needed, devices, nvlink_peers)
@@ -89,3 +95,38 @@ def _best_connected(
         remaining = [c for c in candidates if c not in picked]
         picked.append(max(remaining, key=lambda c: _set_score([*required, *picked, c], devices, nvlink_peers)))
     return picked
+
+
+def _replicas(
+    required: list[str],
+    candidates: list[str],
+    needed: int,
+    devices: Mapping[str, Device],
+    policy: AllocationPolicy,
+) -> list[str]:
+    """Replicas: keep the request on as few devices as possible, choosing devices by the policy."""
+    free: dict[str, list[str]] = {}  # physical device -> its free replicas, in plan order
+    for candidate in candidates:
+        free.setdefault(devices[candidate].physical_id, []).append(candidate)
+    total = Counter(d.gpu_uuid for d in devices.values())
+    available = Counter(devices[c].gpu_uuid for c in candidates)
+    unit_total = Counter(d.physical_id for d in devices.values())
+    first_seen = {unit: n for n, unit in enumerate(free)}
+    sign = 1 if policy is AllocationPolicy.DISTRIBUTED else -1
+
+    def rank(unit: str) -> tuple[int, int, int]:
+        gpu = devices[free[unit][0]].gpu_uuid
+        load = total[gpu] - available[gpu]  # replicas in use elsewhere, unhealthy or required
+        # then the device's own load: MIG devices of one GPU are separate devices (NVIDIA ranks by device)
+        return sign * load, sign * (unit_total[unit] - len(free[unit])), first_seen[unit]
+
+    picks: list[str] = []
+    together = [u for u in dict.fromkeys(devices[r].physical_id for r in required) if u in free]
+    for unit in together:  # join the devices the container already has first
+        picks += free.pop(unit)[: needed - len(picks)]
+    while len(picks) < needed:
+        remaining = needed - len(picks)
+        holding = [u for u in free if len(free[u]) >= remaining]
+        unit = min(holding, key=rank) if holding else min(free, key=lambda u: (-len(free[u]), rank(u)))
+        picks += free.pop(unit)[:remaining]
+    return picks

@@ -18,11 +18,65 @@ class MigStrategy(StrEnum):
     MIXED = "mixed"  # every MIG device is nvidia.com/mig-<profile>
 
 
+class Sharing(StrEnum):
+    NONE = "none"
+    TIME_SLICING = "time-slicing"
+    MPS = "mps"
+
+
+class AllocationPolicy(StrEnum):
+    """Where replicas go (NVIDIA's ``sharedDevicesAllocationPolicy``)."""
+
+    DISTRIBUTED = "distributed"  # the GPUs with the most free replicas first
+    PACKED = "packed"  # the fullest GPUs first
+
+
+@dataclass(frozen=True, slots=True)
+class NamingRule:
+    """``resources.gpus`` / ``resources.mig``: devices whose name matches ``pattern`` become ``name``."""
+
+    pattern: str  # a glob (only ``*`` is special) matched against the whole GPU name or MIG profile
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSelector:
+    """Which devices of a resource a sharing rule takes: all of them, the first ``count``, or a list."""
+
+    count: int | None = None
+    refs: tuple[str, ...] = ()  # GPU index "0", MIG index "0:1", GPU-/MIG- UUID, legacy MIG-GPU-<uuid>/<gi>/<ci>
+
+    @property
+    def takes_all(self) -> bool:
+        return self.count is None and not self.refs
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRule:
+    """One ``sharing.<strategy>.resources[]`` entry: replicate ``name``'s selected devices ``replicas`` times."""
+
+    name: str
+    replicas: int
+    target: str  # the resource the replicas are advertised as (``rename``, ``<name>.shared`` or ``name``)
+    devices: DeviceSelector = field(default_factory=DeviceSelector)
+    where: str = ""  # the config path, for messages: sharing.timeSlicing.resources[0]
+
+
+@dataclass(frozen=True, slots=True)
+class SharingConfig:
+    strategy: Sharing
+    rules: tuple[ReplicaRule, ...]
+    fail_requests_greater_than_one: bool
+
+
 @dataclass(frozen=True, slots=True)
 class PlanConfig:
-    """The part of the sharing config that planning needs."""
+    """Everything planning needs from the sharing config."""
 
     mig_strategy: MigStrategy = MigStrategy.NONE
+    gpu_names: tuple[NamingRule, ...] = ()
+    mig_names: tuple[NamingRule, ...] = ()
+    sharing: SharingConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +91,7 @@ class Device:
     mig_uuid: str | None = None
     mig_profile: str | None = None
     numa_node: int | None = None
+    replica: int | None = None  # n of a shared device's replica, whose ID is <physical ID>::<n>
 
     @property
     def physical_id(self) -> str:
@@ -53,6 +108,7 @@ class Device:
             "profile": self.mig_profile,
             "memory_mib": self.memory_mib,
             "numa_node": self.numa_node,
+            "replica": self.replica,
         }
 
 
@@ -60,9 +116,17 @@ class Device:
 class Resource:
     name: str
     devices: tuple[Device, ...]
+    sharing: Sharing = Sharing.NONE
+    replicas: int = 1  # replicas per physical device
+    fail_requests_greater_than_one: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"count": len(self.devices), "devices": [d.to_json() for d in self.devices]}
+        return {
+            "count": len(self.devices),
+            "sharing": str(self.sharing),
+            "replicas": self.replicas,
+            "devices": [d.to_json() for d in self.devices],
+        }
 
 
 @dataclass(frozen=True, slots=True)

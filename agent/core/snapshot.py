@@ -13,13 +13,14 @@ from types import MappingProxyType
 from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
 from agent.core.health import HealthState
 from agent.core.inventory import Inventory
-from agent.core.resources import Device, ResourcePlan
+from agent.core.resources import AllocationPolicy, Device, ResourcePlan, Sharing
 
 
 @dataclass(frozen=True, slots=True)
 class AllocationOptions:
     strategies: tuple[DeviceListStrategy, ...] = (DeviceListStrategy.ENVVAR,)
     cdi_kind: str = DEFAULT_CDI_KIND
+    policy: AllocationPolicy = AllocationPolicy.DISTRIBUTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,8 @@ class ResourceSnapshot:
     health: Mapping[str, bool]
     nvlink_peers: Mapping[int, frozenset[int]] = field(default_factory=dict)
     options: AllocationOptions = AllocationOptions()
+    sharing: Sharing = Sharing.NONE
+    fail_requests_greater_than_one: bool = False
     by_id: Mapping[str, Device] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -55,6 +58,8 @@ def build_snapshots(
             health=health.device_health(resource.devices),
             nvlink_peers=peers,
             options=options,
+            sharing=resource.sharing,
+            fail_requests_greater_than_one=resource.fail_requests_greater_than_one,
         )
         for resource in plan.resources
         if resource.devices

@@ -43,6 +43,7 @@ def socket_name(resource: str) -> str:
     """
     domain, _, short = resource.partition("/")
     base = f"nvidia-{short}" if domain == "nvidia.com" else f"{domain}-{short}"
-    if not domain or not short or not _SOCKET_SAFE.fullmatch(base) or ".." in base:
+    name = f"{base}.sock"
+    if not domain or not short or not _SOCKET_SAFE.fullmatch(base) or ".." in name:  # "x/a." would give "x-a..sock"
         raise ValueError(f"resource {resource!r} does not give a safe socket file name")
-    return f"{base}.sock"
+    return name

@@ -8,6 +8,7 @@ Handlers are read-only: a bad request gets ``INVALID_ARGUMENT`` with a message a
 from __future__ import annotations
 
 import logging
+import os
 import stat
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 SOCKET_MODE = 0o600
+MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the terminating NUL
 _WAKE_INTERVAL = 1.0  # a ListAndWatch stream re-checks that it is still wanted at least this often
 
 
@@ -58,11 +60,19 @@ class ResourceServer:
 
     def start(self) -> None:
         """Serve on a fresh socket (a stale one of ours is removed first)."""
+        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
+            raise OSError(
+                f"cannot listen on {self.socket_path}: longer than {MAX_SOCKET_PATH} bytes (unix socket limit)"
+            )
         self.socket_path.unlink(missing_ok=True)
         executor = futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix=f"plugin-{self.socket_path.stem}")
         server = grpc.server(executor)
         api_pb2_grpc.add_DevicePluginServicer_to_server(_DevicePluginServicer(self), server)
-        if server.add_insecure_port(f"unix://{self.socket_path}") == 0:
+        try:
+            bound = server.add_insecure_port(f"unix://{self.socket_path}")
+        except RuntimeError:  # grpcio raises when it cannot bind (older releases returned 0)
+            bound = 0
+        if bound == 0:
             raise OSError(f"cannot listen on {self.socket_path}")
         server.start()
         self.socket_path.chmod(SOCKET_MODE)
@@ -71,6 +81,11 @@ class ResourceServer:
         log.info(
             "serving resource=%s socket=%s devices=%d", self.resource, self.socket_path, len(self._snapshot.devices)
         )
+
+    @property
+    def serving(self) -> bool:
+        """True from a successful ``start`` until ``stop``."""
+        return self._server is not None
 
     def socket_present(self) -> bool:
         """False once our socket file is gone or replaced (the kubelet deletes plugin sockets on restart)."""
@@ -93,9 +108,9 @@ class ResourceServer:
         if self._server is not None:
             self._server.stop(grace).wait()
             self._server = None
+            log.info("stopped resource=%s", self.resource)
         if self.socket_present():
             self.socket_path.unlink(missing_ok=True)
-        log.info("stopped resource=%s", self.resource)
 
     def watch(self, context: grpc.ServicerContext) -> Iterator[ResourceSnapshot]:
         """Yield the snapshot now and after every change, until the stream ends or the server stops."""
@@ -147,7 +162,13 @@ class _DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         responses = []
         for container in request.container_requests:
             try:
-                devices = validate_request(snapshot.name, container.devices_ids, snapshot.by_id, snapshot.health)
+                devices = validate_request(
+                    snapshot.name,
+                    container.devices_ids,
+                    snapshot.by_id,
+                    snapshot.health,
+                    fail_requests_greater_than_one=snapshot.fail_requests_greater_than_one,
+                )
             except AllocationError as error:
                 log.warning("allocation refused resource=%s reason=%r", snapshot.name, str(error))
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -171,6 +192,7 @@ class _DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                     container.allocation_size,
                     snapshot.by_id,
                     snapshot.nvlink_peers,
+                    snapshot.options.policy,
                 )
             except PreferenceError as error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{snapshot.name}: {error}")

@@ -271,6 +271,8 @@ def test_to_json_shape():
     assert list(document["resources"]) == [GPU_RESOURCE, "nvidia.com/mig-1g.10gb"]
     assert document["resources"][GPU_RESOURCE] == {
         "count": 1,
+        "sharing": "none",
+        "replicas": 1,
         "devices": [
             {
                 "id": gpu_uuid(1),
@@ -281,6 +283,7 @@ def test_to_json_shape():
                 "profile": None,
                 "memory_mib": 81920,
                 "numa_node": 0,
+                "replica": None,
             }
         ],
     }
@@ -297,6 +300,7 @@ def test_to_json_shape():
         "profile": "1g.10gb",
         "memory_mib": 9728,
         "numa_node": 0,
+        "replica": None,
     }
     assert len(document["warnings"]) == 1
     assert isinstance(document["warnings"][0], str)

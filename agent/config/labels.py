@@ -1,0 +1,27 @@
+"""Node labels Tessera follows, and the event that says one changed (no Kubernetes client needed here)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+CONFIG_LABEL = "nvidia.com/device-plugin.config"
+MIG_CONFIG_LABEL = "nvidia.com/mig.config"
+
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLabelChanged:
+    key: str
+    value: str | None  # None when the label is absent or the node cannot be read
+
+
+def validate_node_name(node_name: object) -> str:
+    """A node name is a DNS-1123 subdomain of at most 253 characters; anything else never reaches the API."""
+    if not isinstance(node_name, str) or not 0 < len(node_name) <= 253 or not _DNS1123_SUBDOMAIN.fullmatch(node_name):
+        raise ValueError(
+            f"invalid node name {node_name!r}: a node name is a DNS-1123 subdomain (lower-case letters, digits, "
+            "'-' and '.', at most 253 characters); set NODE_NAME from the downward API (fieldRef spec.nodeName)"
+        )
+    return node_name

@@ -1,0 +1,348 @@
+"""The sharing config: NVIDIA's ``version: v1`` format, parsed as NVIDIA parses it, plus Tessera's extensions.
+
+Compatibility rules (facts: nvidia-device-plugin.md §1):
+- YAML or JSON; an empty document is all defaults; ``version`` missing or empty means ``v1``.
+- Keys of ordinary sections match case-insensitively (``timeslicing`` is ``timeSlicing``); keys inside a
+  sharing group (``renameByDefault``, ``resources``...), a sharing resource entry or a naming rule are exact,
+  because NVIDIA reads those with exact map lookups.
+- A YAML number or bool given for a text field becomes text (``version: 1`` is "1", which is then not
+  v1); text is never read as a number or bool (``replicas: "4"`` is an error).
+- Unknown keys are accepted, as NVIDIA accepts them — but each is reported with the closest known key,
+  because a typo (``timeSlice:``) silently turns sharing off on NVIDIA's plugin. ``strict`` rejects them.
+
+Tessera's extensions are additions NVIDIA's plugin ignores: top-level ``match`` (which GPU products this
+config is for), and honouring ``rename``, ``devices`` and ``resources`` where NVIDIA discards them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from agent.plugin.names import resource_name_problem
+
+RESOURCE_PREFIX = "nvidia.com/"
+MAX_REPLICAS = 1024  # per device; more would flood the kubelet's device list (NVIDIA sets no limit)
+_UUID = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+_DEVICE_REF = re.compile(rf"^(\d+|\d+:\d+|GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/\d+/\d+)$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+class ConfigError(ValueError):
+    """The config cannot be used. ``problems`` are ``path: what is wrong; how to fix it`` lines."""
+
+    def __init__(self, origin: str, problems: list[str]) -> None:
+        super().__init__(f"{origin}: " + "; ".join(problems))
+        self.origin = origin
+        self.problems = problems
+
+
+def _go_string(value: object) -> object:
+    """sigs.k8s.io/yaml turns a YAML scalar into text for a text field; we do the same."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    return value
+
+
+GoString = Annotated[str, BeforeValidator(_go_string)]
+
+
+def normalise_resource_name(value: str) -> str:
+    """NVIDIA's rule: prefix ``nvidia.com/`` unless already there; then the kubelet's and the 63-char rules."""
+    name = value if value.startswith(RESOURCE_PREFIX) else RESOURCE_PREFIX + value
+    short = name[len(RESOURCE_PREFIX) :]
+    if len(name) > 63:
+        raise ValueError(f"fully-qualified resource name must be 63 characters or less: {name!r}")
+    if not _DNS_SUBDOMAIN.match(short):
+        raise ValueError(
+            f"incorrect format for resource name {name!r}: after 'nvidia.com/' use lower-case letters, digits, "
+            "'-' and '.', starting and ending with a letter or digit"
+        )
+    problem = resource_name_problem(name)
+    if problem:
+        raise ValueError(problem)
+    return name
+
+
+class _Section(BaseModel):
+    """An ordinary section: keys match their field names case-insensitively, unknown keys are kept aside."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _case_insensitive_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = {(f.alias or n).lower(): (f.alias or n) for n, f in cls.model_fields.items()}
+        return _without_nulls(
+            cls, {known.get(str(k).lower(), k) if isinstance(k, str) else k: v for k, v in data.items()}
+        )
+
+
+class _Exact(BaseModel):
+    """A section NVIDIA reads with exact map lookups: keys are case-sensitive."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _without_nulls(cls, data) if isinstance(data, dict) else data
+
+
+def _without_nulls(cls: type[BaseModel], data: dict[Any, Any]) -> dict[Any, Any]:
+    """Go's decoder leaves a field alone for an explicit null, so ``flags:`` with every line commented out
+    means the defaults, not an error. A required field keeps its null and is reported."""
+    optional = {f.alias or n for n, f in cls.model_fields.items() if not f.is_required()}
+    return {k: v for k, v in data.items() if not (v is None and k in optional)}
+
+
+# ----- flags ----------------------------------------------------------------------------------------
+
+DeviceListStrategyName = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"]
+
+
+class PluginFlags(_Section):
+    pass_device_specs: StrictBool | None = Field(None, alias="passDeviceSpecs")
+    device_list_strategy: list[DeviceListStrategyName] | None = Field(None, alias="deviceListStrategy")
+    device_id_strategy: Literal["uuid", "index"] | None = Field(None, alias="deviceIDStrategy")
+    cdi_annotation_prefix: GoString | None = Field(None, alias="cdiAnnotationPrefix")
+    nvidia_ctk_path: GoString | None = Field(None, alias="nvidiaCTKPath")
+    container_driver_root: GoString | None = Field(None, alias="containerDriverRoot")
+    shared_devices_allocation_policy: Literal["distributed", "packed"] | None = Field(
+        None, alias="sharedDevicesAllocationPolicy"
+    )
+
+    @field_validator("device_list_strategy", mode="before")
+    @classmethod
+    def _string_or_list(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+
+class GfdFlags(_Section):
+    oneshot: StrictBool | None = None
+    no_timestamp: StrictBool | None = Field(None, alias="noTimestamp")
+    sleep_interval: GoString | None = Field(None, alias="sleepInterval")
+    output_file: GoString | None = Field(None, alias="outputFile")
+    machine_type_file: GoString | None = Field(None, alias="machineTypeFile")
+
+
+class Flags(_Section):
+    mig_strategy: Literal["none", "single", "mixed"] | None = Field(None, alias="migStrategy")
+    fail_on_init_error: StrictBool | None = Field(None, alias="failOnInitError")
+    mps_root: GoString | None = Field(None, alias="mpsRoot")
+    nvidia_driver_root: GoString | None = Field(None, alias="nvidiaDriverRoot")
+    nvidia_dev_root: GoString | None = Field(None, alias="nvidiaDevRoot")
+    gdrcopy_enabled: StrictBool | None = Field(None, alias="gdrcopyEnabled")
+    gds_enabled: StrictBool | None = Field(None, alias="gdsEnabled")
+    mofed_enabled: StrictBool | None = Field(None, alias="mofedEnabled")
+    use_node_feature_api: StrictBool | None = Field(None, alias="useNodeFeatureAPI")
+    device_discovery_strategy: Literal["auto", "nvml", "tegra", "vfio"] | None = Field(
+        None, alias="deviceDiscoveryStrategy"
+    )
+    plugin: PluginFlags | None = None
+    gfd: GfdFlags | None = None
+
+
+# ----- resources ------------------------------------------------------------------------------------
+
+
+class NamingRuleModel(_Exact):
+    pattern: GoString = Field(min_length=1)
+    name: GoString = Field(min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _normalise(cls, value: str) -> str:
+        return normalise_resource_name(value)
+
+
+class ResourcesModel(_Section):
+    gpus: list[NamingRuleModel] = Field(default_factory=list)
+    mig: list[NamingRuleModel] = Field(default_factory=list)
+
+
+# ----- sharing --------------------------------------------------------------------------------------
+
+
+class ReplicatedResource(_Exact):
+    name: GoString = Field(min_length=1)
+    rename: GoString | None = None
+    replicas: StrictInt
+    devices: Literal["all"] | StrictInt | list[StrictInt | GoString] = "all"
+
+    @field_validator("name")
+    @classmethod
+    def _normalise_name(cls, value: str) -> str:
+        return normalise_resource_name(value)
+
+    @field_validator("rename")
+    @classmethod
+    def _normalise_rename(cls, value: str | None) -> str | None:
+        return normalise_resource_name(value) if value else None
+
+    @field_validator("replicas")
+    @classmethod
+    def _at_least_two(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(f"number of replicas must be >= 2 (got {value}); use 2 or more, or remove the entry")
+        if value > MAX_REPLICAS:
+            raise ValueError(
+                f"{value} replicas is more than {MAX_REPLICAS}; every replica is a device the kubelet tracks, "
+                "so use at most that many"
+            )
+        return value
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, value: object) -> object:
+        if isinstance(value, str) and value != "all":
+            raise ValueError(f"devices set as {value!r} but the only valid string input is 'all'")
+        if isinstance(value, bool):
+            raise ValueError("devices must be 'all', a count or a list")
+        if isinstance(value, int) and value <= 0:
+            raise ValueError(f"a count of devices must be > 0 (got {value})")
+        if isinstance(value, list):
+            for item in value:
+                text = str(item) if isinstance(item, int) and not isinstance(item, bool) else item
+                if not isinstance(text, str) or not _DEVICE_REF.match(text) or text.startswith("-"):
+                    raise ValueError(
+                        f"unsupported device {item!r} in devices list: use a GPU index (0), a MIG index (0:1), "
+                        "a GPU-<uuid>, a MIG-<uuid> or a MIG-GPU-<uuid>/<gi>/<ci>"
+                    )
+        return value
+
+
+class ReplicatedResources(_Exact):
+    rename_by_default: StrictBool = Field(False, alias="renameByDefault")
+    fail_requests_greater_than_one: StrictBool | None = Field(None, alias="failRequestsGreaterThanOne")
+    resources: list[ReplicatedResource]
+
+    @field_validator("resources")
+    @classmethod
+    def _not_empty(cls, value: list[ReplicatedResource]) -> list[ReplicatedResource]:
+        if not value:
+            raise ValueError("no resources specified; list at least one resource to share")
+        return value
+
+
+class SharingModel(_Section):
+    time_slicing: ReplicatedResources | None = Field(None, alias="timeSlicing")
+    mps: ReplicatedResources | None = None
+
+
+class ImexModel(_Section):
+    channel_ids: list[StrictInt] = Field(default_factory=list, alias="channelIDs")
+    required: StrictBool = False
+
+    @field_validator("channel_ids")
+    @classmethod
+    def _zero_only(cls, value: list[int]) -> list[int]:
+        if value not in ([], [0]):
+            raise ValueError(f"invalid IMEX config: channelIDs must be [] or [0]; found {value}")
+        return value
+
+
+# ----- the document ---------------------------------------------------------------------------------
+
+
+class ConfigModel(_Section):
+    version: GoString | None = None
+    flags: Flags = Field(default_factory=Flags)
+    resources: ResourcesModel | None = None
+    sharing: SharingModel | None = None
+    imex: ImexModel | None = None
+    match: list[GoString] | None = None  # Tessera: the GPU products this config is for (globs)
+
+    @field_validator("version")
+    @classmethod
+    def _v1(cls, value: str | None) -> str:
+        if value in (None, "", "v1"):
+            return "v1"
+        raise ValueError(f"unknown version: {value}; this is a version v1 config (NVIDIA's format): set version: v1")
+
+    @field_validator("match", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @property
+    def replicated(self) -> tuple[str, ReplicatedResources] | None:
+        """The sharing group in force: MPS wins when both are set, as on NVIDIA's plugin."""
+        if self.sharing is None:
+            return None
+        if self.sharing.mps is not None:
+            return "mps", self.sharing.mps
+        if self.sharing.time_slicing is not None:
+            return "timeSlicing", self.sharing.time_slicing
+        return None
+
+
+def parse_config(data: object, origin: str = "config") -> tuple[ConfigModel, list[str]]:
+    """A validated config and its warnings (unknown keys with the closest known one, overridden sections).
+
+    Raises ``ConfigError`` whose problems name each field path.
+    """
+    try:
+        model = ConfigModel.model_validate({} if data is None else data)
+    except ValidationError as error:
+        raise ConfigError(origin, [_problem(e) for e in error.errors()]) from error
+    warnings = [f"{origin}: {w}" for w in unknown_key_warnings(model)]
+    if model.sharing and model.sharing.mps is not None and model.sharing.time_slicing is not None:
+        warnings.append(f"{origin}: sharing has both timeSlicing and mps; mps is used and timeSlicing is ignored")
+    return model, warnings
+
+
+def unknown_key_warnings(model: BaseModel, path: str = "") -> list[str]:
+    warnings = []
+    known = [f.alias or n for n, f in type(model).model_fields.items()]
+    for key in model.model_extra or {}:
+        where = f"{path}{key}"
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+        hint = f"; did you mean {path}{close[0]}?" if close else f"; known keys here: {', '.join(known)}"
+        warnings.append(f"unknown key {where} is ignored{hint}")
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        key = field.alias or name
+        if isinstance(value, BaseModel):
+            warnings += unknown_key_warnings(value, f"{path}{key}.")
+        elif isinstance(value, list):
+            for position, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    warnings += unknown_key_warnings(item, f"{path}{key}[{position}].")
+    return warnings
+
+
+def _problem(error: Any) -> str:
+    path = ""
+    for part in error["loc"]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part not in ("function-after[_normalise_name(), constrained-str]",) and not str(part).startswith(
+            ("function-", "literal[", "int", "str", "list[", "constrained-")
+        ):
+            path += f".{part}" if path else str(part)
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "missing":
+        message = "required field is missing; add it"
+    elif error["type"] in ("int_type", "bool_type") and isinstance(error.get("input"), str):
+        message += f" (got the text {error['input']!r}: write it without quotes)"
+    elif error["type"] == "literal_error":
+        message = f"{message} (got {error.get('input')!r})"
+    return f"{path or '(top level)'}: {message}"

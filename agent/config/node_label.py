@@ -1,0 +1,371 @@
+"""Following this node's labels through the Kubernetes API: which sharing config (and MIG layout) applies here.
+
+NVIDIA's config-manager picks the named config from the node label ``nvidia.com/device-plugin.config`` and
+follows it with an informer on its own Node (facts §1.7). Tessera does the same with the least RBAC: one
+GET of its own Node, then a WATCH of the Node list narrowed by ``fieldSelector=metadata.name=<node>``. Both
+need only ``get``, ``list`` and ``watch`` on ``nodes``.
+
+The watcher posts :class:`NodeLabelChanged` events to the reconcile loop: first the current value of every
+watched key, then one event each time a watched key's value actually changes. It never crashes and never
+busy-loops: an API or network failure is logged once per failure streak and retried with exponential backoff,
+and the last known values are kept meanwhile. Label values are passed through as they are: the consumer
+validates config names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import kubernetes.client
+import kubernetes.config
+import kubernetes.watch
+import urllib3.exceptions
+from kubernetes.client.exceptions import ApiException
+
+from agent.config.labels import CONFIG_LABEL, MIG_CONFIG_LABEL, NodeLabelChanged, validate_node_name
+
+__all__ = [
+    "CONFIG_LABEL",
+    "MIG_CONFIG_LABEL",
+    "NodeLabelChanged",
+    "NodeLabelError",
+    "NodeLabelWatcher",
+    "load_kube_api",
+    "read_node_labels",
+    "validate_node_name",
+]
+
+log = logging.getLogger(__name__)
+
+IN_CLUSTER_ENV = "KUBERNETES_SERVICE_HOST"
+GET_TIMEOUT = (5.0, 15.0)  # (connect, read) seconds for one GET of the node
+WATCH_CONNECT_TIMEOUT = 5.0
+WATCH_READ_SLACK = 30.0  # a watch idle this long past its server-side timeout is a dead connection
+MIN_HEALTHY_WATCH = 1.0  # a watch the server ends sooner than this, with no event, counts as a failure
+BACKOFF_INITIAL = 0.5
+STOP_JOIN_TIMEOUT = 5.0
+HTTP_GONE = 410
+
+_RBAC_RULE = 'ClusterRole rule: apiGroups [""], resources [nodes], verbs [get, list, watch]'
+
+
+class NodeLabelError(RuntimeError):
+    """The node's labels cannot be read; the message names the node, the status and the fix."""
+
+
+def load_kube_api(kubeconfig: str | Path | None = None) -> kubernetes.client.CoreV1Api | None:
+    """In a pod: in-cluster config. With kubeconfig: that file. Else None (not in a cluster; label selection off).
+
+    An explicit kubeconfig that cannot be loaded raises :class:`NodeLabelError`. In a pod whose service
+    account credentials cannot be loaded (e.g. ``automountServiceAccountToken: false``) this logs a warning and
+    returns None, like outside a cluster.
+    """
+    if kubeconfig is not None:
+        try:
+            api_client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig), persist_config=False)
+        except Exception as e:  # ConfigException, OSError, YAML errors: all mean the same to the operator
+            raise NodeLabelError(f"cannot load kubeconfig {kubeconfig}: {type(e).__name__}: {e}") from e
+        log.info("kube api loaded source=kubeconfig path=%s", kubeconfig)
+        return kubernetes.client.CoreV1Api(api_client)
+    if not os.environ.get(IN_CLUSTER_ENV):
+        log.info("kube api off reason=not-in-cluster")
+        return None
+    configuration = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=configuration)
+    except kubernetes.config.ConfigException as e:
+        log.warning(
+            "kube api off reason=in-cluster-config-failed error=%s fix=mount the ServiceAccount token "
+            "(automountServiceAccountToken: true)",
+            e,
+        )
+        return None
+    log.info("kube api loaded source=in-cluster host=%s", configuration.host)
+    return kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(configuration))
+
+
+def _status_message(e: ApiException) -> str:
+    """The API server's own message from a Status body, else the HTTP reason."""
+    body = getattr(e, "body", None)
+    if body:
+        try:
+            message = json.loads(body).get("message")
+        except (ValueError, AttributeError):
+            message = None
+        if message:
+            return str(message)
+    return str(e.reason or "").strip() or "no reason given"
+
+
+def describe_api_error(e: BaseException, node_name: str, verb: str) -> str:
+    """One line naming the node, what failed, the status and the fix."""
+    if not isinstance(e, ApiException):
+        return f"cannot {verb} node {node_name}: {type(e).__name__}: {e}; check the agent can reach the API server"
+    status = e.status
+    head = f"cannot {verb} node {node_name}: HTTP {status}: {_status_message(e)}"
+    if status == 401:
+        fix = "the API server rejected the agent's credentials; check its ServiceAccount token (or kubeconfig user)"
+    elif status == 403:
+        fix = f"grant {verb} on nodes/{node_name} to the agent's ServiceAccount ({_RBAC_RULE})"
+    elif status == 404:
+        fix = "no such node; set NODE_NAME from the downward API (fieldRef spec.nodeName)"
+    elif status == 0:
+        fix = "check the API server's address and TLS settings"
+    else:
+        fix = "the API server failed; retrying"
+    return f"{head}; {fix}"
+
+
+def _get_node(api: kubernetes.client.CoreV1Api, node_name: str) -> tuple[dict[str, str], str | None]:
+    """One GET of the node: its labels and resourceVersion."""
+    try:
+        node = api.read_node(node_name, _request_timeout=GET_TIMEOUT)
+    except (ApiException, urllib3.exceptions.HTTPError, OSError) as e:
+        raise NodeLabelError(describe_api_error(e, node_name, "get")) from e
+    metadata = node.metadata
+    return dict(metadata.labels or {}), metadata.resource_version
+
+
+def read_node_labels(api: kubernetes.client.CoreV1Api, node_name: str) -> dict[str, str]:
+    """The node's labels from one GET; :class:`NodeLabelError` naming the node, status and fix if it fails."""
+    validate_node_name(node_name)
+    labels, _ = _get_node(api, node_name)
+    return labels
+
+
+class _WatchFailed(Exception):
+    """A watch that ended in a way that must count towards the failure streak."""
+
+
+class _Stopped(Exception):
+    pass
+
+
+class NodeLabelWatcher:
+    """Posts :class:`NodeLabelChanged` for ``keys`` of one node: their initial values, then every change."""
+
+    def __init__(
+        self,
+        api: kubernetes.client.CoreV1Api,
+        node_name: str,
+        keys: Sequence[str],
+        post: Callable[[object], None],
+        *,
+        timeout_seconds: int = 300,
+        backoff_max: float = 30.0,
+        backoff_initial: float = BACKOFF_INITIAL,
+    ) -> None:
+        self._node = validate_node_name(node_name)
+        if isinstance(keys, str) or not keys or not all(isinstance(k, str) and k for k in keys):
+            raise ValueError(f"keys must be a non-empty sequence of label keys, got {keys!r}")
+        if timeout_seconds < 1 or backoff_max <= 0 or backoff_initial <= 0:
+            raise ValueError("timeout_seconds must be >= 1 and the backoff bounds positive")
+        self._api = api
+        self._keys = tuple(dict.fromkeys(keys))
+        self._post = post
+        self._timeout = int(timeout_seconds)
+        self._backoff_max = float(backoff_max)
+        self._backoff_initial = min(float(backoff_initial), self._backoff_max)
+        self._values: dict[str, str | None] | None = None  # None until the first values were posted
+        self._failures = 0  # the current failure streak
+        self._gone_streak = 0  # 410s in a row with no event between them
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._response: object | None = None  # the open watch response, so stop() can cut it
+        self._thread = threading.Thread(target=self._run, name=f"node-label-watch-{self._node}", daemon=True)
+
+    @property
+    def node_name(self) -> str:
+        return self._node
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop promptly: cut the open watch and join the thread (bounded)."""
+        self._stop.set()
+        with self._lock:
+            response = self._response
+        if response is not None:
+            _shutdown(response)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=STOP_JOIN_TIMEOUT)
+            if self._thread.is_alive():
+                log.warning("node label watch did not stop node=%s timeout=%.0fs", self._node, STOP_JOIN_TIMEOUT)
+
+    # ----- the thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        resource_version: str | None = None  # None: (re)list before watching
+        while not self._stop.is_set():
+            verb = "get"
+            try:
+                if resource_version is None:
+                    labels, resource_version = _get_node(self._api, self._node)
+                    if self._failures:
+                        log.info("node label get ok node=%s after_failures=%d action=watch", self._node, self._failures)
+                    self._apply(labels)
+                    if resource_version is None:
+                        raise _WatchFailed(f"node {self._node} has no resourceVersion")
+                verb = "list and watch"
+                resource_version = self._watch(resource_version)
+            except _Stopped:
+                break
+            except ApiException as e:
+                if self._stop.is_set():
+                    break
+                resource_version = None
+                if e.status == HTTP_GONE and verb != "get":
+                    self._gone_streak += 1
+                    if self._gone_streak == 1:  # too old a resourceVersion: re-list at once; a second 410 backs off
+                        log.info("node label watch expired node=%s action=relist", self._node)
+                        continue
+                self._failed(describe_api_error(e, self._node, verb))
+            except NodeLabelError as e:
+                resource_version = None
+                self._failed(str(e))
+            except Exception as e:  # never crash: network errors, malformed events, anything else
+                if self._stop.is_set():
+                    break
+                resource_version = None
+                self._failed(describe_api_error(e, self._node, verb))
+        log.debug("node label watch stopped node=%s", self._node)
+
+    def _watch(self, resource_version: str) -> str:
+        """One WATCH from ``resource_version`` until the server ends it; returns the last resourceVersion seen."""
+        started = time.monotonic()
+        events = 0
+        watch = kubernetes.watch.Watch()
+
+        # A plain function, not the API method: Watch then hands back raw dicts (no model deserialisation of the
+        # whole Node on every status heartbeat), and this thread keeps the response so stop() can cut it.
+        def list_node(**kwargs):
+            response = self._api.list_node(**kwargs)
+            with self._lock:
+                self._response = response
+            if self._stop.is_set():
+                _shutdown(response)
+                raise _Stopped
+            return response
+
+        stream = watch.stream(
+            list_node,
+            field_selector=f"metadata.name={self._node}",
+            resource_version=resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=self._timeout,  # the server ends the watch then; it is resumed from resource_version
+            _request_timeout=(WATCH_CONNECT_TIMEOUT, self._timeout + WATCH_READ_SLACK),
+        )
+        try:
+            for event in stream:
+                if self._stop.is_set():
+                    raise _Stopped
+                if not isinstance(event, Mapping):
+                    continue
+                events += 1
+                self._recovered()
+                self._gone_streak = 0
+                kind = event.get("type")
+                obj = event.get("raw_object")
+                metadata = obj.get("metadata") if isinstance(obj, Mapping) else None
+                if not isinstance(metadata, Mapping):
+                    continue
+                resource_version = str(metadata.get("resourceVersion") or resource_version)
+                if kind in ("ADDED", "MODIFIED"):
+                    self._apply(metadata.get("labels") or {})
+                elif kind == "DELETED":
+                    log.warning("node deleted node=%s", self._node)
+                    self._apply({})
+                # BOOKMARK: only the resourceVersion moves
+        finally:
+            watch.stop()
+            stream.close()  # runs the stream's own cleanup now (closing the response), not at garbage collection
+            with self._lock:
+                self._response = None
+        if self._stop.is_set():
+            raise _Stopped
+        elapsed = time.monotonic() - started
+        if not events and elapsed < MIN_HEALTHY_WATCH:
+            raise _WatchFailed(f"the API server ended the watch of node {self._node} after {elapsed:.2f}s, no event")
+        self._recovered()
+        log.debug("node label watch ended node=%s rv=%s events=%d action=rewatch", self._node, resource_version, events)
+        return resource_version
+
+    def _apply(self, labels: Mapping[str, object]) -> None:
+        """Post the watched keys whose value differs from what was last posted (all of them the first time)."""
+        initial = self._values is None
+        previous = self._values or {}
+        current = {key: _value(labels.get(key)) for key in self._keys}
+        self._values = current
+        for key in self._keys:
+            value = current[key]
+            if initial:
+                log.info("node label initial node=%s key=%s value=%s", self._node, key, value)
+            elif value != previous.get(key):
+                log.info("node label changed node=%s key=%s value=%s", self._node, key, value)
+            else:
+                continue
+            self._post(NodeLabelChanged(key=key, value=value))
+
+    def _failed(self, error: str) -> None:
+        """Log once per failure streak, post None for every key if nothing was ever read, then back off."""
+        if self._stop.is_set():
+            return
+        self._failures += 1
+        delay = min(self._backoff_max, self._backoff_initial * 2 ** min(self._failures - 1, 30))
+        delay *= random.uniform(0.8, 1.0)  # noqa: S311 - jitter, so a fleet of agents does not retry in step
+        if self._failures == 1:
+            log.warning(
+                "node label watch failed node=%s error=%s action=retry backoff_max=%.1fs%s",
+                self._node,
+                error,
+                self._backoff_max,
+                "" if self._values is None else " keeping=last-known-values",
+            )
+        else:
+            log.debug(
+                "node label watch retry node=%s failures=%d delay=%.2fs error=%s",
+                self._node,
+                self._failures,
+                delay,
+                error,
+            )
+        if self._values is None:
+            self._apply({})  # the node cannot be read: the consumer falls back to its default, for now
+        self._stop.wait(delay)
+
+    def _recovered(self) -> None:
+        if self._failures:
+            log.info("node label watch recovered node=%s failures=%d", self._node, self._failures)
+            self._failures = 0
+
+
+def _value(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _shutdown(response: object) -> None:
+    """Cut an open streaming response from another thread: the reader unblocks and the server sees the close.
+
+    Both directions are shut down (urllib3's own ``HTTPResponse.shutdown()`` only shuts down reading, which sends
+    the server nothing while the socket's file objects are still open).
+    """
+    connection = getattr(response, "connection", None) or getattr(response, "_connection", None)
+    sock = getattr(connection, "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+            return
+    shutdown = getattr(response, "shutdown", None)  # urllib3 >= 2.3
+    if callable(shutdown):
+        with contextlib.suppress(Exception):
+            shutdown()
