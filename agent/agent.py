@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -34,11 +34,13 @@ from agent.core.health import (
     units_for_event,
 )
 from agent.core.inventory import Inventory
+from agent.core.mps import mps_daemons
 from agent.core.plan import plan
-from agent.core.resources import MigStrategy, PlanError, ResourcePlan
+from agent.core.resources import MigStrategy, PlanError, ResourcePlan, Sharing
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
 from agent.gpu.discovery import discover
 from agent.gpu.health import NvmlEventWatcher, WatchFailed, XidEvent, probe
+from agent.mps.manager import MpsDaemonFailed, MpsDaemonReady, MpsDaemonStopped, MpsManager
 from agent.plugin.registration import KUBELET_SOCKET, RegistrationError, register
 from agent.plugin.server import ResourceServer
 from agent.plugin.watch import KubeletSocketChanged, KubeletWatcher
@@ -62,6 +64,7 @@ class AgentOptions:
     config_path: Path | None = None  # a config file, or a directory of named configs (a mounted ConfigMap)
     config_name: str | None = None  # which named config to use (else node label, match, default)
     node_name: str | None = None  # this node, for its nvidia.com/device-plugin.config label
+    mps_control: str | None = None  # the nvidia-cuda-mps-control binary (default: found on PATH)
     kubeconfig: str | None = None  # outside a pod: how to reach the Kubernetes API
     health: HealthPolicy = field(default_factory=HealthPolicy)
     liveness_probe_seconds: float = 5.0
@@ -109,6 +112,7 @@ class AgentStatus:
     config_name: str | None = None
     config_digest: str | None = None
     config_error: str | None = None  # why the newest config was rejected (the last good one is in force)
+    mps: dict[str, dict[str, object]] = field(default_factory=dict)  # MPS daemon key -> state, restarts, error
 
 
 class Stoppable(Protocol):
@@ -134,6 +138,7 @@ class Agent:
         self._said: set[str] = set()  # warnings already logged, so a reload does not repeat them
         self._config_watcher: ConfigWatcher | None = None
         self._label_watcher: Stoppable | None = None
+        self._mps = MpsManager(options.mps_control, self.post)
         self._health = HealthState()
         self._snapshots: dict[str, ResourceSnapshot] = {}
         self._kubelet_present = False
@@ -203,6 +208,7 @@ class Agent:
             server.stop()
         self._servers.clear()
         self._registrar.shutdown(wait=True, cancel_futures=True)
+        self._mps.shutdown()
         log.info("stopped")
 
     def _handle(self, event: object) -> None:
@@ -221,6 +227,14 @@ class Agent:
                 self._on_registered(event)
             case ConfigSourceChanged():
                 self._apply_config()
+            case MpsDaemonReady():
+                if self._mps.on_ready(event):
+                    self._publish()
+            case MpsDaemonFailed():
+                if self._mps.on_failed(event, self._clock()):
+                    self._publish()
+            case MpsDaemonStopped():
+                pass
             case NodeLabelChanged(key=key, value=value) if key == CONFIG_LABEL:
                 if value != self._config_label:
                     log.info("node label changed key=%s value=%s", key, value)
@@ -234,6 +248,8 @@ class Agent:
     def _tick(self) -> None:
         now = self._clock()
         self._probe_faults(now)
+        if self._mps.tick(now):
+            self._publish()
         if now >= self._next_liveness:
             self._next_liveness = now + self.options.liveness_probe_seconds
             self._check_liveness(now)
@@ -268,13 +284,18 @@ class Agent:
     # ----- config ---------------------------------------------------------------------------------
 
     def _overrides(self) -> FlagOverrides:
+        """The explicit settings: from flags (``options.overrides``), or set directly by an embedding caller."""
         given, explicit = self.options.overrides, self.options.allocation
-        return FlagOverrides(
-            mig_strategy=str(self.options.mig_strategy) if self.options.mig_strategy else given.mig_strategy,
-            device_list_strategy=tuple(str(s) for s in explicit.strategies) if explicit else given.device_list_strategy,
-            allocation_policy=str(explicit.policy) if explicit else given.allocation_policy,
-            cdi_kind=explicit.cdi_kind if explicit else given.cdi_kind,
-        )
+        if self.options.mig_strategy is not None:
+            given = replace(given, mig_strategy=str(self.options.mig_strategy))
+        if explicit is not None:
+            given = replace(
+                given,
+                device_list_strategy=tuple(str(s) for s in explicit.strategies),
+                allocation_policy=str(explicit.policy),
+                cdi_kind=explicit.cdi_kind,
+            )
+        return given
 
     def _start_label_watcher(self) -> None:
         """Follow this node's config label, when there is a node name and a Kubernetes API to ask."""
@@ -324,6 +345,7 @@ class Agent:
             ",".join(r.name for r in new_plan.resources) or "none",
         )
         self._loaded, self._effective, self._plan, self._config_error = loaded, chosen, new_plan, None
+        self._mps.reconcile(mps_daemons(new_plan), Path(chosen.allocation.mps_root), self._clock())
         if self._snapshots or self._servers:
             self._publish()
         else:
@@ -393,7 +415,14 @@ class Agent:
     def _publish(self) -> None:
         """Recompute every resource's snapshot and apply the difference to the running servers."""
         assert self._plan is not None and self._inventory is not None
-        snapshots = build_snapshots(self._plan, self._health, self._inventory, self._effective.allocation)
+        snapshots = build_snapshots(
+            self._plan, self._health, self._inventory, self._effective.allocation, unavailable=self._mps.unavailable()
+        )
+        snapshots = {
+            name: snapshot
+            for name, snapshot in snapshots.items()
+            if snapshot.sharing is not Sharing.MPS or self._mps.advertised(name)  # limits first, then clients
+        }
         for name in self._servers.keys() - snapshots.keys():
             self._servers.pop(name).stop()
             self._registrations.pop(name, None)
@@ -507,4 +536,5 @@ class Agent:
             config_name=self._loaded.name if self._loaded else None,
             config_digest=self._loaded.digest if self._loaded else None,
             config_error=self._config_error,
+            mps=self._mps.status(),
         )

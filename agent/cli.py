@@ -139,6 +139,13 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         help="how devices reach the runtime: envvar, volume-mounts, cdi-cri, cdi-annotations (comma list; "
         "default: the config's, else envvar)",
     )
+    _env_flag(
+        parser,
+        "--mps-root",
+        "TESSERA_MPS_ROOT",
+        help="host directory for MPS pipes, logs and shm (default: the config's mpsRoot, MPS_ROOT, /run/nvidia/mps)",
+    )
+    _env_flag(parser, "--mps-control", "TESSERA_MPS_CONTROL", help="the nvidia-cuda-mps-control binary (default: PATH)")
     _env_flag(parser, "--cdi-kind", "TESSERA_CDI_KIND", help="CDI device kind for cdi-* strategies (nvidia.com/gpu)")
     _env_flag(
         parser,

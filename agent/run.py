@@ -13,6 +13,7 @@ from types import FrameType
 from agent.agent import Agent, AgentOptions
 from agent.config.effective import FlagOverrides
 from agent.config.labels import validate_node_name
+from agent.config.model import safe_host_path
 from agent.core.allocation import DeviceListStrategy
 from agent.core.health import xid_policy
 
@@ -58,13 +59,24 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> AgentOpt
             device_list_strategy=strategies,
             allocation_policy=args.shared_devices_allocation_policy,
             cdi_kind=args.cdi_kind,
+            mps_root=_mps_root(args.mps_root or environ.get("MPS_ROOT")),
         ),
+        mps_control=args.mps_control,
         config_path=Path(args.config) if args.config else None,
         config_name=args.config_name,
         node_name=node_name,
         kubeconfig=args.kubeconfig,
         health=policy,
     )
+
+
+def _mps_root(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return safe_host_path(value)
+    except ValueError as error:
+        raise OptionsError(f"--mps-root: {error}") from error
 
 
 def run_agent(options: AgentOptions, simulate: str | None, sim_control: str | None) -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +28,13 @@ def sim_node() -> Iterator[Callable[[object], SimDriver]]:
 
     yield make
     uninstall()
+
+
+@pytest.fixture
+def mps_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding ``nvidia-cuda-mps-control``: the MPS control emulator under the real binary's name."""
+    directory = tmp_path_factory.mktemp("mps-bin")
+    launcher = directory / "nvidia-cuda-mps-control"
+    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agent.sim.mps_control "$@"\n')
+    launcher.chmod(0o755)
+    return directory

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.config.model import ConfigModel, ReplicatedResources
+from agent.config.model import ConfigModel, ReplicatedResources, quantity_mib
 from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
 from agent.core.resources import (
     AllocationPolicy,
     DeviceSelector,
     MigStrategy,
+    MpsLimits,
     NamingRule,
     PlanConfig,
     ReplicaRule,
@@ -20,6 +21,8 @@ from agent.core.resources import (
     SharingConfig,
 )
 from agent.core.snapshot import AllocationOptions
+
+DEFAULT_MPS_ROOT = "/run/nvidia/mps"
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,7 @@ class FlagOverrides:
     device_list_strategy: tuple[str, ...] | None = None
     allocation_policy: str | None = None
     cdi_kind: str | None = None
+    mps_root: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +62,7 @@ def effective(model: ConfigModel, overrides: FlagOverrides) -> Effective:
             strategies=tuple(DeviceListStrategy(s) for s in strategies),
             cdi_kind=overrides.cdi_kind or DEFAULT_CDI_KIND,
             policy=AllocationPolicy(policy),
+            mps_root=overrides.mps_root or flags.mps_root or DEFAULT_MPS_ROOT,
         ),
     )
 
@@ -87,6 +92,13 @@ def _rules(key: str, group: ReplicatedResources) -> tuple[ReplicaRule, ...]:
             selector = DeviceSelector(count=entry.devices)
         else:
             selector = DeviceSelector(refs=tuple(str(d) for d in entry.devices))
+        mps = None
+        if key == "mps":
+            mps = MpsLimits(
+                active_thread_percentage=entry.active_thread_percentage or max(1, 100 // entry.replicas),
+                memory_limit_mib=quantity_mib(entry.memory_limit) if entry.memory_limit else None,
+                oversubscribe=bool(entry.oversubscribe),
+            )
         rules.append(
             ReplicaRule(
                 name=entry.name,
@@ -94,6 +106,7 @@ def _rules(key: str, group: ReplicatedResources) -> tuple[ReplicaRule, ...]:
                 target=target,
                 devices=selector,
                 where=f"sharing.{key}.resources[{position}]",
+                mps=mps,
             )
         )
     return tuple(rules)

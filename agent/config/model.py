@@ -62,6 +62,15 @@ def _go_string(value: object) -> object:
 GoString = Annotated[str, BeforeValidator(_go_string)]
 
 
+def safe_host_path(value: str) -> str:
+    """A host directory the agent creates things in: absolute, no ``..``, no control characters."""
+    if not value.startswith("/") or any(part == ".." for part in value.split("/")):
+        raise ValueError(f"{value!r} must be an absolute path without '..'")
+    if any(ord(c) < 32 for c in value) or len(value) > 255:
+        raise ValueError(f"{value!r} has control characters or is too long")
+    return value.rstrip("/") or "/"
+
+
 def normalise_resource_name(value: str) -> str:
     """NVIDIA's rule: prefix ``nvidia.com/`` unless already there; then the kubelet's and the 63-char rules."""
     name = value if value.startswith(RESOURCE_PREFIX) else RESOURCE_PREFIX + value
@@ -156,6 +165,12 @@ class Flags(_Section):
     device_discovery_strategy: Literal["auto", "nvml", "tegra", "vfio"] | None = Field(
         None, alias="deviceDiscoveryStrategy"
     )
+
+    @field_validator("mps_root", "nvidia_driver_root", "nvidia_dev_root")
+    @classmethod
+    def _host_path(cls, value: str | None) -> str | None:
+        return None if value is None else safe_host_path(value)
+
     plugin: PluginFlags | None = None
     gfd: GfdFlags | None = None
 
@@ -186,6 +201,17 @@ class ReplicatedResource(_Exact):
     rename: GoString | None = None
     replicas: StrictInt
     devices: Literal["all"] | StrictInt | list[StrictInt | GoString] = "all"
+    # Tessera's MPS extensions (sharing.mps only):
+    memory_limit: GoString | None = Field(None, alias="memoryLimit")  # a quantity: 10Gi, 512Mi, 20G
+    active_thread_percentage: StrictInt | None = Field(None, alias="activeThreadPercentage", ge=1, le=100)
+    oversubscribe: StrictBool | None = None
+
+    @field_validator("memory_limit")
+    @classmethod
+    def _quantity(cls, value: str | None) -> str | None:
+        if value is not None:
+            quantity_mib(value)
+        return value
 
     @field_validator("name")
     @classmethod
@@ -229,6 +255,31 @@ class ReplicatedResource(_Exact):
         return value
 
 
+_QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_QUANTITY_BYTES = {
+    None: 1,
+    "Ki": 1 << 10,
+    "Mi": 1 << 20,
+    "Gi": 1 << 30,
+    "Ti": 1 << 40,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+}
+
+
+def quantity_mib(text: str) -> int:
+    """A Kubernetes quantity (``10Gi``, ``512Mi``, ``20G``, bytes) in whole MiB, at least 1."""
+    match = _QUANTITY.match(text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a memory quantity; write e.g. 10Gi, 512Mi or 20G")
+    mib = int(match[1]) * _QUANTITY_BYTES[match[2]] // (1 << 20)
+    if not 1 <= mib <= 1 << 24:
+        raise ValueError(f"{text!r} is out of range: use between 1Mi and 16Ti")
+    return mib
+
+
 class ReplicatedResources(_Exact):
     rename_by_default: StrictBool = Field(False, alias="renameByDefault")
     fail_requests_greater_than_one: StrictBool | None = Field(None, alias="failRequestsGreaterThanOne")
@@ -245,6 +296,23 @@ class ReplicatedResources(_Exact):
 class SharingModel(_Section):
     time_slicing: ReplicatedResources | None = Field(None, alias="timeSlicing")
     mps: ReplicatedResources | None = None
+
+    @field_validator("time_slicing")
+    @classmethod
+    def _mps_keys_only_for_mps(cls, value: ReplicatedResources | None) -> ReplicatedResources | None:
+        for position, entry in enumerate(value.resources if value else ()):
+            used = [k for k in ("memoryLimit", "activeThreadPercentage", "oversubscribe") if _given(entry, k)]
+            if used:
+                raise ValueError(
+                    f"resources[{position}]: {', '.join(used)} only apply to sharing.mps; "
+                    "time-slicing cannot limit a client's memory or threads"
+                )
+        return value
+
+
+def _given(entry: ReplicatedResource, alias: str) -> bool:
+    name = next(n for n, f in type(entry).model_fields.items() if (f.alias or n) == alias)
+    return getattr(entry, name) is not None
 
 
 class ImexModel(_Section):

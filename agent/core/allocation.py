@@ -10,7 +10,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from agent.core.resources import Device
+from agent.core.mps import CONTAINER_MPS_ROOT, daemon_key
+from agent.core.resources import Device, MpsLimits
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
@@ -81,14 +82,29 @@ def validate_request(
     return [devices[i] for i in requested]
 
 
+@dataclass(frozen=True, slots=True)
+class MpsClient:
+    """What an MPS client container needs: the daemon's directory on the host, and its limits."""
+
+    host_root: str
+    limits: MpsLimits
+    replicas: int
+
+
 def container_allocation(
     resource: str,
     devices: Iterable[Device],
     strategies: Iterable[DeviceListStrategy],
     *,
     cdi_kind: str = DEFAULT_CDI_KIND,
+    mps: MpsClient | None = None,
 ) -> ContainerAllocation:
-    """The runtime's view of ``devices``: physical IDs (GPU or MIG UUIDs) de-duplicated in request order."""
+    """The runtime's view of ``devices``: physical IDs (GPU or MIG UUIDs) de-duplicated in request order.
+
+    An MPS client also gets the daemon's pipe directory, the shared-memory mount and its own limits as
+    environment (a client can only lower them, so they are a second line of defence behind the daemon's).
+    """
+    devices = list(devices)
     physical = list(dict.fromkeys(d.physical_id for d in devices))
     chosen = set(strategies)
     envs: dict[str, str] = {}
@@ -102,12 +118,35 @@ def container_allocation(
         mounts += [Mount(f"{VOLUME_MOUNT_ROOT}/{i}", "/dev/null", read_only=True) for i in physical]
     if DeviceListStrategy.CDI_ANNOTATIONS in chosen:
         annotations[f"{CDI_ANNOTATION_PREFIX}tessera_{_annotation_safe(resource)}"] = ",".join(cdi_names)
+    if mps is not None:
+        _mps_client(resource, devices, mps, envs, mounts)
     return ContainerAllocation(
         envs=envs,
         mounts=tuple(mounts),
         cdi_devices=cdi_names if DeviceListStrategy.CDI_CRI in chosen else (),
         annotations=annotations,
     )
+
+
+def _mps_client(
+    resource: str, devices: list[Device], mps: MpsClient, envs: dict[str, str], mounts: list[Mount]
+) -> None:
+    keys = sorted({daemon_key(resource, d) for d in devices})
+    if len(keys) > 1:
+        raise AllocationError(
+            f'invalid allocation request for "{resource}": these replicas belong to {len(keys)} MPS daemons '
+            f"({', '.join(keys)}) and a container can use one; request one MIG device's replicas"
+        )
+    pipe = f"{CONTAINER_MPS_ROOT}/{keys[0]}/pipe"
+    envs["CUDA_MPS_PIPE_DIRECTORY"] = pipe
+    envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(mps.limits.active_thread_percentage)
+    limits = dict.fromkeys(d.physical_id for d in devices)
+    envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
+        f"{uuid}={mps.limits.memory_for(next(d.memory_mib for d in devices if d.physical_id == uuid), mps.replicas)}M"
+        for uuid in limits
+    )
+    mounts.append(Mount(pipe, f"{mps.host_root}/{keys[0]}/pipe"))
+    mounts.append(Mount("/dev/shm", f"{mps.host_root}/shm"))  # noqa: S108 - the container's shm, by design
 
 
 def _annotation_safe(resource: str) -> str:

@@ -22,6 +22,7 @@ from agent.core.resources import (
     Device,
     DeviceSelector,
     MigStrategy,
+    MpsLimits,
     NamingRule,
     PlanConfig,
     PlanError,
@@ -130,12 +131,15 @@ def _share(
     claimed: dict[str, str] = {}  # physical ID -> the rule that shares it
     replicated: dict[str, list[Device]] = defaultdict(list)
     replicas_of: dict[str, tuple[int, str]] = {}  # target -> (replicas, rule)
+    mps_of: dict[str, MpsLimits] = {}
     for rule in sharing.rules:
         devices = base.get(rule.name, [])
         if not devices:
             warnings.append(f"{rule.where}: no device on this node is {rule.name}; nothing is shared by this entry")
             continue
         for device in _select(rule, devices, inventory):
+            if rule.mps is not None:
+                _check_mps(rule, device, inventory)
             if device.physical_id in claimed:
                 raise PlanError(
                     f"{rule.where}: GPU {device.index} ({device.physical_id}) is already shared by "
@@ -145,6 +149,8 @@ def _share(
             replicated[rule.target] += [
                 replace(device, id=f"{device.id}::{n}", replica=n) for n in range(rule.replicas)
             ]
+        if rule.mps is not None:
+            mps_of.setdefault(rule.target, rule.mps)
         previous = replicas_of.setdefault(rule.target, (rule.replicas, rule.where))
         if previous[0] != rule.replicas:
             raise PlanError(
@@ -170,9 +176,41 @@ def _share(
                 sharing=sharing.strategy,
                 replicas=replicas_of[name][0],
                 fail_requests_greater_than_one=sharing.fail_requests_greater_than_one,
+                mps=mps_of.get(name),
             )
         )
     return resources
+
+
+def mps_client_cap(compute_capability: tuple[int, int], gi_slices: int | None = None, slices: int = 7) -> int:
+    """How many MPS clients a device takes: 48 from Volta (CC 7.0 — NVIDIA's plugin wrongly uses 7.5), 16
+    before; on a MIG device the 48 shrink in proportion to its share of the GPU's compute slices."""
+    cap = 48 if compute_capability >= (7, 0) else 16
+    if gi_slices is not None:
+        cap = max(1, cap * gi_slices // slices)
+    return cap
+
+
+def _check_mps(rule: ReplicaRule, device: Device, inventory: Inventory) -> None:
+    assert rule.mps is not None
+    gpu = next(g for g in inventory.gpus if g.index == device.gpu_index)
+    mig = next((m for m in gpu.mig_devices if m.uuid == device.mig_uuid), None)
+    total_slices = max((m.gi_slices for m in gpu.mig_devices), default=7) if mig else 7
+    cap = mps_client_cap(gpu.compute_capability, mig.gi_slices if mig else None, max(total_slices, 7))
+    what = (
+        f"MIG device {device.index} ({mig.profile})" if mig else f"GPU {device.index} ({gpu.name}, CC {gpu.cc_string})"
+    )
+    if rule.replicas > cap:
+        raise PlanError(
+            f"{rule.where}.replicas: {rule.replicas} MPS clients on {what} is more than its cap of {cap}; "
+            f"use at most {cap} replicas"
+        )
+    per_client = rule.mps.memory_for(device.memory_mib, rule.replicas)
+    if per_client * rule.replicas > device.memory_mib and not rule.mps.oversubscribe:
+        raise PlanError(
+            f"{rule.where}.memoryLimit: {rule.replicas} clients x {per_client} MiB is more than the "
+            f"{device.memory_mib} MiB of {what}; lower memoryLimit or replicas, or set oversubscribe: true"
+        )
 
 
 def _select(rule: ReplicaRule, devices: list[Device], inventory: Inventory) -> list[Device]:

@@ -52,6 +52,18 @@ class DeviceSelector:
 
 
 @dataclass(frozen=True, slots=True)
+class MpsLimits:
+    """Per-client MPS limits of one resource (Tessera's extensions; NVIDIA splits evenly)."""
+
+    active_thread_percentage: int  # of each device's SMs, for every client
+    memory_limit_mib: int | None = None  # pinned device memory per client; None: the device's memory / replicas
+    oversubscribe: bool = False  # allow replicas x memory above the device's memory
+
+    def memory_for(self, device_memory_mib: int, replicas: int) -> int:
+        return self.memory_limit_mib if self.memory_limit_mib is not None else device_memory_mib // replicas
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaRule:
     """One ``sharing.<strategy>.resources[]`` entry: replicate ``name``'s selected devices ``replicas`` times."""
 
@@ -60,6 +72,7 @@ class ReplicaRule:
     target: str  # the resource the replicas are advertised as (``rename``, ``<name>.shared`` or ``name``)
     devices: DeviceSelector = field(default_factory=DeviceSelector)
     where: str = ""  # the config path, for messages: sharing.timeSlicing.resources[0]
+    mps: MpsLimits | None = None  # set for sharing.mps entries
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,14 +132,23 @@ class Resource:
     sharing: Sharing = Sharing.NONE
     replicas: int = 1  # replicas per physical device
     fail_requests_greater_than_one: bool = False
+    mps: MpsLimits | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "count": len(self.devices),
             "sharing": str(self.sharing),
             "replicas": self.replicas,
             "devices": [d.to_json() for d in self.devices],
         }
+        if self.mps is not None:
+            document["mps"] = {
+                "active_thread_percentage": self.mps.active_thread_percentage,
+                "pinned_memory_mib": {
+                    d.physical_id: self.mps.memory_for(d.memory_mib, self.replicas) for d in self.devices
+                },
+            }
+        return document
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from types import MappingProxyType
 from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
 from agent.core.health import HealthState
 from agent.core.inventory import Inventory
-from agent.core.resources import AllocationPolicy, Device, ResourcePlan, Sharing
+from agent.core.resources import AllocationPolicy, Device, MpsLimits, ResourcePlan, Sharing
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +21,7 @@ class AllocationOptions:
     strategies: tuple[DeviceListStrategy, ...] = (DeviceListStrategy.ENVVAR,)
     cdi_kind: str = DEFAULT_CDI_KIND
     policy: AllocationPolicy = AllocationPolicy.DISTRIBUTED
+    mps_root: str = "/run/nvidia/mps"  # on the host
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class ResourceSnapshot:
     options: AllocationOptions = AllocationOptions()
     sharing: Sharing = Sharing.NONE
     fail_requests_greater_than_one: bool = False
+    replicas: int = 1
+    mps: MpsLimits | None = None
     by_id: Mapping[str, Device] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -48,19 +51,32 @@ class ResourceSnapshot:
 
 
 def build_snapshots(
-    plan: ResourcePlan, health: HealthState, inventory: Inventory, options: AllocationOptions
+    plan: ResourcePlan,
+    health: HealthState,
+    inventory: Inventory,
+    options: AllocationOptions,
+    *,
+    unavailable: frozenset[str] = frozenset(),
 ) -> dict[str, ResourceSnapshot]:
+    """One snapshot per resource with devices; a device is healthy when its GPU (or MIG device) is and its
+    physical device is not ``unavailable`` (e.g. its MPS daemon is down)."""
     peers = {gpu.index: frozenset(gpu.nvlink_peers) for gpu in inventory.gpus}
-    return {
-        resource.name: ResourceSnapshot(
+    snapshots = {}
+    for resource in plan.resources:
+        if not resource.devices:
+            continue
+        healthy = health.device_health(resource.devices)
+        if unavailable:
+            healthy = {d.id: healthy[d.id] and d.physical_id not in unavailable for d in resource.devices}
+        snapshots[resource.name] = ResourceSnapshot(
             name=resource.name,
             devices=resource.devices,
-            health=health.device_health(resource.devices),
+            health=healthy,
             nvlink_peers=peers,
             options=options,
             sharing=resource.sharing,
             fail_requests_greater_than_one=resource.fail_requests_greater_than_one,
+            replicas=resource.replicas,
+            mps=resource.mps,
         )
-        for resource in plan.resources
-        if resource.devices
-    }
+    return snapshots

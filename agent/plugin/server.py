@@ -18,7 +18,13 @@ from pathlib import Path
 import grpc
 
 from agent.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from agent.core.allocation import AllocationError, ContainerAllocation, container_allocation, validate_request
+from agent.core.allocation import (
+    AllocationError,
+    ContainerAllocation,
+    MpsClient,
+    container_allocation,
+    validate_request,
+)
 from agent.core.preferred import PreferenceError, preferred
 from agent.core.snapshot import ResourceSnapshot
 from agent.plugin.names import socket_name
@@ -172,9 +178,15 @@ class _DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
             except AllocationError as error:
                 log.warning("allocation refused resource=%s reason=%r", snapshot.name, str(error))
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            allocation = container_allocation(
-                snapshot.name, devices, snapshot.options.strategies, cdi_kind=snapshot.options.cdi_kind
-            )
+            mps = None
+            if snapshot.mps is not None:
+                mps = MpsClient(snapshot.options.mps_root, snapshot.mps, snapshot.replicas)
+            try:
+                allocation = container_allocation(
+                    snapshot.name, devices, snapshot.options.strategies, cdi_kind=snapshot.options.cdi_kind, mps=mps
+                )
+            except AllocationError as error:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             responses.append(container_response(allocation))
             log.info("allocated resource=%s devices=%s", snapshot.name, ",".join(container.devices_ids))
         return api_pb2.AllocateResponse(container_responses=responses)

@@ -43,6 +43,7 @@ def _operations(driver: SimDriver) -> dict[str, tuple[Callable[..., Any], dict[s
             lambda gpu, percent, memory_percent=0: driver.set_utilization(gpu, percent, memory_percent),
             {"gpu": int, "percent": int, "memory_percent": int},
         ),
+        "compute_mode": (lambda uuid: _compute_mode(driver, uuid), {"uuid": str}),
         "inject_error": (
             lambda symbol, code, times=1, gpu=None: driver.inject_error(
                 symbol, Return[code], times=times, gpu_index=gpu
@@ -50,6 +51,12 @@ def _operations(driver: SimDriver) -> dict[str, tuple[Callable[..., Any], dict[s
             {"symbol": str, "code": str, "times": int, "gpu": int},
         ),
     }
+
+
+def _compute_mode(driver: SimDriver, uuid: str) -> int:
+    """Read-only: the compute mode of a GPU or MIG device, as NVML would report it."""
+    index, _, ci = driver.find_uuid(uuid)
+    return ci.compute_mode if ci is not None else driver.gpus[index].compute_mode
 
 
 class SimControlServer:
@@ -91,10 +98,10 @@ def _dispatch(operations: dict[str, tuple[Callable[..., Any], dict[str, type]]],
         for name, value in request.items():
             if name not in types or type(value) is not types[name]:
                 raise ValueError(f"{op}: bad argument {name}={value!r}")
-        function(**request)
+        result = function(**request)
     except Exception as error:  # any failure is the caller's answer, never the server's death
         return {"ok": False, "error": str(error) or type(error).__name__}
-    return {"ok": True}
+    return {"ok": True, "result": result}
 
 
 class SimControlClient:
@@ -102,7 +109,7 @@ class SimControlClient:
         self._path = str(path)
         self._timeout = timeout
 
-    def call(self, op: str, **arguments: Any) -> None:
+    def call(self, op: str, **arguments: Any) -> Any:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.settimeout(self._timeout)
             connection.connect(self._path)
@@ -110,3 +117,4 @@ class SimControlClient:
             reply = json.loads(connection.makefile("rb").readline())
         if not reply.get("ok"):
             raise RuntimeError(f"simulated node refused {op}: {reply.get('error')}")
+        return reply.get("result")

@@ -492,8 +492,18 @@ ROWS = [
     ),
     Row(
         "text-flag-yaml-number-is-text",
-        "flags:\n  mpsRoot: 5\n  gfd:\n    sleepInterval: 60\n",
+        "flags:\n  plugin:\n    cdiAnnotationPrefix: 5\n  gfd:\n    sleepInterval: 60\n",
         Adv({GPU: (2, NONE, 1)}),
+    ),
+    Row(
+        "mps-root-must-be-an-absolute-path",
+        "flags:\n  mpsRoot: 5\n",
+        Err("flags.mpsRoot", "must be an absolute path"),
+    ),
+    Row(
+        "mps-root-without-dot-dot",
+        "flags:\n  mpsRoot: /run/../etc\n",
+        Err("flags.mpsRoot", "without '..'"),
     ),
     Row("flags-all-commented-out", "version: v1\nflags:\n  # migStrategy: mixed\n", Adv({GPU: (2, NONE, 1)})),
     # ----- imex ---------------------------------------------------------------------------------------
