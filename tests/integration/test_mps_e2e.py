@@ -196,3 +196,32 @@ def test_a_missing_control_binary_is_reported_and_nothing_is_advertised(world: W
     _wait(lambda: "nvidia-cuda-mps-control not found" in world.log(), 20, "the error")
     assert RESOURCE not in world.kubelet.resources()
     assert world.log().count("nvidia-cuda-mps-control not found") <= 2  # said once per streak, not in a loop
+
+
+def test_mps_on_mig_devices_runs_one_daemon_per_mig_device(world: World) -> None:
+    """NVIDIA's plugin refuses MPS on MIG; the hardware allows it with one daemon per MIG device."""
+    (world.base / "node.yaml").write_text(
+        "name: mps-mig\ngpus:\n  - model: A100-SXM4-80GB\n    mig:\n      instances: [1g.10gb, 1g.10gb]\n"
+    )
+    world.config.write_text(
+        "version: v1\nflags: {migStrategy: mixed}\n"
+        "sharing:\n  mps:\n    resources:\n      - name: nvidia.com/mig-1g.10gb\n        replicas: 2\n"
+    )
+    world.start_agent()
+    kubelet = world.kubelet
+    resource = "nvidia.com/mig-1g.10gb"
+    kubelet.wait_for(lambda: resource in kubelet.resources() and kubelet.allocatable(resource) == 4, 30, "MIG MPS")
+    migs = sorted({device.split("::")[0] for device in kubelet.devices(resource)})
+    daemons = sorted((world.base / "mps" / resource).glob("mig-*/pipe/nvidia-cuda-mps-control.pid"))
+    assert len(daemons) == 2
+    visible = set()
+    for pid_file in daemons:
+        environ = Path(f"/proc/{int(pid_file.read_text())}/environ").read_text().split("\0")
+        visible |= {e.split("=", 1)[1] for e in environ if e.startswith("CUDA_VISIBLE_DEVICES=")}
+    assert sorted(visible) == migs  # each daemon sees exactly its own MIG device
+    pod = kubelet.create_pod("mig-client", {"main": {resource: 1}})
+    envs = pod.containers["main"][resource].response.envs
+    assert envs["CUDA_MPS_PIPE_DIRECTORY"].startswith(f"/mps/{resource}/mig-0-")
+    assert envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    for pid_file in daemons:  # the fixture kills one daemon; make sure neither outlives the test
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
