@@ -19,8 +19,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
+import yaml
+
 from agent.config.effective import FlagOverrides, effective
-from agent.config.labels import CONFIG_LABEL, NodeLabelChanged
+from agent.config.labels import CONFIG_LABEL, MIG_CONFIG_LABEL, NodeLabelChanged
 from agent.config.model import ConfigError, ConfigModel
 from agent.config.source import LoadedConfig, load_config, read_config_set
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
@@ -34,12 +36,15 @@ from agent.core.health import (
     units_for_event,
 )
 from agent.core.inventory import Inventory
+from agent.core.mig_layout import DesiredLayout, LayoutError
 from agent.core.mps import mps_daemons
 from agent.core.plan import plan
 from agent.core.resources import MigStrategy, PlanError, ResourcePlan, Sharing
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
 from agent.gpu.discovery import discover
 from agent.gpu.health import NvmlEventWatcher, WatchFailed, XidEvent, probe
+from agent.mig.layout_file import LayoutFileError, layouts_for_node, parse_layout_file
+from agent.mig.manager import MigApplied, MigBusyChecked, MigManager
 from agent.mps.manager import MpsDaemonFailed, MpsDaemonReady, MpsDaemonStopped, MpsManager
 from agent.plugin.registration import KUBELET_SOCKET, RegistrationError, register
 from agent.plugin.server import ResourceServer
@@ -65,6 +70,8 @@ class AgentOptions:
     config_name: str | None = None  # which named config to use (else node label, match, default)
     node_name: str | None = None  # this node, for its nvidia.com/device-plugin.config label
     mps_control: str | None = None  # the nvidia-cuda-mps-control binary (default: found on PATH)
+    mig_config: Path | None = None  # a MIG layout file (mig-parted's format); else the config's migLayout
+    mig_config_name: str | None = None  # which layout (else the node label nvidia.com/mig.config, else the config's)
     kubeconfig: str | None = None  # outside a pod: how to reach the Kubernetes API
     health: HealthPolicy = field(default_factory=HealthPolicy)
     liveness_probe_seconds: float = 5.0
@@ -113,6 +120,8 @@ class AgentStatus:
     config_digest: str | None = None
     config_error: str | None = None  # why the newest config was rejected (the last good one is in force)
     mps: dict[str, dict[str, object]] = field(default_factory=dict)  # MPS daemon key -> state, restarts, error
+    mig_state: str | None = None  # nvidia.com/mig.config.state: pending, applying, success, failed, reset-required
+    mig_error: str | None = None
 
 
 class Stoppable(Protocol):
@@ -139,6 +148,8 @@ class Agent:
         self._config_watcher: ConfigWatcher | None = None
         self._label_watcher: Stoppable | None = None
         self._mps = MpsManager(options.mps_control, self.post)
+        self._mig = MigManager(self.post, options.pod_resources_socket)
+        self._mig_label: str | None = None
         self._health = HealthState()
         self._snapshots: dict[str, ResourceSnapshot] = {}
         self._kubelet_present = False
@@ -209,6 +220,7 @@ class Agent:
         self._servers.clear()
         self._registrar.shutdown(wait=True, cancel_futures=True)
         self._mps.shutdown()
+        self._mig.shutdown()
         log.info("stopped")
 
     def _handle(self, event: object) -> None:
@@ -240,8 +252,19 @@ class Agent:
                     log.info("node label changed key=%s value=%s", key, value)
                     self._config_label = value
                     self._apply_config()
+            case NodeLabelChanged(key=key, value=value) if key == MIG_CONFIG_LABEL:
+                if value != self._mig_label:
+                    log.info("node label changed key=%s value=%s", key, value)
+                    self._mig_label = value
+                    self._update_mig()
             case NodeLabelChanged():
                 pass
+            case MigBusyChecked():
+                self._mig.on_busy_checked(event, self._clock())
+                self._refresh_status()
+            case MigApplied():
+                self._mig.on_applied(event, self._clock())
+                self._rediscover()
             case _:
                 log.error("unknown event %r", event)
 
@@ -250,6 +273,8 @@ class Agent:
         self._probe_faults(now)
         if self._mps.tick(now):
             self._publish()
+        if self._mig.tick(now):
+            self._rediscover()
         if now >= self._next_liveness:
             self._next_liveness = now + self.options.liveness_probe_seconds
             self._check_liveness(now)
@@ -311,10 +336,11 @@ class Agent:
         if api is None:
             return
         try:
-            self._config_label = read_node_labels(api, self.options.node_name).get(CONFIG_LABEL)
+            labels = read_node_labels(api, self.options.node_name)
+            self._config_label, self._mig_label = labels.get(CONFIG_LABEL), labels.get(MIG_CONFIG_LABEL)
         except NodeLabelError as error:
             log.warning("cannot read the node's labels; trying again in the background error=%r", str(error))
-        self._label_watcher = NodeLabelWatcher(api, self.options.node_name, [CONFIG_LABEL], self.post)
+        self._label_watcher = NodeLabelWatcher(api, self.options.node_name, [CONFIG_LABEL, MIG_CONFIG_LABEL], self.post)
         self._label_watcher.start()
 
     def _apply_config(self) -> None:
@@ -346,10 +372,61 @@ class Agent:
         )
         self._loaded, self._effective, self._plan, self._config_error = loaded, chosen, new_plan, None
         self._mps.reconcile(mps_daemons(new_plan), Path(chosen.allocation.mps_root), self._clock())
+        self._update_mig(publish=False)
         if self._snapshots or self._servers:
             self._publish()
         else:
             self._refresh_status()
+
+    # ----- MIG layout ------------------------------------------------------------------------------
+
+    def _desired_layouts(self) -> dict[int, DesiredLayout] | None:
+        """The layout per GPU: from --mig-config or the config's migLayout, named by flag, label or config."""
+        assert self._inventory is not None
+        section = self._loaded.model.mig_layout if self._loaded else None
+        if self.options.mig_config is not None:
+            origin = str(self.options.mig_config)
+            try:
+                data = yaml.safe_load(self.options.mig_config.read_text(encoding="utf-8"))
+            except (OSError, yaml.YAMLError) as error:
+                raise LayoutFileError(f"{origin}: cannot read: {error}") from error
+        elif section is not None and section.layouts is not None:
+            origin, data = "migLayout.layouts", section.layouts
+        else:
+            return None
+        layout_file = parse_layout_file(data, origin)
+        name = self.options.mig_config_name or self._mig_label or (section.config if section else None)
+        if name is None and len(layout_file.mig_configs) == 1:
+            name = next(iter(layout_file.mig_configs))
+        if name is None:
+            raise LayoutFileError(f"{origin}: several mig-configs and none selected; set nvidia.com/mig.config")
+        return layouts_for_node(layout_file, name, self._inventory.gpus)
+
+    def _update_mig(self, *, publish: bool = True) -> None:
+        assert self._inventory is not None
+        before = self._mig.draining
+        try:
+            layouts = self._desired_layouts()
+        except (LayoutFileError, LayoutError) as error:
+            self._mig.fail(str(error))
+        else:
+            self._mig.desire(layouts, self._inventory, self._clock())
+        if publish and self._mig.draining != before:
+            self._publish()
+        else:
+            self._refresh_status()
+
+    def _rediscover(self) -> None:
+        """After a MIG change: the node's devices are different; read them, plan and advertise again."""
+        self._inventory = discover()
+        try:
+            self._plan = plan(self._effective.plan, self._inventory)
+        except PlanError as error:
+            log.error("the new MIG layout does not fit the config; advertising nothing error=%r", str(error))
+            self._plan = ResourcePlan((), self._plan.mig_strategy if self._plan else MigStrategy.NONE)
+        self._mps.reconcile(mps_daemons(self._plan), Path(self._effective.allocation.mps_root), self._clock())
+        self._update_mig(publish=False)
+        self._publish()
 
     def _load_config(self) -> LoadedConfig:
         path = self.options.config_path
@@ -415,8 +492,9 @@ class Agent:
     def _publish(self) -> None:
         """Recompute every resource's snapshot and apply the difference to the running servers."""
         assert self._plan is not None and self._inventory is not None
+        visible = self._plan.without(self._mig.draining)  # drained MIG devices leave ListAndWatch first
         snapshots = build_snapshots(
-            self._plan, self._health, self._inventory, self._effective.allocation, unavailable=self._mps.unavailable()
+            visible, self._health, self._inventory, self._effective.allocation, unavailable=self._mps.unavailable()
         )
         snapshots = {
             name: snapshot
@@ -537,4 +615,6 @@ class Agent:
             config_digest=self._loaded.digest if self._loaded else None,
             config_error=self._config_error,
             mps=self._mps.status(),
+            mig_state=str(self._mig.state) if self._mig.state else None,
+            mig_error=self._mig.error,
         )

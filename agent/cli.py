@@ -60,6 +60,20 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--node-label", help="the value of the node's nvidia.com/device-plugin.config label")
     _env_flag(plan, "--format", "TESSERA_FORMAT", default="table", choices=["table", "json"], help="output format")
 
+    mig = commands.add_parser("mig", help="MIG layouts in mig-parted's format: export, assert, apply")
+    mig_commands = mig.add_subparsers(dest="mig_command", required=True)
+    mig_export = mig_commands.add_parser("export", help="print the node's current layout as a layout file")
+    _node_flag(mig_export)
+    mig_export.add_argument("--format", choices=["yaml", "json"], default="yaml")
+    mig_export.add_argument("--label", default="current", help="the mig-config name in the output")
+    for verb, text in (("assert", "exit 0 iff the node has the layout"), ("apply", "reconfigure the node")):
+        sub = mig_commands.add_parser(verb, help=text)
+        _node_flag(sub)
+        sub.add_argument("--config", required=True, help="a layout file (mig-parted's format)")
+        sub.add_argument("--name", help="which mig-config (needed when the file has several)")
+        if verb == "apply":
+            sub.add_argument("--dry-run", action="store_true", help="print the operations only")
+
     validate = commands.add_parser("validate", help="check a sharing config file or directory (exit 0 when valid)")
     validate.add_argument("path", help="a config file, or a directory of named configs")
     validate.add_argument("--strict", action="store_true", help="unknown keys are errors, not warnings")
@@ -192,11 +206,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         from agent.demo import run_demo
 
         return run_demo(args.node, args.mig_strategy)
+    if args.command == "mig":
+        return _mig(args)
     if args.command == "validate":
         from agent.config.validate import validate_path
 
         return validate_path(Path(args.path), strict=args.strict)
     return _describe(args)
+
+
+def _mig(args: argparse.Namespace) -> int:
+    from agent.backend import gpu_backend
+    from agent.gpu.nvml import NvmlUnavailable
+    from agent.mig import commands
+    from agent.sim.spec import SimSpecError
+
+    try:
+        with gpu_backend(args.node):
+            if args.mig_command == "export":
+                return commands.export(args.format, args.label)
+            if args.mig_command == "assert":
+                return commands.assert_layout(Path(args.config), args.name)
+            return commands.apply(Path(args.config), args.name, args.dry_run)
+    except SimSpecError as error:
+        print(f"tessera: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except NvmlUnavailable as error:
+        print(f"tessera: {error}", file=sys.stderr)
+        return EXIT_NVML
 
 
 def _describe(args: argparse.Namespace) -> int:

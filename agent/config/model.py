@@ -327,6 +327,13 @@ class ImexModel(_Section):
         return value
 
 
+class MigLayoutSection(_Section):
+    """Tessera: the MIG layout this config wants, in mig-parted's format (``layouts``), and which one."""
+
+    config: GoString | None = None  # the mig-config to apply (a node label nvidia.com/mig.config wins)
+    layouts: dict[str, Any] | None = None  # {version: v1, mig-configs: {...}}, validated by agent.mig.layout_file
+
+
 # ----- the document ---------------------------------------------------------------------------------
 
 
@@ -337,6 +344,7 @@ class ConfigModel(_Section):
     sharing: SharingModel | None = None
     imex: ImexModel | None = None
     match: list[GoString] | None = None  # Tessera: the GPU products this config is for (globs)
+    mig_layout: MigLayoutSection | None = Field(None, alias="migLayout")  # Tessera: the MIG layout manager
 
     @field_validator("version")
     @classmethod

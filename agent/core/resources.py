@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -161,6 +161,15 @@ class ResourcePlan:
 
     def resource(self, name: str) -> Resource | None:
         return next((r for r in self.resources if r.name == name), None)
+
+    def without(self, physical_ids: frozenset[str]) -> ResourcePlan:
+        """The plan minus some physical devices (and their replicas), e.g. MIG devices being drained."""
+        if not physical_ids:
+            return self
+        resources = tuple(
+            replace(r, devices=tuple(d for d in r.devices if d.physical_id not in physical_ids)) for r in self.resources
+        )
+        return replace(self, resources=tuple(r for r in resources if r.devices))
 
     def to_json(self) -> dict[str, Any]:
         """The stable JSON contract of ``tessera plan --format json``."""

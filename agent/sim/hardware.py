@@ -139,7 +139,10 @@ def _gi_profile(raw: dict[str, Any]) -> GiProfile:
 
 
 def _read_data(name: str) -> str:
-    return resources.files("agent.sim").joinpath("data", name).read_text(encoding="utf-8")
+    """The MIG table is the agent's too (agent/data), the rest is the simulator's own (agent/sim/data)."""
+    package = "agent.data" if name == "mig-profiles.json" else "agent.sim"
+    folder = resources.files(package) if package == "agent.data" else resources.files(package).joinpath("data")
+    return folder.joinpath(name).read_text(encoding="utf-8")
 
 
 @cache

@@ -9,7 +9,7 @@ import pytest
 
 from agent.sim.hardware import find_model, hardware_table
 
-PACKAGED = Path(__file__).parents[2] / "agent" / "sim" / "data" / "mig-profiles.json"
+PACKAGED = Path(__file__).parents[2] / "agent" / "data" / "mig-profiles.json"
 FACTS = Path(__file__).parents[3] / "shared" / "facts" / "mig-profiles.json"
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import pynvml
 import pytest
 
+import agent.data
 import agent.sim
 from agent.core.mig_naming import mig_memory_gb, mig_profile_name
 from agent.sim.driver import SimDriver
@@ -27,8 +28,8 @@ from agent.sim.spec import SimSpecError, build_driver, parse_node_spec
 
 MIB = 1 << 20
 GIB = 1 << 30
-SHARED_FACTS = Path("/work/shared/facts/mig-profiles.json")
-PACKAGED_FACTS = Path(agent.sim.__file__).parent / "data" / "mig-profiles.json"
+SHARED_FACTS = Path(__file__).parents[3] / "shared" / "facts" / "mig-profiles.json"
+PACKAGED_FACTS = Path(agent.data.__file__).parent / "mig-profiles.json"
 FACTS: dict[str, Any] = json.loads((SHARED_FACTS if SHARED_FACTS.is_file() else PACKAGED_FACTS).read_text())
 
 # NVML_GPU_INSTANCE_PROFILE_* indices (what GetGpuInstanceProfileInfo takes) and profile ids (what Create takes).

@@ -1,0 +1,208 @@
+"""The MIG layout manager: brings the GPUs to the selected layout without pulling a device from under a pod.
+
+It belongs to the reconcile loop. ``desire`` computes the operations (pure, ``agent.core.mig_layout``);
+the MIG devices they would destroy are *drained*: the agent stops advertising them at once, so no new pod
+gets them. A worker then checks, through the kubelet's PodResources API and NVML, that none of them is
+allocated or has processes; only when all are free are the operations applied, on the worker, and the
+result comes back as an event. The agent then re-reads the inventory and advertises the new devices.
+
+State, as the node label ``nvidia.com/mig.config.state`` will show it: ``pending`` (draining or waiting
+for devices to be freed), ``applying``, ``success``, ``failed`` (the NVML error is named; the next attempt
+starts from a fresh inventory and converges), ``reset-required`` (a MIG mode change waits for a GPU reset).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from agent.core.inventory import Inventory
+from agent.core.mig_layout import (
+    CreateInstance,
+    DesiredLayout,
+    DestroyInstance,
+    LayoutError,
+    Operation,
+    SetMigMode,
+    diff_node,
+)
+from agent.gpu.mig import MigOperationError, busy_mig_devices, create_instance, destroy_instance, set_mig_mode
+from agent.plugin.podresources import PodResourcesError, allocated_devices
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL = 1.0  # how often a pending change looks again whether its devices are free
+RESET_RECHECK_INTERVAL = 5.0  # how often a change waiting for a GPU reset looks whether it happened
+MAX_BACKOFF = 60.0
+
+
+class MigState(StrEnum):
+    PENDING = "pending"
+    APPLYING = "applying"
+    SUCCESS = "success"
+    FAILED = "failed"
+    RESET_REQUIRED = "reset-required"
+
+
+@dataclass(frozen=True, slots=True)
+class MigBusyChecked:
+    generation: int
+    busy: tuple[str, ...]  # "MIG-… held by default/pod (container)" or "MIG-… has 2 processes"
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MigApplied:
+    generation: int
+    error: str | None = None
+    reset_required: tuple[int, ...] = ()
+
+
+class MigManager:
+    def __init__(self, post: Callable[[object], None], pod_resources_socket: Path) -> None:
+        self._post = post
+        self._socket = pod_resources_socket
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mig")
+        self.state: MigState | None = None  # None: no layout is managed
+        self.error: str | None = None
+        self.draining: frozenset[str] = frozenset()
+        self._operations: dict[int, tuple[Operation, ...]] = {}
+        self._generation = 0
+        self._in_flight = False
+        self._next_check = 0.0
+        self._failures = 0
+        self._said_busy: tuple[str, ...] = ()
+
+    def desire(self, layouts: Mapping[int, DesiredLayout] | None, inventory: Inventory, now: float) -> None:
+        """The layout to reach, per GPU index (None: leave MIG alone)."""
+        if layouts is None:
+            self.state, self.error, self.draining, self._operations = None, None, frozenset(), {}
+            return
+        try:
+            operations = diff_node(inventory.gpus, layouts)
+        except LayoutError as error:
+            if str(error) != self.error:
+                log.error("MIG layout cannot be applied; nothing is changed error=%r", str(error))
+            self.state, self.error, self.draining, self._operations = MigState.FAILED, str(error), frozenset(), {}
+            return
+        if not operations:
+            if self.state not in (MigState.SUCCESS, None) or self._operations:
+                log.info("MIG layout in place gpus=%d", len(layouts))
+            self.state, self.error, self.draining, self._operations = MigState.SUCCESS, None, frozenset(), {}
+            self._failures = 0
+            return
+        if operations == self._operations and self.state in (MigState.FAILED, MigState.RESET_REQUIRED):
+            return  # the same change as before, waiting for its retry (or a reset)
+        if operations != self._operations:
+            self._generation += 1
+            self._said_busy = ()
+            if self.state is not MigState.FAILED:  # a failed change keeps its backoff
+                self._next_check = now
+            if self.state is MigState.RESET_REQUIRED:
+                self.state = MigState.PENDING  # the reset happened: what is left can be done now
+            summary = "; ".join(f"GPU {i}: {len(ops)} operations" for i, ops in sorted(operations.items()))
+            log.info("MIG layout change planned %s", summary)
+        self._operations = operations
+        self.draining = frozenset(
+            uuid
+            for ops in operations.values()
+            for op in ops
+            if isinstance(op, DestroyInstance)
+            for uuid in op.mig_uuids
+        )
+        if self.state not in (MigState.APPLYING, MigState.FAILED, MigState.RESET_REQUIRED):
+            self.state = MigState.PENDING
+
+    def fail(self, error: str) -> None:
+        """The layout itself is unusable (bad file, unknown name): change nothing, say why once."""
+        if error != self.error:
+            log.error("MIG layout cannot be applied; nothing is changed error=%r", error)
+        self.state, self.error, self.draining, self._operations = MigState.FAILED, error, frozenset(), {}
+
+    def tick(self, now: float) -> bool:
+        """Start due work; True when the agent should re-read the inventory (a reset may have happened)."""
+        if self._in_flight or now < self._next_check:
+            return False
+        if self.state is MigState.RESET_REQUIRED:
+            self._next_check = now + RESET_RECHECK_INTERVAL
+            return True
+        if self.state is MigState.FAILED and self._operations:
+            self.state = MigState.PENDING  # retry
+        if self.state is MigState.PENDING:
+            self._in_flight = True
+            self._pool.submit(self._check_free, self._generation, self.draining)
+        return False
+
+    def on_busy_checked(self, event: MigBusyChecked, now: float) -> None:
+        self._in_flight = False
+        if event.generation != self._generation or self.state is not MigState.PENDING:
+            return
+        if event.error or event.busy:
+            reason = event.error or ", ".join(event.busy)
+            if event.busy != self._said_busy or event.error:
+                log.info("MIG layout change waits for devices to be freed reason=%r", reason)
+                self._said_busy = event.busy
+            self._next_check = now + CHECK_INTERVAL
+            return
+        self.state = MigState.APPLYING
+        self._in_flight = True
+        log.info("MIG layout change applying generation=%d", self._generation)
+        self._pool.submit(self._apply, self._generation, dict(self._operations))
+
+    def on_applied(self, event: MigApplied, now: float) -> None:
+        """The worker is done; the agent re-reads the inventory and calls ``desire`` again after this."""
+        self._in_flight = False
+        if event.error is not None:
+            self._failures += 1
+            backoff = min(MAX_BACKOFF, 2.0 ** (self._failures - 1))
+            self.state, self.error, self._next_check = MigState.FAILED, event.error, now + backoff
+            log.error("MIG layout change failed retry_in=%.0fs error=%r", backoff, event.error)
+        elif event.reset_required:
+            self.state, self._next_check = MigState.RESET_REQUIRED, now + RESET_RECHECK_INTERVAL
+            self.error = f"GPU(s) {', '.join(map(str, event.reset_required))} need a reset for the MIG mode change"
+            log.warning("MIG mode change pending until a GPU reset gpus=%s", ",".join(map(str, event.reset_required)))
+        else:
+            self.state, self.error, self._failures = MigState.SUCCESS, None, 0
+            log.info("MIG layout change applied generation=%d", event.generation)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # ----- worker -----------------------------------------------------------------------------------
+
+    def _check_free(self, generation: int, draining: frozenset[str]) -> None:
+        try:
+            holders = allocated_devices(self._socket)
+            held = sorted(
+                f"{device_id.split('::')[0]} held by {h.namespace}/{h.pod} ({h.container})"
+                for device_id, h in holders.items()
+                if device_id.split("::")[0] in draining
+            )
+            running = busy_mig_devices(sorted(draining))
+            busy = tuple(held + [f"{uuid} has {n} processes" for uuid, n in sorted(running.items())])
+            self._post(MigBusyChecked(generation, busy))
+        except (PodResourcesError, MigOperationError) as error:
+            # Without the kubelet's word that nothing holds them, the devices are treated as busy.
+            self._post(MigBusyChecked(generation, (), f"cannot tell whether the devices are free: {error}"))
+
+    def _apply(self, generation: int, operations: dict[int, tuple[Operation, ...]]) -> None:
+        reset_required = []
+        try:
+            for gpu_index, ops in sorted(operations.items()):
+                for op in ops:
+                    if isinstance(op, SetMigMode):
+                        if not set_mig_mode(gpu_index, op.enabled):
+                            reset_required.append(gpu_index)
+                            break  # nothing more can happen on this GPU until it is reset
+                    elif isinstance(op, DestroyInstance):
+                        destroy_instance(gpu_index, op.gi_id)
+                    elif isinstance(op, CreateInstance):
+                        create_instance(gpu_index, op.profile_id, op.placement, op.ci_profile_id)
+        except MigOperationError as error:
+            self._post(MigApplied(generation, str(error)))
+            return
+        self._post(MigApplied(generation, None, tuple(reset_required)))
