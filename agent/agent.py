@@ -49,6 +49,7 @@ from agent.mps.manager import MpsDaemonFailed, MpsDaemonReady, MpsDaemonStopped,
 from agent.plugin.registration import KUBELET_SOCKET, RegistrationError, register
 from agent.plugin.server import ResourceServer
 from agent.plugin.watch import KubeletSocketChanged, KubeletWatcher
+from agent.telemetry.service import Telemetry, TelemetrySettings
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class AgentOptions:
     kubeconfig: str | None = None  # outside a pod: how to reach the Kubernetes API
     health: HealthPolicy = field(default_factory=HealthPolicy)
     liveness_probe_seconds: float = 5.0
+    telemetry: TelemetrySettings | None = None  # None: no metrics endpoint, no node labels
 
     @property
     def kubelet_socket(self) -> Path:
@@ -122,6 +124,10 @@ class AgentStatus:
     mps: dict[str, dict[str, object]] = field(default_factory=dict)  # MPS daemon key -> state, restarts, error
     mig_state: str | None = None  # nvidia.com/mig.config.state: pending, applying, success, failed, reset-required
     mig_error: str | None = None
+    inventory: Inventory | None = None
+    plan: ResourcePlan | None = None
+    config_errors_total: int = 0
+    xid_counts: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (gpu, UUID, xid) -> events
 
 
 class Stoppable(Protocol):
@@ -159,7 +165,11 @@ class Agent:
         self._serve_retry_at: dict[str, float] = {}
         self._event_watcher: NvmlEventWatcher | None = None
         self._kubelet_watcher: KubeletWatcher | None = None
+        self._config_errors = 0
+        self._xid_counts: dict[tuple[str, str, str], int] = {}
+        self._telemetry: Telemetry | None = None
         self.status = AgentStatus()
+        self.heartbeat = self._clock()  # the loop's last turn, for /healthz
         self.started = threading.Event()
 
     # ----- the outside world talks to the loop only through events --------------------------------
@@ -187,6 +197,7 @@ class Agent:
                 if event is not None:
                     self._handle(event)
                 self._tick()
+                self.heartbeat = self._clock()
         finally:
             self._shutdown()
 
@@ -209,10 +220,23 @@ class Agent:
         self._event_watcher.start()
         self._kubelet_watcher = KubeletWatcher(self.options.kubelet_socket, self.post)
         self._kubelet_watcher.start()
+        if self.options.telemetry is not None:
+            try:
+                self._telemetry = Telemetry(self.options.telemetry, self)
+            except (OSError, ValueError) as error:  # metrics are not worth failing the node's GPUs for
+                log.error("no metrics endpoint address=%s error=%r", self.options.telemetry.metrics_address, str(error))
+            else:
+                self._telemetry.start()
 
     def _shutdown(self) -> None:
         self.started.set()  # a caller waiting for the start learns that it is over
-        for watcher in (self._kubelet_watcher, self._event_watcher, self._config_watcher, self._label_watcher):
+        for watcher in (
+            self._telemetry,
+            self._kubelet_watcher,
+            self._event_watcher,
+            self._config_watcher,
+            self._label_watcher,
+        ):
             if watcher is not None:
                 watcher.stop()
         for server in self._servers.values():
@@ -355,6 +379,7 @@ class Agent:
         except (ConfigError, PlanError) as error:
             message = str(error)
             if message != self._config_error:
+                self._config_errors += 1
                 kept = f"keeping config {self._loaded.name!r}" if self._loaded else "advertising nothing until fixed"
                 log.error("config rejected; %s error=%r", kept, message)
             self._config_error = message
@@ -442,6 +467,10 @@ class Agent:
     # ----- health ---------------------------------------------------------------------------------
 
     def _on_xid(self, event: XidEvent) -> None:
+        gpu = self._inventory.gpu_by_uuid(event.gpu_uuid) if self._inventory else None
+        key = (str(gpu.index) if gpu else "", event.gpu_uuid, str(event.xid))
+        self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
+        self._refresh_status()
         if not self.options.health.is_critical(event.xid):
             log.info("ignored XID gpu=%s xid=%d", event.gpu_uuid, event.xid)
             return
@@ -617,4 +646,8 @@ class Agent:
             mps=self._mps.status(),
             mig_state=str(self._mig.state) if self._mig.state else None,
             mig_error=self._mig.error,
+            inventory=self._inventory,
+            plan=self._plan,
+            config_errors_total=self._config_errors,
+            xid_counts=dict(self._xid_counts),
         )

@@ -160,6 +160,57 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         help="host directory for MPS pipes, logs and shm (default: the config's mpsRoot, MPS_ROOT, /run/nvidia/mps)",
     )
     _env_flag(parser, "--mps-control", "TESSERA_MPS_CONTROL", help="the nvidia-cuda-mps-control binary (default: PATH)")
+    _env_flag(parser, "--mig-config", "TESSERA_MIG_CONFIG", help="a MIG layout file (mig-parted's format)")
+    _env_flag(
+        parser,
+        "--mig-config-name",
+        "TESSERA_MIG_CONFIG_NAME",
+        help="which MIG layout (else the node label nvidia.com/mig.config, else the config's)",
+    )
+    _env_flag(
+        parser,
+        "--metrics-address",
+        "TESSERA_METRICS_ADDRESS",
+        default=":9479",
+        help="where /metrics, /healthz and /readyz are served (HOST:PORT or :PORT; 'off' for none)",
+    )
+    _env_flag(
+        parser,
+        "--metrics-interval",
+        "TESSERA_METRICS_INTERVAL",
+        default="10",
+        type=float,
+        help="seconds between metric collections (a scrape serves the last one)",
+    )
+    _env_flag(
+        parser,
+        "--idle-threshold",
+        "TESSERA_IDLE_THRESHOLD",
+        default="5",
+        type=float,
+        help="utilization percent under which an allocated device counts as idle",
+    )
+    _env_flag(
+        parser,
+        "--host-proc",
+        "TESSERA_HOST_PROC",
+        default="/proc",
+        help="the host's /proc (read-only mount), to attribute GPU processes to pods",
+    )
+    _env_flag(
+        parser,
+        "--nfd-features-dir",
+        "TESSERA_NFD_FEATURES_DIR",
+        help="write node labels as an NFD local feature file in this directory "
+        "(e.g. /etc/kubernetes/node-feature-discovery/features.d)",
+    )
+    parser.add_argument(
+        "--shared-product-suffix",
+        action="store_true",
+        default=os.environ.get("TESSERA_SHARED_PRODUCT_SUFFIX", "") == "true",
+        help="GFD's -SHARED suffix on gpu.product for shared GPUs (breaks some selectors) "
+        "[env TESSERA_SHARED_PRODUCT_SUFFIX=true]",
+    )
     _env_flag(parser, "--cdi-kind", "TESSERA_CDI_KIND", help="CDI device kind for cdi-* strategies (nvidia.com/gpu)")
     _env_flag(
         parser,

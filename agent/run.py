@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import threading
 from contextlib import ExitStack
 from pathlib import Path
@@ -16,6 +17,8 @@ from agent.config.labels import validate_node_name
 from agent.config.model import safe_host_path
 from agent.core.allocation import DeviceListStrategy
 from agent.core.health import xid_policy
+from agent.telemetry.server import parse_address
+from agent.telemetry.service import TelemetrySettings
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +65,35 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> AgentOpt
             mps_root=_mps_root(args.mps_root or environ.get("MPS_ROOT")),
         ),
         mps_control=args.mps_control,
+        mig_config=Path(args.mig_config) if args.mig_config else None,
+        mig_config_name=args.mig_config_name,
+        telemetry=_telemetry(args, node_name),
         config_path=Path(args.config) if args.config else None,
         config_name=args.config_name,
         node_name=node_name,
         kubeconfig=args.kubeconfig,
         health=policy,
+    )
+
+
+def _telemetry(args: argparse.Namespace, node_name: str | None) -> TelemetrySettings | None:
+    if args.metrics_address in ("", "off", "none"):
+        return None
+    try:
+        parse_address(args.metrics_address)
+    except ValueError as error:
+        raise OptionsError(f"--metrics-address: {error}") from error
+    if args.metrics_interval <= 0 or not 0 <= args.idle_threshold <= 100:
+        raise OptionsError("--metrics-interval must be > 0 and --idle-threshold between 0 and 100")
+    features = Path(safe_host_path(args.nfd_features_dir)) if args.nfd_features_dir else None
+    return TelemetrySettings(
+        hostname=node_name or socket.gethostname(),
+        metrics_address=args.metrics_address,
+        interval=args.metrics_interval,
+        idle_threshold_percent=args.idle_threshold,
+        proc_root=Path(safe_host_path(args.host_proc)),
+        nfd_features_dir=features,
+        shared_product_suffix=args.shared_product_suffix,
     )
 
 

@@ -1,0 +1,62 @@
+"""Telemetry reads through NVML: memory, utilization and processes per GPU and per MIG device.
+
+One failing GPU gives a ``GpuStats`` with its NVML error and no numbers; the others are still read.
+Utilization is ``None`` where the driver does not report it (a MIG-enabled GPU): Tessera does not fake it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pynvml
+
+from agent.core.inventory import Inventory
+from agent.gpu.nvml import error_name, is_error, nvml_session
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessStat:
+    pid: int
+    used_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStats:
+    uuid: str
+    memory_total_bytes: int
+    memory_used_bytes: int
+    utilization_percent: int | None
+    processes: tuple[ProcessStat, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GpuStats:
+    uuid: str
+    error: str | None = None
+    gpu: DeviceStats | None = None
+    migs: dict[str, DeviceStats] = field(default_factory=dict)
+
+
+def read_stats(inventory: Inventory) -> dict[str, GpuStats]:
+    stats: dict[str, GpuStats] = {}
+    with nvml_session():
+        for gpu in inventory.gpus:
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+                migs = {m.uuid: _device(pynvml.nvmlDeviceGetHandleByUUID(m.uuid), m.uuid) for m in gpu.mig_devices}
+                stats[gpu.uuid] = GpuStats(gpu.uuid, None, _device(handle, gpu.uuid), migs)
+            except pynvml.NVMLError as error:
+                stats[gpu.uuid] = GpuStats(gpu.uuid, error_name(error))
+    return stats
+
+
+def _device(handle: object, uuid: str) -> DeviceStats:
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    try:
+        utilization: int | None = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+    except pynvml.NVMLError as error:
+        if not is_error(error, "NOT_SUPPORTED"):
+            raise
+        utilization = None
+    processes = tuple(ProcessStat(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+    return DeviceStats(uuid, memory.total, memory.used, utilization, processes)

@@ -1,0 +1,69 @@
+"""``/metrics``, ``/healthz`` (the loops are alive) and ``/readyz`` (registered with the kubelet)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from agent.telemetry.collector import LastCollection
+
+log = logging.getLogger(__name__)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``:PORT`` (all interfaces); port 0 picks a free port (``TelemetryServer.port`` tells)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"metrics address {address!r} must be HOST:PORT or :PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)  # noqa: S104 - a node agent's metrics port, by design
+
+
+class TelemetryServer:
+    def __init__(
+        self,
+        address: str,
+        last: LastCollection,
+        healthy: Callable[[], tuple[bool, str]],
+        ready: Callable[[], tuple[bool, str]],
+    ) -> None:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(last)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                elif path in ("/healthz", "/readyz"):
+                    ok, why = (healthy if path == "/healthz" else ready)()
+                    self._reply(200 if ok else 503, (why + "\n").encode(), "text/plain; charset=utf-8")
+                else:
+                    self._reply(404, b"not found: /metrics, /healthz, /readyz\n", "text/plain; charset=utf-8")
+
+            def _reply(self, code: int, body: bytes, content_type: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                return  # scrapes are not log events
+
+        self._server = ThreadingHTTPServer(parse_address(address), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        log.info("serving metrics port=%d paths=/metrics,/healthz,/readyz", self.port)
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

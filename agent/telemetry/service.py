@@ -1,0 +1,106 @@
+"""Telemetry for a running agent: the collection thread, the HTTP endpoint and the NFD feature file."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agent.plugin.podresources import allocated_devices
+from agent.telemetry.collector import TelemetryCollector, TelemetryOptions
+from agent.telemetry.server import TelemetryServer
+
+if TYPE_CHECKING:
+    from agent.agent import Agent
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METRICS_ADDRESS = ":9479"  # not 9400, which dcgm-exporter uses on the same nodes
+FEATURE_FILE = "tessera"
+STALE_LOOP_SECONDS = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetrySettings:
+    hostname: str
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
+    interval: float = 10.0
+    idle_threshold_percent: float = 5.0
+    proc_root: Path = Path("/proc")
+    nfd_features_dir: Path | None = None
+    shared_product_suffix: bool = False
+
+
+class Telemetry:
+    def __init__(self, settings: TelemetrySettings, agent: Agent) -> None:
+        self.settings = settings
+        self._agent = agent
+        options = TelemetryOptions(
+            hostname=settings.hostname,
+            interval=settings.interval,
+            idle_threshold_percent=settings.idle_threshold_percent,
+            proc_root=settings.proc_root,
+            device_plugin_dir=agent.options.device_plugin_dir,
+            pod_resources_socket=agent.options.pod_resources_socket,
+        )
+        self.collector = TelemetryCollector(
+            options,
+            status=lambda: agent.status,
+            holders=lambda: allocated_devices(agent.options.pod_resources_socket),
+            on_collected=self._write_labels,
+        )
+        self.server = TelemetryServer(settings.metrics_address, self.collector.last, self.healthy, self.ready)
+        self._labels_error: str | None = None
+
+    def start(self) -> None:
+        self.collector.start()
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.collector.stop()
+
+    def healthy(self) -> tuple[bool, str]:
+        """The reconcile loop turns and metrics are collected."""
+        loop_age = time.monotonic() - self._agent.heartbeat
+        if loop_age > STALE_LOOP_SECONDS:
+            return False, f"the reconcile loop has not turned for {loop_age:.0f} s"
+        collected = self.collector.last.collected_at
+        if collected is not None and time.time() - collected > 3 * self.settings.interval + 10:
+            return False, f"metrics were last collected {time.time() - collected:.0f} s ago"
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        """Every advertised resource is registered with the kubelet."""
+        status = self._agent.status
+        if not status.kubelet_present:
+            return False, "waiting for the kubelet"
+        missing = sorted(set(status.resources) - status.registered)
+        if missing:
+            return False, f"not registered yet: {', '.join(missing)}"
+        return True, f"ok: {len(status.resources)} resources registered"
+
+    def _write_labels(self, status: object) -> None:
+        directory = self.settings.nfd_features_dir
+        inventory, plan = getattr(status, "inventory", None), getattr(status, "plan", None)
+        if directory is None or inventory is None or plan is None:
+            return
+        from agent.telemetry.labels import node_labels
+        from agent.telemetry.nfd import write_feature_file
+
+        try:
+            labels = node_labels(
+                inventory,
+                plan,
+                mig_config_state=getattr(status, "mig_state", None),
+                shared_suffix=self.settings.shared_product_suffix,
+            )
+            if write_feature_file(directory / FEATURE_FILE, labels):
+                log.info("node labels written path=%s labels=%d", directory / FEATURE_FILE, len(labels))
+            self._labels_error = None
+        except (OSError, ValueError) as error:
+            if str(error) != self._labels_error:
+                log.error("cannot write node labels path=%s error=%r", directory, str(error))
+            self._labels_error = str(error)
