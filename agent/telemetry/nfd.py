@@ -1,0 +1,117 @@
+"""Node labels as a Node Feature Discovery local feature file (NFD's ``features.d``), as GFD writes them.
+
+NFD's ``local`` source reads every file in ``/etc/kubernetes/node-feature-discovery/features.d/`` (mounted into the
+nfd-worker) and labels the node with its ``key=value`` lines; a file's labels disappear when the file does. What
+that reader does, and what follows for the writer:
+
+- lines are trimmed, ``#`` starts a comment (``# +expiry-time=...`` is a directive) and a line without ``=`` means
+  ``key=true``: Tessera writes plain ``key=value`` lines, sorted, with no header, so old NFD versions read it too;
+- files whose name starts with ``.`` are skipped: the temporary file is ``.<name>.<random>.tmp``, so a half-written
+  file is never read, and a hidden target name (which NFD would ignore) is refused;
+- files over 64 KiB are skipped whole: a larger content is refused here rather than silently dropped there;
+- NFD re-reads the directory every sleep interval (60 s by default): the file is replaced atomically (temporary
+  file in the same directory, fsync, ``os.replace``, directory fsync) and only when its content changes, so NFD
+  never sees a partial file and an unchanged node never touches the disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from agent.telemetry.labels import is_label_key, is_label_value
+
+FEATURES_DIR = Path("/etc/kubernetes/node-feature-discovery/features.d")
+DEFAULT_FEATURE_FILE = FEATURES_DIR / "tessera"  # GFD's is features.d/gfd
+MAX_FEATURE_FILE_BYTES = 65536  # NFD's MaxFeatureFileSize
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+
+
+def render_feature_file(labels: Mapping[str, str]) -> str:
+    """The file's content: one ``key=value`` line per label, sorted by key.
+
+    Raises ``ValueError`` naming every key or value that is not a valid Kubernetes label.
+    """
+    problems = [f"invalid label key {k!r}" for k in labels if not is_label_key(k)]
+    problems += [f"invalid value {v!r} for label {k!r}" for k, v in labels.items() if not is_label_value(v)]
+    if problems:
+        raise ValueError("cannot write node labels: " + "; ".join(sorted(problems)))
+    text = "".join(f"{key}={labels[key]}\n" for key in sorted(labels))
+    if len(text.encode()) > MAX_FEATURE_FILE_BYTES:
+        raise ValueError(
+            f"cannot write node labels: {len(text.encode())} bytes is more than the {MAX_FEATURE_FILE_BYTES} "
+            "bytes NFD reads from a feature file"
+        )
+    return text
+
+
+def write_feature_file(path: Path, labels: Mapping[str, str]) -> bool:
+    """Write ``labels`` to the feature file ``path`` if its content changes; True when the file was written.
+
+    The directory is created (mode 0755) when its parent exists. Raises ``ValueError`` for a path with ``..`` or a
+    hidden or empty file name and for invalid labels, ``FileNotFoundError`` / ``NotADirectoryError`` /
+    ``IsADirectoryError`` when the path cannot hold the file, and ``OSError`` when writing fails (the old file is
+    then left as it was).
+    """
+    path = Path(path)
+    target = _checked(path)
+    data = render_feature_file(labels).encode()
+    with contextlib.suppress(FileNotFoundError):
+        if target.read_bytes() == data:
+            return False
+    _replace(target, data)
+    return True
+
+
+def _checked(path: Path) -> Path:
+    if ".." in path.parts:
+        raise ValueError(f"feature file path {str(path)!r} must not contain '..'")
+    if path.name in ("", ".") or path.name.startswith("."):
+        raise ValueError(
+            f"feature file path {str(path)!r} needs a file name that does not start with '.' (NFD ignores hidden files)"
+        )
+    directory = path.parent
+    if not directory.exists():
+        if not directory.parent.is_dir():
+            raise FileNotFoundError(
+                f"cannot write the feature file {path}: neither {directory} nor its parent {directory.parent} exists; "
+                "mount NFD's features.d directory (/etc/kubernetes/node-feature-discovery/features.d) into the pod"
+            )
+        directory.mkdir(mode=DIR_MODE, exist_ok=True)
+        directory.chmod(DIR_MODE)  # mkdir's mode is filtered by the umask
+    if not directory.is_dir():
+        raise NotADirectoryError(f"cannot write the feature file {path}: {directory} is not a directory")
+    if path.is_dir():
+        raise IsADirectoryError(f"cannot write the feature file {path}: it is a directory")
+    return path
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Atomically replace ``path`` with ``data``: a hidden temporary file in the same directory, then rename."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    temporary = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fchmod(stream.fileno(), FILE_MODE)
+            os.fsync(stream.fileno())
+        temporary.replace(path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable; some filesystems cannot fsync a directory, which is then only best effort."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
