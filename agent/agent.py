@@ -172,6 +172,11 @@ class Agent:
         self.heartbeat = self._clock()  # the loop's last turn, for /healthz
         self.started = threading.Event()
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The port /metrics is served on (useful with an ephemeral ``:0`` address), or None."""
+        return self._telemetry.server.port if self._telemetry else None
+
     # ----- the outside world talks to the loop only through events --------------------------------
 
     def post(self, event: object) -> None:

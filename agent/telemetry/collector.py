@@ -68,7 +68,7 @@ class TelemetryCollector:
         self._holders = holders
         self._on_collected = on_collected
         self._idle_seconds: dict[tuple[str, ...], float] = defaultdict(float)
-        self._xids: dict[tuple[str, str, str], int] = {}
+        self._last_collection: float | None = None  # monotonic time of the previous collection
         self._warned: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
@@ -109,14 +109,20 @@ class TelemetryCollector:
         except Exception as error:
             self._warn_once("podresources", f"metrics without pod labels: cannot read PodResources error={error!r}")
             holders = {}
-        families = self._families(status, stats, holders)
+        now = time.monotonic()
+        elapsed = 0.0 if self._last_collection is None else now - self._last_collection
+        self._last_collection = now
+        families = self._families(status, stats, holders, elapsed)
         self.last.families = families
         self.last.collected_at = time.time()
         self._on_collected(status)
 
     # ----- building the families ----------------------------------------------------------------------
 
-    def _families(self, status: object, stats: dict[str, GpuStats], holders: dict[str, Holder]) -> list[Metric]:
+    def _families(
+        self, status: object, stats: dict[str, GpuStats], holders: dict[str, Holder], elapsed: float
+    ) -> list[Metric]:
+        """``elapsed``: seconds since the previous collection, credited to the devices that are idle now."""
         host = self.options.hostname
         inventory = getattr(status, "inventory", None)
         gpus = inventory.gpus if inventory is not None else ()
@@ -185,6 +191,7 @@ class TelemetryCollector:
         )
         resources = getattr(status, "resources", {})
         registered_names = getattr(status, "registered", frozenset())
+        held_now: set[tuple[str, ...]] = set()
         for name, snapshot in sorted(resources.items()):
             counts = {"total": 0, "healthy": 0, "allocated": 0}
             for device in snapshot.devices:
@@ -199,12 +206,15 @@ class TelemetryCollector:
                 counts["allocated"] += int(holder is not None)
                 if holder is not None:
                     key = (name, device.id, str(device.gpu_index), device.gpu_uuid, *who, host)
+                    held_now.add(key)
                     if self._is_idle(stats.get(device.gpu_uuid), device.mig_uuid):
-                        self._idle_seconds[key] += self.options.interval
+                        self._idle_seconds[key] += elapsed
                     idle.add_metric(list(key), self._idle_seconds[key])
             for state, value in counts.items():
                 resource_devices.add_metric([name, state, host], value)
             registered.add_metric([name, host], 1 if name in registered_names else 0)
+        for gone in self._idle_seconds.keys() - held_now:  # a released device's series ends; its memory too
+            del self._idle_seconds[gone]
 
         pod_memory = self._pod_memory(gpus, stats, holders, host)
         families: list[Metric] = [

@@ -8,11 +8,15 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import generate_latest
 
 from agent.telemetry.collector import LastCollection
 
 log = logging.getLogger(__name__)
+
+# The classic text format, which every scraper reads. (Newer prometheus_client's CONTENT_TYPE_LATEST says
+# version=1.0.0, which its own server only sends to a scraper that asks for it.)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -38,7 +42,7 @@ class TelemetryServer:
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                    self._reply(200, generate_latest(registry), CONTENT_TYPE)
                 elif path in ("/healthz", "/readyz"):
                     ok, why = (healthy if path == "/healthz" else ready)()
                     self._reply(200 if ok else 503, (why + "\n").encode(), "text/plain; charset=utf-8")

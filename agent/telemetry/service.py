@@ -96,6 +96,7 @@ class Telemetry:
                 plan,
                 mig_config_state=getattr(status, "mig_state", None),
                 shared_suffix=self.settings.shared_product_suffix,
+                machine=_machine(),
             )
             if write_feature_file(directory / FEATURE_FILE, labels):
                 log.info("node labels written path=%s labels=%d", directory / FEATURE_FILE, len(labels))
@@ -104,3 +105,11 @@ class Telemetry:
             if str(error) != self._labels_error:
                 log.error("cannot write node labels path=%s error=%r", directory, str(error))
             self._labels_error = str(error)
+
+
+def _machine() -> str | None:
+    """The machine type for nvidia.com/gpu.machine, as GFD reads it (DMI product name)."""
+    try:
+        return Path("/sys/class/dmi/id/product_name").read_text(errors="replace").strip() or None
+    except OSError:
+        return None

@@ -1,0 +1,470 @@
+"""Telemetry end to end: an in-process agent, the kubelet emulator with PodResources, scrapes over real HTTP.
+
+The node is DGX-A100-like: GPU 0 in MIG mode (3g.40gb + 2x 1g.10gb, ``mixed``), GPUs 1 and 2 full and
+time-sliced four ways. Pods are created through the emulator (so PodResources and the device-manager
+checkpoint are the kubelet's), GPU processes are placed in the simulated driver, and a fake ``/proc`` tree
+gives each process the cgroup of its pod. Every assertion reads the Prometheus text the agent serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.agent import Agent, AgentOptions
+from agent.sim.driver import SimDriver
+from agent.sim.kubelet import KubeletEmulator, Pod
+from agent.telemetry.service import TelemetrySettings
+
+HOST = "dgx-a100-7"
+GPU = "nvidia.com/gpu"
+SMALL = "nvidia.com/mig-1g.10gb"
+LARGE = "nvidia.com/mig-3g.40gb"
+MIB = 1 << 20
+NODE = {
+    "name": "dgx-a100-telemetry",
+    "nvlink": "nvswitch",
+    "numa_nodes": 2,
+    "gpus": [
+        {"model": "A100-SXM4-80GB", "mig": {"instances": ["3g.40gb", "1g.10gb", "1g.10gb"]}},
+        {"model": "A100-SXM4-80GB", "count": 2},
+    ],
+}
+MIG_LAYOUT = """
+migLayout:
+  config: dgx-mixed
+  layouts:
+    version: v1
+    mig-configs:
+      dgx-mixed:
+        - devices: [0]
+          mig-enabled: true
+          mig-devices: {3g.40gb: 1, 1g.10gb: 2}
+        - devices: [1, 2]
+          mig-enabled: false
+"""
+TIME_SLICED = (
+    "version: v1\nflags: {migStrategy: mixed}\n"
+    "sharing:\n  timeSlicing:\n    resources:\n      - name: nvidia.com/gpu\n        replicas: 4\n" + MIG_LAYOUT
+)
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def cgroup_line(uid: str) -> str:
+    """What /proc/<pid>/cgroup says for a container of a BestEffort pod (cgroup v2, systemd driver, containerd)."""
+    slice_uid = uid.replace("-", "_")
+    return (
+        "0::/kubepods.slice/kubepods-besteffort.slice/"
+        f"kubepods-besteffort-pod{slice_uid}.slice/cri-containerd-abc123.scope\n"
+    )
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    """Poll ``predicate`` until it returns something truthy (returned) or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@dataclass
+class TelemetryNode:
+    """A simulated node, the kubelet emulator and an in-process agent serving metrics on a free loopback port."""
+
+    driver: SimDriver
+    base: Path
+    kubelet: KubeletEmulator
+    agent: Agent | None = None
+    thread: threading.Thread | None = None
+    proc: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.proc = self.base / "proc"
+        self.proc.mkdir(exist_ok=True)
+
+    @classmethod
+    def create(cls, driver: SimDriver, config: str, *, pod_resources: bool = True) -> TelemetryNode:
+        """``@BASE@`` in ``config`` becomes the node's temporary directory (for an MPS root, say)."""
+        base = Path(tempfile.mkdtemp(prefix="tm", dir="/tmp"))  # short: unix socket paths are limited
+        (base / "config.yaml").write_text(config.replace("@BASE@", str(base)))
+        kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock" if pod_resources else None)
+        return cls(driver, base, kubelet)
+
+    def start_agent(self, **options: object) -> Agent:
+        settings = TelemetrySettings(hostname=HOST, metrics_address="127.0.0.1:0", interval=0.2, proc_root=self.proc)
+        self.agent = Agent(
+            AgentOptions(
+                device_plugin_dir=self.base / "dp",
+                pod_resources_socket=self.base / "pr" / "kubelet.sock",
+                config_path=self.base / "config.yaml",
+                telemetry=settings,
+                **options,
+            )
+        )
+        self.thread = threading.Thread(target=self.agent.run, name="agent-under-test")
+        self.thread.start()
+        assert self.agent.started.wait(20)
+        assert self.agent._telemetry is not None, "the metrics endpoint did not start"
+        return self.agent
+
+    def wait_registered(self, timeout: float = 15, resources: tuple[str, ...] = (GPU, SMALL, LARGE)) -> None:
+        """Until ``resources`` are advertised, and everything advertised is registered with the kubelet."""
+        agent = self.agent
+        assert agent is not None
+
+        def done() -> bool:
+            status = agent.status
+            return set(resources) <= status.registered and status.registered == set(status.resources)
+
+        wait_until(done, timeout, f"{', '.join(resources)} registered")
+
+    def stop(self) -> None:
+        if self.agent is not None and self.thread is not None:
+            self.agent.stop()
+            self.thread.join(timeout=20)
+        self.kubelet.stop()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    # ----- HTTP -----------------------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        assert self.agent is not None and self.agent._telemetry is not None
+        return self.agent.metrics_port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str) -> tuple[int, str, str]:
+        """(status, content type, body) of a GET on the metrics server."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=5) as response:
+                return response.status, response.headers["Content-Type"], response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.headers["Content-Type"], error.read().decode()
+
+    def text(self) -> str:
+        status, _, body = self.get("/metrics")
+        assert status == 200
+        return body
+
+    def scrape(self) -> Samples:
+        """Sample name -> [(labels, value)], parsed with prometheus_client's parser."""
+        samples: Samples = {}
+        for family in text_string_to_metric_families(self.text()):
+            for sample in family.samples:
+                samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+        return samples
+
+    def wait_samples(self, predicate: Callable[[Samples], object], timeout: float, what: str) -> Samples:
+        """Scrape until ``predicate(samples)`` holds; the collection runs every 0.2 s."""
+        found: list[Samples] = []
+
+        def check() -> bool:
+            samples = self.scrape()
+            if predicate(samples):
+                found.append(samples)
+                return True
+            return False
+
+        wait_until(check, timeout, what)
+        return found[0]
+
+    # ----- pods and processes -----------------------------------------------------------------------------
+
+    def run_process(self, pod: Pod, gpu: int, pid: int, used_mib: int, *, mig_uuid: str | None = None) -> None:
+        """A process of ``pod`` on the GPU: in the driver, and in the fake /proc with the pod's cgroup."""
+        (self.proc / str(pid)).mkdir()
+        (self.proc / str(pid) / "cgroup").write_text(cgroup_line(pod.uid))
+        self.driver.add_process(gpu, pid, used_mib, mig_uuid=mig_uuid)
+
+
+def series(samples: Samples, name: str, **match: str) -> list[tuple[dict[str, str], float]]:
+    return [
+        (labels, value) for labels, value in samples.get(name, []) if all(labels.get(k) == v for k, v in match.items())
+    ]
+
+
+def value(samples: Samples, name: str, **match: str) -> float:
+    (only,) = series(samples, name, **match)
+    return only[1]
+
+
+def held_device(pod: Pod, container: str, resource: str) -> str:
+    (device,) = pod.containers[container][resource].device_ids
+    return device
+
+
+def gpu_of(node: TelemetryNode, device_id: str) -> int:
+    """The GPU index of an advertised device (a replica ``GPU-…::n`` or a MIG UUID)."""
+    index, _, _ = node.driver.find_uuid(device_id.split("::")[0])
+    return index
+
+
+@pytest.fixture
+def make_node(sim_node) -> Iterator[Callable[..., TelemetryNode]]:
+    nodes: list[TelemetryNode] = []
+
+    def make(config: str = TIME_SLICED, *, pod_resources: bool = True, start_kubelet: bool = True) -> TelemetryNode:
+        node = TelemetryNode.create(sim_node(NODE), config, pod_resources=pod_resources)
+        nodes.append(node)
+        if start_kubelet:
+            node.kubelet.start()
+        return node
+
+    yield make
+    for node in nodes:
+        node.stop()
+
+
+@pytest.fixture
+def node(make_node) -> TelemetryNode:
+    node = make_node()
+    node.start_agent()
+    node.wait_registered()
+    return node
+
+
+# ----- the documented metrics ---------------------------------------------------------------------------------
+
+
+def documented() -> dict[str, tuple[str, list[str]]]:
+    """docs/metrics.md's metric table: exposed name -> (type, labels in order)."""
+    rows = {}
+    for line in DOCS.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and cells[0].startswith("`tessera_"):
+            rows[cells[0].strip("`")] = (cells[1], re.findall(r"`([^`]+)`", cells[2]))
+    return rows
+
+
+def test_the_exposition_matches_docs_and_uses_dcgm_label_names(node: TelemetryNode) -> None:
+    kubelet = node.kubelet
+    status, content_type, _ = node.get("/metrics")
+    assert status == 200 and content_type.startswith("text/plain; version=0.0.4")
+    pod = kubelet.create_pod("trainer-0", {"main": {GPU: 1}}, namespace="team-a")
+    node.wait_samples(lambda s: series(s, "tessera_device_allocated", pod="trainer-0"), 5, "the pod's device")
+
+    docs = documented()
+    assert len(docs) >= 20, "the metric table of docs/metrics.md was not found"
+    families = list(text_string_to_metric_families(node.text()))
+    exposed = {f.name + ("_total" if f.type == "counter" else ""): f for f in families}
+    assert set(exposed) == set(docs), "every exposed metric is documented, and every documented one is exposed"
+    for name, family in exposed.items():
+        kind, labels = docs[name]
+        assert family.type == kind, name
+        for sample in family.samples:
+            assert set(sample.labels) == set(labels), (name, sample.labels)
+
+    samples = node.scrape()
+    gpu_labels = {"gpu", "UUID", "modelName", "Hostname"}
+    assert {frozenset(labels) for labels, _ in samples["tessera_gpu_up"]} == {frozenset(gpu_labels)}
+    mig = samples["tessera_mig_memory_total_bytes"]
+    assert {(labels["GPU_I_PROFILE"], labels["gpu"]) for labels, _ in mig} == {("3g.40gb", "0"), ("1g.10gb", "0")}
+    assert len(mig) == 3 and all(labels["GPU_I_ID"].isdigit() for labels, _ in mig)
+    assert all(labels["Hostname"] == HOST and labels["modelName"] == "NVIDIA A100-SXM4-80GB" for labels, _ in mig)
+    allocated = samples["tessera_device_allocated"]
+    assert {frozenset(labels) for labels, _ in allocated} == {
+        frozenset(
+            {*gpu_labels - {"modelName"}, "GPU_I_PROFILE", "pod", "namespace", "container", "resource", "device_id"}
+        )
+    }
+    (mine,) = [labels for labels, v in allocated if v == 1]
+    assert mine["device_id"] == held_device(pod, "main", GPU)
+    assert (mine["pod"], mine["namespace"], mine["container"], mine["resource"]) == ("trainer-0", "team-a", "main", GPU)
+    assert value(samples, "tessera_mig_config_state", state="success") == 1
+    assert value(samples, "tessera_config_valid") == 1
+    assert value(samples, "tessera_resource_registered", resource=SMALL) == 1
+
+
+def test_pods_from_the_emulator_label_their_devices(node: TelemetryNode) -> None:
+    kubelet = node.kubelet
+    shared = kubelet.create_pod("web", {"server": {GPU: 1}, "sidecar": {}}, namespace="shop")
+    small = kubelet.create_pod("notebook", {"jupyter": {SMALL: 1}}, namespace="research")
+    large = kubelet.create_pod("finetune", {"trainer": {LARGE: 1}}, namespace="research")
+
+    samples = node.wait_samples(
+        lambda s: len([v for _, v in s.get("tessera_device_allocated", []) if v == 1]) == 3, 5, "three held devices"
+    )
+    expected = {
+        (held_device(shared, "server", GPU), GPU, "web", "shop", "server"),
+        (held_device(small, "jupyter", SMALL), SMALL, "notebook", "research", "jupyter"),
+        (held_device(large, "trainer", LARGE), LARGE, "finetune", "research", "trainer"),
+    }
+    held = {
+        (labels["device_id"], labels["resource"], labels["pod"], labels["namespace"], labels["container"])
+        for labels, v in samples["tessera_device_allocated"]
+        if v == 1
+    }
+    assert held == expected
+    assert "::" in held_device(shared, "server", GPU)  # a time-sliced replica, as NVIDIA's plugin names them
+    small_labels = series(samples, "tessera_device_allocated", pod="notebook")[0][0]
+    assert small_labels["GPU_I_PROFILE"] == "1g.10gb" and small_labels["gpu"] == "0"
+    free = [labels for labels, v in samples["tessera_device_allocated"] if v == 0]
+    assert free and all(labels["pod"] == labels["namespace"] == labels["container"] == "" for labels in free)
+    assert value(samples, "tessera_resource_devices", resource=GPU, state="allocated") == 1
+    assert value(samples, "tessera_resource_devices", resource=GPU, state="total") == 8
+    assert value(samples, "tessera_resource_devices", resource=SMALL, state="total") == 2
+
+    kubelet.delete_pod("web", namespace="shop")
+    node.wait_samples(
+        lambda s: not series(s, "tessera_device_allocated", pod="web"), 5, "the deleted pod's labels gone"
+    )
+
+
+def test_per_pod_memory_on_a_time_sliced_gpu(node: TelemetryNode) -> None:
+    kubelet = node.kubelet
+    pods = [kubelet.create_pod(f"worker-{n}", {"main": {GPU: 1}}, namespace="batch") for n in range(3)]
+    by_gpu: dict[int, list[Pod]] = {}
+    for pod in pods:
+        by_gpu.setdefault(gpu_of(node, held_device(pod, "main", GPU)), []).append(pod)
+    shared_gpu, pair = next((g, p) for g, p in by_gpu.items() if len(p) == 2)  # spread: three pods, two GPUs
+    first, second = pair
+    node.run_process(first, shared_gpu, 4242, 3000)
+    node.run_process(second, shared_gpu, 4343, 5000)
+    node.run_process(second, shared_gpu, 4344, 1000)  # a second process of the same pod adds up
+    node.driver.add_process(shared_gpu, 4545, 700)  # no /proc entry (a host process): not any pod's
+    notebook = kubelet.create_pod("notebook", {"jupyter": {SMALL: 1}}, namespace="research")
+    mig_uuid = held_device(notebook, "jupyter", SMALL)
+    node.run_process(notebook, 0, 5151, 2048, mig_uuid=mig_uuid)
+
+    samples = node.wait_samples(
+        lambda s: len(s.get("tessera_pod_gpu_memory_used_bytes", [])) == 3, 5, "per-pod memory of three pods"
+    )
+    per_pod = {
+        (labels["pod"], labels["namespace"], labels["container"], labels["gpu"]): v
+        for labels, v in samples["tessera_pod_gpu_memory_used_bytes"]
+    }
+    assert per_pod == {
+        (first.name, "batch", "main", str(shared_gpu)): 3000 * MIB,
+        (second.name, "batch", "main", str(shared_gpu)): 6000 * MIB,
+        ("notebook", "research", "jupyter", "0"): 2048 * MIB,
+    }
+    # the GPU's own numbers still count every process, the host one included
+    assert value(samples, "tessera_gpu_memory_used_bytes", gpu=str(shared_gpu)) == 9700 * MIB
+    assert value(samples, "tessera_gpu_processes", gpu=str(shared_gpu)) == 4
+    assert value(samples, "tessera_mig_memory_used_bytes", device_id=mig_uuid) == 2048 * MIB
+    assert value(samples, "tessera_mig_processes", device_id=mig_uuid) == 1
+
+
+def test_an_idle_allocation_accumulates_idle_seconds_and_a_busy_one_does_not(node: TelemetryNode) -> None:
+    kubelet, driver = node.kubelet, node.driver
+    driver.set_utilization(2, 80)  # before any pod holds it: not a moment of idleness is credited
+    idle_pod = kubelet.create_pod("idle", {"main": {GPU: 1}})
+    busy_pod = kubelet.create_pod("busy", {"main": {GPU: 1}})
+    assert {gpu_of(node, held_device(idle_pod, "main", GPU)), gpu_of(node, held_device(busy_pod, "main", GPU))} == {
+        1,
+        2,
+    }, "the distributed policy puts the two pods on different GPUs"
+    if gpu_of(node, held_device(idle_pod, "main", GPU)) != 1:
+        idle_pod, busy_pod = busy_pod, idle_pod
+    working_mig = kubelet.create_pod("mig-working", {"main": {SMALL: 1}})
+    node.run_process(working_mig, 0, 6161, 1024, mig_uuid=held_device(working_mig, "main", SMALL))
+    empty_mig = kubelet.create_pod("mig-empty", {"main": {LARGE: 1}})
+
+    name = "tessera_partition_allocated_idle_seconds_total"
+    samples = node.wait_samples(
+        lambda s: series(s, name, pod=idle_pod.name) and value(s, name, pod=idle_pod.name) >= 1.5,
+        10,
+        "1.5 idle seconds",
+    )
+    assert value(samples, name, pod=busy_pod.name) == 0
+    assert value(samples, "tessera_gpu_utilization_percent", gpu="2") == 80
+    # a MIG device has no utilization: no process on it counts as idle, a process as busy
+    assert value(samples, name, pod=empty_mig.name) > 0
+    assert value(samples, name, pod=working_mig.name) == 0
+    # utilization is absent for the MIG-enabled GPU, not faked as 0
+    assert {labels["gpu"] for labels, _ in samples["tessera_gpu_utilization_percent"]} == {"1", "2"}
+    before = value(samples, name, pod=idle_pod.name)
+    later = node.wait_samples(lambda s: value(s, name, pod=idle_pod.name) >= before + 0.5, 5, "more idle seconds")
+    assert value(later, name, pod=busy_pod.name) == 0
+
+
+def test_an_xid_is_counted_and_turns_the_devices_unhealthy(node: TelemetryNode) -> None:
+    node.driver.inject_xid(1, 48)
+    samples = node.wait_samples(
+        lambda s: series(s, "tessera_gpu_xid_errors_total", gpu="1", xid="48"), 5, "the XID counted"
+    )
+    ((labels, count),) = series(samples, "tessera_gpu_xid_errors_total")
+    assert count == 1 and labels["UUID"] == node.driver.gpus[1].uuid and labels["Hostname"] == HOST
+    samples = node.wait_samples(
+        lambda s: all(v == 0 for _, v in series(s, "tessera_device_healthy", gpu="1")), 5, "GPU 1 unhealthy"
+    )
+    assert len(series(samples, "tessera_device_healthy", gpu="1")) == 4
+    assert all(v == 1 for labels, v in samples["tessera_device_healthy"] if labels["gpu"] != "1")
+    assert value(samples, "tessera_resource_devices", resource=GPU, state="healthy") == 4
+    assert value(samples, "tessera_gpu_up", gpu="1") == 1  # unhealthy for pods, but NVML still answers
+
+    node.driver.inject_xid(1, 48)
+    node.wait_samples(lambda s: value(s, "tessera_gpu_xid_errors_total", gpu="1", xid="48") == 2, 5, "two XIDs")
+
+
+def test_healthz_and_readyz_follow_the_kubelet(make_node) -> None:
+    node = make_node(start_kubelet=False)
+    node.start_agent()
+    assert node.get("/healthz")[0] == 200
+    status, _, body = node.get("/readyz")
+    assert status == 503 and "waiting for the kubelet" in body
+    node.wait_samples(lambda s: "tessera_gpu_up" in s, 5, "metrics before the kubelet")  # served meanwhile
+
+    node.kubelet.start()
+    wait_until(lambda: node.get("/readyz")[0] == 200, 15, "/readyz 200 after registration")
+    assert "3 resources registered" in node.get("/readyz")[2]
+    assert node.get("/healthz") == (200, "text/plain; charset=utf-8", "ok\n")
+    assert node.get("/nope")[0] == 404
+
+
+def test_without_pod_resources_metrics_are_served_without_pod_labels_and_one_warning(
+    make_node, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="agent.telemetry.collector")
+    node = make_node(pod_resources=False)
+    node.start_agent()
+    node.wait_registered()
+    node.kubelet.create_pod("unseen", {"main": {GPU: 1}})
+    collector = node.agent._telemetry.collector
+    first = collector.last.collected_at
+    wait_until(lambda: collector.last.collected_at and collector.last.collected_at > first + 1.0, 5, "5+ collections")
+    for _ in range(3):
+        samples = node.scrape()
+        assert len(samples["tessera_device_allocated"]) == 8 + 2 + 1
+        assert all(v == 0 and labels["pod"] == "" for labels, v in samples["tessera_device_allocated"])
+        assert len(samples["tessera_gpu_up"]) == 3
+        assert not samples.get("tessera_pod_gpu_memory_used_bytes")
+    warnings = [r for r in caplog.records if "without pod labels" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "PodResources" in warnings[0].getMessage()
+
+
+def test_a_lost_gpu_reports_down_and_the_others_keep_their_series(node: TelemetryNode) -> None:
+    node.driver.lose_gpu(2)
+    samples = node.wait_samples(lambda s: value(s, "tessera_gpu_up", gpu="2") == 0, 10, "GPU 2 down")
+    assert value(samples, "tessera_gpu_up", gpu="0") == 1 and value(samples, "tessera_gpu_up", gpu="1") == 1
+    for name in ("tessera_gpu_memory_total_bytes", "tessera_gpu_memory_used_bytes", "tessera_gpu_processes"):
+        assert {labels["gpu"] for labels, _ in samples[name]} == {"0", "1"}, name
+    assert {labels["gpu"] for labels, _ in samples["tessera_gpu_utilization_percent"]} == {"1"}
+    assert len(samples["tessera_mig_memory_total_bytes"]) == 3  # the MIG GPU is untouched
+    samples = node.wait_samples(
+        lambda s: all(v == 0 for _, v in series(s, "tessera_device_healthy", gpu="2")), 5, "GPU 2's devices unhealthy"
+    )
+    assert all(v == 1 for _, v in series(samples, "tessera_device_healthy", gpu="1"))
+    assert value(samples, "tessera_gpu_xid_errors_total", gpu="2", xid="79") == 1
