@@ -429,7 +429,7 @@ class Agent:
         if name is None and len(layout_file.mig_configs) == 1:
             name = next(iter(layout_file.mig_configs))
         if name is None:
-            raise LayoutFileError(f"{origin}: several mig-configs and none selected; set nvidia.com/mig.config")
+            return None  # no layout selected for this node: MIG is left as it is (as NVIDIA's mig-manager waits)
         return layouts_for_node(layout_file, name, self._inventory.gpus)
 
     def _update_mig(self, *, publish: bool = True) -> None:

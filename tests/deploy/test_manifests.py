@@ -1,0 +1,415 @@
+"""The kustomize manifests in daemonset/, rendered offline (tests/deploy/kustomize.py) and checked.
+
+Every rendered object is validated with kubernetes-validate (strict: unknown fields are errors) against
+the oldest and the newest supported Kubernetes version. Custom resources (the Prometheus operator's
+ServiceMonitor) have no schema there and are skipped by kind; their fields are checked by hand below.
+Then the fields that matter for security and operation: no privileged container, capabilities, the exact
+hostPath set, RBAC, probes, the downward API, the ConfigMap keys.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.conftest import (
+    CONFIGS,
+    DAEMONSET,
+    PODS,
+    ROOT,
+    SUPPORTED_KUBERNETES,
+    VARIANTS,
+    config_files,
+    container,
+    daemonset,
+    has_mig_layout,
+    project,
+)
+from tests.deploy.kustomize import KustomizeError, build, strategic_merge
+
+NAMESPACE = "tessera-system"
+# Custom resources: not in kubernetes-validate's schemas (it ships the built-in API only).
+CUSTOM_KINDS = {"ServiceMonitor"}
+# The hostPath volumes of every variant, exactly: (host path, type, mount path, read-only).
+HOST_PATHS = {
+    ("/var/lib/kubelet/device-plugins", "Directory", "/var/lib/kubelet/device-plugins", False),
+    ("/var/lib/kubelet/pod-resources", "Directory", "/var/lib/kubelet/pod-resources", True),
+    ("/run/nvidia/mps", "DirectoryOrCreate", "/run/nvidia/mps", False),
+    (
+        "/etc/kubernetes/node-feature-discovery/features.d",
+        "DirectoryOrCreate",
+        "/etc/kubernetes/node-feature-discovery/features.d",
+        False,
+    ),
+    ("/proc", "Directory", "/host/proc", True),
+}
+# What MIG and MPS may add to the base container, and nothing more.
+MIG_ENV = {
+    "TESSERA_MIG_CONFIG": "/etc/tessera/mig/config.yaml",
+    "NVIDIA_MIG_CONFIG_DEVICES": "all",
+    "NVIDIA_MIG_MONITOR_DEVICES": "all",
+}
+
+
+def pod_spec(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return daemonset(objects)["spec"]["template"]["spec"]
+
+
+def env(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def host_paths(objects: list[dict[str, Any]]) -> set[tuple[str, str, str, bool]]:
+    spec = pod_spec(objects)
+    volumes = {v["name"]: v["hostPath"] for v in spec["volumes"] if "hostPath" in v}
+    found = set()
+    for c in spec["containers"] + spec.get("initContainers", []):
+        for m in c["volumeMounts"]:
+            if m["name"] in volumes and "subPath" not in m:
+                hp = volumes[m["name"]]
+                found.add((hp["path"], hp.get("type", ""), m["mountPath"], bool(m.get("readOnly"))))
+    assert {p for p, *_ in found} == {v["path"] for v in volumes.values()}, "a hostPath volume is never mounted"
+    return found
+
+
+def config_map(objects: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    (found,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == name]
+    return found
+
+
+# ----- rendering and schema validation ---------------------------------------------------------------
+
+
+def test_every_variant_renders(rendered):
+    for name, objects in rendered.items():
+        kinds = sorted(o["kind"] for o in objects)
+        assert {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "DaemonSet", "Service"} <= set(
+            kinds
+        ), name
+        assert kinds.count("DaemonSet") == 1, name
+
+
+def test_kubernetes_validate_ships_the_supported_versions():
+    """kubernetes-validate silently falls back to an older schema set; make sure it has ours."""
+    schemas = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    for version in SUPPORTED_KUBERNETES:
+        assert (schemas / f"v{version}.0-local-strict").is_dir(), f"kubernetes-validate lacks {version}"
+
+
+@pytest.mark.parametrize("version", SUPPORTED_KUBERNETES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_objects_are_valid_kubernetes(rendered, variant, version):
+    checked = 0
+    for obj in rendered[variant]:
+        if obj["kind"] in CUSTOM_KINDS:
+            continue  # no schema in kubernetes-validate; see test_service_monitor
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{variant}: {obj['kind']}/{obj['metadata']['name']} on {version}: {error.message}")
+        checked += 1
+    assert checked >= 7
+
+
+@pytest.mark.parametrize("version", SUPPORTED_KUBERNETES)
+def test_pods_and_runtime_class_are_valid_kubernetes(version):
+    files = [*sorted(PODS.glob("*.yaml")), DAEMONSET / "runtimeclass.yaml"]
+    assert len(files) >= 6
+    for path in files:
+        for obj in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as error:
+                pytest.fail(f"{path.relative_to(ROOT)} on {version}: {error.message}")
+
+
+def test_every_namespaced_object_is_in_the_agents_namespace(rendered):
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    for name, objects in rendered.items():
+        for obj in objects:
+            expected = None if obj["kind"] in cluster_scoped else NAMESPACE
+            assert obj["metadata"].get("namespace") == expected, (name, obj["kind"], obj["metadata"]["name"])
+        (ns,) = [o for o in objects if o["kind"] == "Namespace"]
+        assert ns["metadata"]["name"] == NAMESPACE
+        # hostPath volumes are forbidden by the baseline Pod Security level
+        assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+# ----- security ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_variant_is_privileged(rendered, variant):
+    spec = pod_spec(rendered[variant])
+    for c in spec["containers"] + spec.get("initContainers", []):
+        sc = c["securityContext"]
+        assert sc["privileged"] is False
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert "procMount" not in sc
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert not spec.get("hostNetwork") and not spec.get("hostIPC")
+    assert spec.get("initContainers") is None, "no (privileged) init container, unlike NVIDIA's MPS shm mount"
+
+
+def test_default_variants_add_no_capability_and_stay_in_their_pid_namespace(rendered):
+    for variant in ("base", "service-monitor"):
+        c = container(rendered[variant])
+        assert "add" not in c["securityContext"]["capabilities"], variant
+        assert not pod_spec(rendered[variant]).get("hostPID"), variant
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_host_paths_are_exactly_the_needed_set(rendered, variant):
+    assert host_paths(rendered[variant]) == HOST_PATHS
+    c = container(rendered[variant])
+    # the only other use of a hostPath volume: <mps root>/shm as the container's /dev/shm, shared with the
+    # MPS clients (which get the same host directory at /dev/shm)
+    sub = [m for m in c["volumeMounts"] if "subPath" in m]
+    assert sub == [{"name": "mps-root", "mountPath": "/dev/shm", "subPath": "shm"}]
+    assert env(c)["TESSERA_MPS_ROOT"] == "/run/nvidia/mps"
+
+
+def test_mig_overlay_adds_only_sys_admin_and_the_mig_devices(rendered):
+    base, mig = container(rendered["base"]), container(rendered["mig-manager"])
+    assert mig["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+    assert {k: v for k, v in mig["securityContext"].items() if k != "capabilities"} == {
+        k: v for k, v in base["securityContext"].items() if k != "capabilities"
+    }
+    added = {k: v for k, v in env(mig).items() if k not in env(base)}
+    assert added == MIG_ENV
+    assert {k: v for k, v in env(mig).items() if k in env(base)} == env(base)
+    assert not pod_spec(rendered["mig-manager"]).get("hostPID")
+    # the layouts: a ConfigMap volume, mounted read-only where TESSERA_MIG_CONFIG points
+    base_volumes = pod_spec(rendered["base"])["volumes"]
+    new_volumes = [v for v in pod_spec(rendered["mig-manager"])["volumes"] if v not in base_volumes]
+    assert new_volumes == [{"name": "mig-layouts", "configMap": {"name": "tessera-mig-layouts"}}]
+    (mount,) = [m for m in mig["volumeMounts"] if m["name"] == "mig-layouts"]
+    assert mount["readOnly"] is True
+    assert str(Path(mount["mountPath"]) / "config.yaml") == MIG_ENV["TESSERA_MIG_CONFIG"]
+    assert set(config_map(rendered["mig-manager"], "tessera-mig-layouts")["data"]) == {"config.yaml"}
+
+
+def test_mps_overlay_adds_only_host_pid_sys_admin_and_memory(rendered):
+    base, mps = container(rendered["base"]), container(rendered["mps"])
+    assert mps["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+    assert pod_spec(rendered["mps"])["hostPID"] is True
+    assert env(mps) == env(base)
+    assert mps["resources"]["limits"]["memory"] == "1Gi"
+    assert mps["resources"]["requests"] == base["resources"]["requests"]
+    assert pod_spec(rendered["mps"])["volumes"] == pod_spec(rendered["base"])["volumes"]
+
+
+def test_mig_and_mps_together_as_docs_install_describes(tmp_path):
+    """docs/install.md's recipe, taken from the document: mig-manager plus its inline hostPID patch."""
+    install = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```yaml\n(.*?)```", install, flags=re.DOTALL)
+    (recipe,) = [yaml.safe_load(b) for b in blocks if "hostPID: true" in b]
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump({**recipe, "resources": [str(VARIANTS["mig-manager"])]}), encoding="utf-8"
+    )
+    objects = build(tmp_path)
+    c = container(objects)
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+    assert pod_spec(objects)["hostPID"] is True
+    assert c["resources"]["limits"]["memory"] == container(build(VARIANTS["mps"]))["resources"]["limits"]["memory"]
+    assert MIG_ENV.items() <= env(c).items()
+    assert host_paths(objects) == HOST_PATHS
+    for version in SUPPORTED_KUBERNETES:
+        kubernetes_validate.validate(daemonset(objects), version, strict=True)
+
+
+def test_rbac_is_only_get_list_watch_on_nodes(rendered):
+    for name, objects in rendered.items():
+        roles = [o for o in objects if o["kind"] in ("Role", "ClusterRole")]
+        (role,) = roles
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+        bindings = [o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+        (binding,) = bindings
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": role["metadata"]["name"],
+        }
+        (sa,) = [o for o in objects if o["kind"] == "ServiceAccount"]
+        subject = {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
+        assert binding["subjects"] == [subject]
+        assert pod_spec(objects)["serviceAccountName"] == sa["metadata"]["name"], name
+        assert not [o for o in objects if o["kind"] == "Secret"]
+
+
+# ----- operation --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_probes_use_healthz_and_readyz_on_the_metrics_port(rendered, variant):
+    c = container(rendered[variant])
+    (port,) = c["ports"]
+    assert port == {"name": "metrics", "containerPort": 9479, "protocol": "TCP"}
+    assert env(c)["TESSERA_METRICS_ADDRESS"] == ":9479"
+    for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        assert c[probe]["httpGet"] == {"path": path, "port": "metrics"}, probe
+    (service,) = [o for o in rendered[variant] if o["kind"] == "Service"]
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 9479, "targetPort": "metrics", "protocol": "TCP"}]
+    pod_labels = daemonset(rendered[variant])["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_service_monitor(rendered):
+    (sm,) = [o for o in rendered["service-monitor"] if o["kind"] == "ServiceMonitor"]
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    (service,) = [o for o in rendered["service-monitor"] if o["kind"] == "Service"]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert set(sm["spec"]) == {"selector", "namespaceSelector", "endpoints"}
+    assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "relabelings", "honorLabels"}
+    assert endpoint["honorLabels"] is True  # else the operator renames our pod/namespace/container to exported_*
+
+
+def test_node_name_comes_from_the_downward_api(rendered):
+    for objects in rendered.values():
+        assert env(container(objects))["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+def test_every_environment_variable_is_a_flag_twin_of_tessera_run(rendered):
+    """A typo in a TESSERA_* name would be ignored silently by the agent; compare with `tessera run --help`."""
+    out = subprocess.run(
+        [sys.executable, "-m", "agent", "run", "--help"], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+    twins = set(re.findall(r"\[env\s+([A-Z_]+)", out))
+    assert {"TESSERA_CONFIG", "TESSERA_MIG_CONFIG", "TESSERA_HOST_PROC"} <= twins
+    runtime = {"NODE_NAME", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", *MIG_ENV} - {"TESSERA_MIG_CONFIG"}
+    for name, objects in rendered.items():
+        unknown = set(env(container(objects))) - twins - runtime
+        assert not unknown, (name, unknown)
+    c = container(rendered["base"])
+    assert env(c)["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert env(c)["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    assert "args" not in c and "command" not in c  # the image's entrypoint, `tessera run`
+
+
+def test_scheduling_and_rollout(rendered):
+    ds = daemonset(rendered["base"])
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["runtimeClassName"] == "nvidia"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert {"key": "CriticalAddonsOnly", "operator": "Exists"} in spec["tolerations"]
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    # ORed: NFD's PCI vendor label, or the GPU Operator's
+    assert [t["matchExpressions"] for t in terms] == [
+        [{"key": "feature.node.kubernetes.io/pci-10de.present", "operator": "In", "values": ["true"]}],
+        [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}],
+    ]
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    resources = container(rendered["base"])["resources"]
+    assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory"}
+
+
+def test_image_is_the_project_version(rendered):
+    for objects in rendered.values():
+        assert container(objects)["image"] == f"tessera-agent:{project()['version']}"
+
+
+# ----- the sharing configs in the ConfigMap ------------------------------------------------------------
+
+
+def test_config_map_keys_are_the_catalogue(rendered):
+    """base: every config of configs/ that needs no MIG manager; mig-manager adds the ones with a layout.
+    Keys are the file names without .yaml (the value of nvidia.com/device-plugin.config)."""
+    files = config_files()
+    without_layout = {p.stem for p in files if not has_mig_layout(p)}
+    assert set(config_map(rendered["base"], "tessera-config")["data"]) == without_layout
+    assert set(config_map(rendered["mps"], "tessera-config")["data"]) == without_layout
+    assert set(config_map(rendered["mig-manager"], "tessera-config")["data"]) == {p.stem for p in files}
+    for name, objects in rendered.items():
+        for key, text in config_map(objects, "tessera-config")["data"].items():
+            assert text == (CONFIGS / f"{key}.yaml").read_text(encoding="utf-8"), (name, key)
+
+
+def test_config_copies_in_daemonset_are_identical_to_the_catalogue():
+    """kustomize reads files only below a kustomization, hence the copies; they must not drift."""
+    copies = sorted(DAEMONSET.glob("**/configs/*.yaml"))
+    assert copies
+    for copy in copies:
+        original = CONFIGS / copy.name
+        assert copy.read_bytes() == original.read_bytes(), f"cp {original.relative_to(ROOT)} {copy.relative_to(ROOT)}"
+
+
+def test_config_is_mounted_as_a_directory_where_tessera_config_points(rendered):
+    for objects in rendered.values():
+        c = container(objects)
+        (volume,) = [v for v in pod_spec(objects)["volumes"] if v.get("configMap", {}).get("name") == "tessera-config"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["readOnly"] is True and "subPath" not in mount  # subPath mounts never see updates
+        assert env(c)["TESSERA_CONFIG"] == mount["mountPath"] == "/etc/tessera/config"
+        assert not mount["mountPath"].startswith("/etc/nvidia")  # the NVIDIA runtime's hooks write there
+
+
+def test_mig_layout_names_used_by_configs_exist_in_the_layouts_file(rendered):
+    """With --mig-config, layouts are looked up by name in that file, also migLayout.config's name."""
+    layouts = yaml.safe_load(config_map(rendered["mig-manager"], "tessera-mig-layouts")["data"]["config.yaml"])
+    for key, text in config_map(rendered["mig-manager"], "tessera-config")["data"].items():
+        section = (yaml.safe_load(text) or {}).get("migLayout")
+        if section:
+            assert section["config"] in layouts["mig-configs"], key
+            # the same layout as the one embedded in the config
+            assert layouts["mig-configs"][section["config"]] == section["layouts"]["mig-configs"][section["config"]]
+
+
+# ----- the renderer itself -------------------------------------------------------------------------------
+
+
+def test_renderer_refuses_files_outside_the_kustomization(tmp_path):
+    (tmp_path / "outside.yaml").write_text("version: v1\n")
+    inner = tmp_path / "k"
+    inner.mkdir()
+    (inner / "link.yaml").symlink_to(tmp_path / "outside.yaml")
+    for entry in ("../outside.yaml", "link.yaml"):
+        (inner / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "namespace": "x",
+                    "generatorOptions": {"disableNameSuffixHash": True},
+                    "configMapGenerator": [{"name": "c", "files": [f"k={entry}"]}],
+                }
+            )
+        )
+        with pytest.raises(KustomizeError, match="security"):
+            build(inner)
+
+
+def test_renderer_refuses_what_it_does_not_implement(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("commonLabels: {a: b}\n")
+    with pytest.raises(KustomizeError, match="commonLabels"):
+        build(tmp_path)
+
+
+def test_strategic_merge():
+    base = {
+        "containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["p"]}],
+        "volumes": [{"name": "v", "emptyDir": {}}],
+    }
+    patch = {
+        "containers": [{"name": "a", "env": [{"name": "Y", "value": "2"}], "args": ["q"]}, {"name": "b"}],
+        "volumes": [{"name": "v", "$patch": "delete"}],
+    }
+    assert strategic_merge(base, patch) == {
+        "containers": [
+            {"name": "a", "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}], "args": ["q"]},
+            {"name": "b"},
+        ],
+        "volumes": [],
+    }
+    assert strategic_merge({"a": 1, "b": 2}, {"a": None}) == {"b": 2}
