@@ -24,14 +24,18 @@ class MpsError(RuntimeError):
     pass
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def pinned_limit_command(uuid: str, mib: int) -> str:
-    if not _UUID.match(uuid) or not 0 < mib < 1 << 24:
+    if not isinstance(uuid, str) or not _UUID.match(uuid) or not _is_int(mib) or not 0 < mib < 1 << 24:
         raise ValueError(f"refusing to send an MPS limit for {uuid!r} of {mib!r} MiB")
     return f"set_default_device_pinned_mem_limit {uuid} {mib}M"
 
 
 def thread_percentage_command(percent: int) -> str:
-    if not isinstance(percent, int) or not 1 <= percent <= 100:
+    if not _is_int(percent) or not 1 <= percent <= 100:
         raise ValueError(f"refusing to send an active thread percentage of {percent!r}")
     return f"set_default_active_thread_percentage {percent}"
 

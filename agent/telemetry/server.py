@@ -7,9 +7,6 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import generate_latest
-
 from agent.telemetry.collector import LastCollection
 
 log = logging.getLogger(__name__)
@@ -35,14 +32,11 @@ class TelemetryServer:
         healthy: Callable[[], tuple[bool, str]],
         ready: Callable[[], tuple[bool, str]],
     ) -> None:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(last)
-
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._reply(200, generate_latest(registry), CONTENT_TYPE)
+                    self._reply(200, last.rendered, CONTENT_TYPE)
                 elif path in ("/healthz", "/readyz"):
                     ok, why = (healthy if path == "/healthz" else ready)()
                     self._reply(200 if ok else 503, (why + "\n").encode(), "text/plain; charset=utf-8")
