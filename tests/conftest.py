@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,23 @@ def mps_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agent.sim.mps_control "$@"\n')
     launcher.chmod(0o755)
     return directory
+
+
+@pytest.fixture
+def nvml_node(sim_node: Callable[[object], SimDriver]) -> Iterator[Callable[[object], SimDriver]]:
+    """``nvml_node(spec)``: a simulated node with ``pynvml.nvmlInit`` done; shut down again afterwards."""
+    import pynvml
+
+    started = 0
+
+    def start(spec: object) -> SimDriver:
+        nonlocal started
+        driver = sim_node(spec)
+        pynvml.nvmlInit()
+        started += 1
+        return driver
+
+    yield start
+    for _ in range(started):
+        with suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()

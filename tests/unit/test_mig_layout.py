@@ -10,11 +10,9 @@ from __future__ import annotations
 import itertools
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import suppress
+from collections.abc import Callable
 from dataclasses import replace
 
-import pynvml
 import pytest
 
 from agent.core.inventory import Gpu, MigDevice, Placement
@@ -394,20 +392,9 @@ def test_diff_node_skips_matching_and_non_mig_gpus() -> None:
 
 
 @pytest.fixture
-def node(sim_node: Callable[[object], SimDriver]) -> Iterator[Callable[[object], SimDriver]]:
-    started = 0
-
-    def start(spec: object) -> SimDriver:
-        nonlocal started
-        driver = sim_node(spec)
-        pynvml.nvmlInit()
-        started += 1
-        return driver
-
-    yield start
-    for _ in range(started):
-        with suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
+def node(nvml_node: Callable[[object], SimDriver]) -> Callable[[object], SimDriver]:
+    """``node(spec)``: a simulated node with NVML initialised (the shared ``nvml_node`` fixture)."""
+    return nvml_node
 
 
 def the_gpu() -> Gpu:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from contextlib import suppress
+from collections.abc import Callable
 from typing import Any
 
-import pynvml
 import pytest
 import yaml
 
@@ -433,23 +431,6 @@ def test_export_names_instances_and_the_label() -> None:
             ]
         },
     }
-
-
-@pytest.fixture
-def nvml_node(sim_node: Callable[[object], SimDriver]) -> Iterator[Callable[[object], SimDriver]]:
-    started = 0
-
-    def start(spec: object) -> SimDriver:
-        nonlocal started
-        driver = sim_node(spec)
-        pynvml.nvmlInit()
-        started += 1
-        return driver
-
-    yield start
-    for _ in range(started):
-        with suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
 
 
 def test_export_of_a_simulated_node_round_trips(nvml_node: Callable[[object], SimDriver]) -> None:

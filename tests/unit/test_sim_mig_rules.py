@@ -11,8 +11,7 @@ from __future__ import annotations
 import ctypes
 import json
 import re
-from collections.abc import Callable, Iterator
-from contextlib import suppress
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,21 +61,9 @@ def mig_spec(model: str, instances: list[str] | None = None, **gpu: Any) -> dict
 
 
 @pytest.fixture
-def node(sim_node: Callable[[object], SimDriver]) -> Iterator[Callable[[object], SimDriver]]:
-    """``node(spec)``: install a simulated node and ``nvmlInit`` it; ``nvmlShutdown`` afterwards."""
-    started = 0
-
-    def start(spec: object) -> SimDriver:
-        nonlocal started
-        driver = sim_node(spec)
-        pynvml.nvmlInit()
-        started += 1
-        return driver
-
-    yield start
-    for _ in range(started):
-        with suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
+def node(nvml_node: Callable[[object], SimDriver]) -> Callable[[object], SimDriver]:
+    """``node(spec)``: a simulated node with NVML initialised (the shared ``nvml_node`` fixture)."""
+    return nvml_node
 
 
 def gpu0() -> Any:
