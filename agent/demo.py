@@ -22,6 +22,15 @@ from agent.sim.install import simulated_node
 from agent.sim.kubelet import AdmissionError, KubeletEmulator
 
 RECOVERY_SECONDS = 2.0
+SHARING_CONFIG = """version: v1
+sharing:
+  timeSlicing:
+    renameByDefault: true
+    resources:
+      - name: nvidia.com/gpu
+        replicas: 4
+        devices: [{index}]
+"""
 XID_DOUBLE_BIT_ECC = 48
 
 
@@ -41,10 +50,16 @@ class _Demo:
         self.driver = driver
         self.node = node
         self.kubelet = KubeletEmulator(workdir / "device-plugins", workdir / "pod-resources" / "kubelet.sock")
+        self.shared_gpu = _last_whole_gpu(driver)
+        config = None
+        if self.shared_gpu is not None:  # time-slice one whole GPU, to show sharing next to dedicated GPUs
+            config = workdir / "sharing.yaml"
+            config.write_text(SHARING_CONFIG.format(index=self.shared_gpu))
         self.options = AgentOptions(
             device_plugin_dir=workdir / "device-plugins",
             pod_resources_socket=workdir / "pod-resources" / "kubelet.sock",
             mig_strategy=strategy,
+            config_path=config,
             health=HealthPolicy(quiet_seconds=RECOVERY_SECONDS),
         )
         self.agent = Agent(self.options)
@@ -77,6 +92,8 @@ class _Demo:
         print(f"[1/5] Simulated node {self.node!r}: {summary}, driver {self.driver.driver_version}")
         for gpu in gpus:
             layout = ", ".join(gi.profile.name for gi, _ in gpu.mig_devices()) if gpu.mig_current else "whole GPU"
+            if gpu.index == self.shared_gpu:
+                layout += ", time-sliced x4 by the sharing config (nvidia.com/gpu.shared)"
             print(f"      GPU {gpu.index}  {gpu.uuid}  {'MIG: ' if gpu.mig_current else ''}{layout}")
 
     def _show_registration(self, started: float) -> None:
@@ -99,9 +116,11 @@ class _Demo:
         print("\n[3/5] Scheduling pods through the kubelet (GetPreferredAllocation, then Allocate):")
         resources = self.agent.status.resources
         wanted = [
-            ("trainer", "nvidia.com/gpu", 2),
+            ("trainer", "nvidia.com/gpu", 1),
             ("notebook", "nvidia.com/mig-1g.10gb", 1),
             ("inference", "nvidia.com/mig-3g.40gb", 1),
+            ("shared-a", "nvidia.com/gpu.shared", 1),
+            ("shared-b", "nvidia.com/gpu.shared", 1),
             ("greedy", "nvidia.com/gpu", 8),
         ]
         for pod, resource, count in wanted:
@@ -161,6 +180,12 @@ class _Demo:
             f"      {_count(len(names), 'resource')} registered again after {time.perf_counter() - started:.2f} s; "
             f"pods kept their devices: {', '.join(p.name for p in self.kubelet.pods())}"
         )
+
+
+def _last_whole_gpu(driver: SimDriver) -> int | None:
+    """The last GPU without MIG, if the node has at least two (one stays dedicated)."""
+    whole = [g.index for g in driver.gpus if not g.mig_current]
+    return whole[-1] if len(whole) >= 2 else None
 
 
 def _count(n: int, noun: str) -> str:

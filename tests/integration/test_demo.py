@@ -14,13 +14,15 @@ def test_demo_runs_end_to_end() -> None:
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "The agent registered 4 resources with the kubelet" in out
-    for resource in ("nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "nvidia.com/mig-2g.20gb", "nvidia.com/mig-3g.40gb"):
+    assert "The agent registered 5 resources with the kubelet" in out
+    for resource in ("nvidia.com/gpu ", "nvidia.com/gpu.shared", "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"):
         assert resource in out
-    assert "pod trainer    nvidia.com/gpu × 2 -> NVIDIA_VISIBLE_DEVICES=GPU-" in out
+    assert "pod trainer    nvidia.com/gpu × 1 -> NVIDIA_VISIBLE_DEVICES=GPU-" in out
+    shared = [line.split("=")[-1] for line in out.splitlines() if "nvidia.com/gpu.shared × 1 ->" in line]
+    assert len(shared) == 2 and shared[0] == shared[1]  # two pods time-slice one GPU
     assert "refused by the kubelet: Allocate failed due to requested number of devices unavailable" in out
     assert "the kubelet saw its devices Unhealthy" in out
     assert "Healthy again after" in out
-    assert "4 resources registered again" in out
+    assert "5 resources registered again" in out
     assert "plugin sockets left behind: none" in out
     assert "Traceback" not in result.stderr
