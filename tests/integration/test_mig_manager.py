@@ -10,6 +10,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,9 +50,9 @@ class Node:
     agent: Agent
 
 
-@pytest.fixture
-def node(sim_node) -> Iterator[Node]:
-    driver = sim_node("a100-mig")
+@contextmanager
+def running_node(driver: SimDriver) -> Iterator[Node]:
+    """The agent (in a thread) and the kubelet emulator on the simulated node, with the layouts config."""
     base = Path(tempfile.mkdtemp(prefix="g", dir="/tmp"))
     (base / "config.yaml").write_text(CONFIG)
     kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock")
@@ -65,13 +66,22 @@ def node(sim_node) -> Iterator[Node]:
     )
     thread = threading.Thread(target=agent.run, name="agent-under-test")
     thread.start()
-    assert agent.started.wait(20)
-    kubelet.wait_for(lambda: kubelet.allocatable(SMALL) == 7 if SMALL in kubelet.resources() else False, 10, "1g")
-    yield Node(driver, kubelet, agent)
-    agent.stop()
-    thread.join(timeout=20)
-    kubelet.stop()
-    shutil.rmtree(base, ignore_errors=True)
+    try:
+        assert agent.started.wait(20)
+        yield Node(driver, kubelet, agent)
+    finally:
+        agent.stop()
+        thread.join(timeout=20)
+        kubelet.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def node(sim_node) -> Iterator[Node]:
+    with running_node(sim_node("a100-mig")) as running:
+        kubelet = running.kubelet
+        kubelet.wait_for(lambda: kubelet.allocatable(SMALL) == 7 if SMALL in kubelet.resources() else False, 10, "1g")
+        yield running
 
 
 def _mig_uuids(driver: SimDriver) -> set[str]:
@@ -120,28 +130,11 @@ def test_an_unknown_layout_name_changes_nothing(node: Node) -> None:
 
 def test_a_mode_change_waits_for_a_reset_then_completes(sim_node) -> None:
     driver = sim_node({"gpus": [{"model": "A100-SXM4-80GB", "mig_needs_reset": True}]})
-    base = Path(tempfile.mkdtemp(prefix="g", dir="/tmp"))
-    (base / "config.yaml").write_text(CONFIG)
-    kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock")
-    kubelet.start()
-    agent = Agent(
-        AgentOptions(
-            device_plugin_dir=base / "dp",
-            pod_resources_socket=base / "pr" / "kubelet.sock",
-            config_path=base / "config.yaml",
-        )
-    )
-    thread = threading.Thread(target=agent.run, name="agent-under-test")
-    thread.start()
-    try:
+    with running_node(driver) as running:
+        kubelet, agent = running.kubelet, running.agent
         kubelet.wait_for(lambda: agent.status.mig_state == "reset-required", 10, "reset-required")
         assert "GPU(s) 0 need a reset" in (agent.status.mig_error or "")
         assert driver.gpus[0].mig_pending and not driver.gpus[0].mig_current
         driver.reset_gpu(0)  # what an operator (or an allowed reset) does
         kubelet.wait_for(lambda: agent.status.mig_state == "success", 15, "applied after the reset")
         kubelet.wait_for(lambda: kubelet.allocatable(SMALL) == 7 if SMALL in kubelet.resources() else False, 10, "1g")
-    finally:
-        agent.stop()
-        thread.join(timeout=20)
-        kubelet.stop()
-        shutil.rmtree(base, ignore_errors=True)
