@@ -22,6 +22,7 @@ from agent.core.health import HealthState, record_fault
 from agent.core.inventory import Gpu, Inventory
 from agent.core.resources import Device, MigStrategy, Resource, ResourcePlan
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
+from tests.unit.builders import a100
 
 ENVVAR = DeviceListStrategy.ENVVAR
 VOLUME_MOUNTS = DeviceListStrategy.VOLUME_MOUNTS
@@ -251,20 +252,7 @@ def test_same_devices_same_answer():
 
 
 def inventory_gpu(index: int) -> Gpu:
-    return Gpu(
-        index=index,
-        uuid=gpu_uuid(index),
-        name="NVIDIA A100-SXM4-80GB",
-        memory_mib=81920,
-        compute_capability=(8, 0),
-        pci_bus_id=f"00000000:{0x18 + index:02X}:00.0",
-        pci_device_id=0x20B210DE,
-        minor_number=index,
-        architecture="Ampere",
-        mig_capable=True,
-        nvlink_peers=tuple(p for p in range(4) if p != index),
-        numa_node=0,
-    )
+    return a100(index, gpu_uuid(index), nvlink_peers=tuple(p for p in range(4) if p != index), numa_node=0)
 
 
 INVENTORY = Inventory("580.95.05", "13.580.95.05", 13000, gpus=tuple(inventory_gpu(i) for i in range(4)))

@@ -26,6 +26,7 @@ from agent.core.health import (
 from agent.core.inventory import Gpu, Inventory, MigDevice, Placement
 from agent.core.resources import Device, MigStrategy, Resource, ResourcePlan
 from agent.core.snapshot import AllocationOptions, build_snapshots
+from tests.unit.builders import a100
 
 QUIET = 60.0
 
@@ -58,21 +59,9 @@ def mig(gpu_index: int, mig_index: int, *, gi_id: int, ci_id: int = 0, gi_slices
 
 
 def gpu(index: int, migs: tuple[MigDevice, ...] = ()) -> Gpu:
-    return Gpu(
-        index=index,
-        uuid=gpu_uuid(index),
-        name="NVIDIA A100-SXM4-80GB",
-        memory_mib=81920,
-        compute_capability=(8, 0),
-        pci_bus_id=f"00000000:{0x18 + index:02X}:00.0",
-        pci_device_id=0x20B210DE,
-        minor_number=index,
-        architecture="Ampere",
-        mig_capable=True,
-        mig_enabled=bool(migs),
-        mig_pending=bool(migs),
-        mig_devices=migs,
-        numa_node=index // 2,
+    enabled = bool(migs)
+    return a100(
+        index, gpu_uuid(index), mig_enabled=enabled, mig_pending=enabled, mig_devices=migs, numa_node=index // 2
     )
 
 

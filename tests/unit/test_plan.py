@@ -10,6 +10,7 @@ import pytest
 from agent.core.inventory import Gpu, GpuFailure, Inventory, MigDevice, Placement
 from agent.core.plan import plan
 from agent.core.resources import GPU_RESOURCE, MigStrategy, PlanConfig, PlanError, ResourcePlan
+from tests.unit.builders import a100
 
 NONE, SINGLE, MIXED = MigStrategy.NONE, MigStrategy.SINGLE, MigStrategy.MIXED
 
@@ -51,22 +52,14 @@ def gpu_uuid(index: int) -> str:
 def gpu(index: int, *profiles: str, mig_enabled: bool | None = None, mig_pending: bool | None = None) -> Gpu:
     """An A100-80GB; MIG is enabled when profiles are given (or when ``mig_enabled`` says so)."""
     enabled = bool(profiles) if mig_enabled is None else mig_enabled
-    return Gpu(
-        index=index,
-        uuid=gpu_uuid(index),
-        name="NVIDIA A100-SXM4-80GB",
-        memory_mib=81920,
-        compute_capability=(8, 0),
+    return a100(
+        index,
+        gpu_uuid(index),
         pci_bus_id=f"00000000:{0x18 + 0x20 * index:02X}:00.0",
-        pci_device_id=0x20B210DE,
-        minor_number=index,
-        architecture="Ampere",
-        mig_capable=True,
         mig_enabled=enabled,
         mig_pending=enabled if mig_pending is None else mig_pending,
         mig_devices=tuple(mig(index, i, p) for i, p in enumerate(profiles)),
         numa_node=index // 4,
-        compute_mode=None if enabled else "DEFAULT",
     )
 
 
