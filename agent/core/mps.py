@@ -20,7 +20,6 @@ class MpsDaemonSpec:
     key: str  # its directory under the MPS root: "nvidia.com/gpu", "nvidia.com/mig-1g.10gb/mig-0-3"
     resource: str
     visible_devices: tuple[str, ...]  # GPU or MIG UUIDs, in plan order
-    gpu_indices: tuple[int, ...]
     active_thread_percentage: int
     pinned_memory_mib: tuple[tuple[str, int], ...]  # (device UUID, MiB per client)
 
@@ -55,7 +54,6 @@ def _spec(key: str, resource: str, devices: list[Device], limits: MpsLimits, rep
         key=key,
         resource=resource,
         visible_devices=tuple(d.physical_id for d in devices),
-        gpu_indices=tuple(sorted({d.gpu_index for d in devices})),
         active_thread_percentage=limits.active_thread_percentage,
         pinned_memory_mib=tuple((d.physical_id, limits.memory_for(d.memory_mib, replicas)) for d in devices),
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from itertools import combinations
 from math import comb
 
@@ -27,6 +28,24 @@ class PreferenceError(ValueError):
     """The request is malformed; maps to INVALID_ARGUMENT."""
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceLayout:
+    """What ``preferred`` needs to know about all of a resource's devices, counted once per snapshot
+    instead of on every GetPreferredAllocation call."""
+
+    position: Mapping[str, int]  # device ID -> its place in plan order
+    per_gpu: Mapping[str, int]  # GPU UUID -> devices (replicas) of the resource on it
+    per_device: Mapping[str, int]  # physical ID -> its replicas
+
+    @classmethod
+    def of(cls, devices: Mapping[str, Device]) -> DeviceLayout:
+        return cls(
+            position={device_id: n for n, device_id in enumerate(devices)},
+            per_gpu=Counter(d.gpu_uuid for d in devices.values()),
+            per_device=Counter(d.physical_id for d in devices.values()),
+        )
+
+
 def preferred(
     available: Sequence[str],
     must_include: Sequence[str],
@@ -34,8 +53,11 @@ def preferred(
     devices: Mapping[str, Device],
     nvlink_peers: Mapping[int, frozenset[int]],
     policy: AllocationPolicy = AllocationPolicy.DISTRIBUTED,
+    layout: DeviceLayout | None = None,
 ) -> list[str]:
     """``size`` IDs from ``available`` that include ``must_include``, best connected first.
+
+    ``layout`` is ``DeviceLayout.of(devices)``, computed once by the caller that serves many requests.
 
     Unknown IDs in ``available`` are ignored (the kubelet may hold a stale view); unknown IDs in
     ``must_include``, a size below ``len(must_include)`` or above what is available are errors.
@@ -52,12 +74,12 @@ def preferred(
         raise PreferenceError(
             f"not enough available devices: {size} requested, {len(required) + len(candidates)} available"
         )
-    order = {device_id: n for n, device_id in enumerate(devices)}
-    candidates.sort(key=order.__getitem__)
+    layout = layout or DeviceLayout.of(devices)
+    candidates.sort(key=layout.position.__getitem__)
     if needed == 0:
         return required
     if any(devices[i].replica is not None for i in (*required, *candidates)):
-        return required + _replicas(required, candidates, needed, devices, policy)
+        return required + _replicas(required, candidates, needed, devices, policy, layout)
     if not all(devices[i].mig_uuid is None for i in (*required, *candidates)):
         return required + candidates[:needed]
     return required + _best_connected(required, candidates, needed, devices, nvlink_peers)
@@ -103,14 +125,14 @@ def _replicas(
     needed: int,
     devices: Mapping[str, Device],
     policy: AllocationPolicy,
+    layout: DeviceLayout,
 ) -> list[str]:
     """Replicas: keep the request on as few devices as possible, choosing devices by the policy."""
     free: dict[str, list[str]] = {}  # physical device -> its free replicas, in plan order
     for candidate in candidates:
         free.setdefault(devices[candidate].physical_id, []).append(candidate)
-    total = Counter(d.gpu_uuid for d in devices.values())
+    total, unit_total = layout.per_gpu, layout.per_device
     available = Counter(devices[c].gpu_uuid for c in candidates)
-    unit_total = Counter(d.physical_id for d in devices.values())
     first_seen = {unit: n for n, unit in enumerate(free)}
     sign = 1 if policy is AllocationPolicy.DISTRIBUTED else -1
 

@@ -13,6 +13,7 @@ from types import MappingProxyType
 from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
 from agent.core.health import HealthState
 from agent.core.inventory import Inventory
+from agent.core.preferred import DeviceLayout
 from agent.core.resources import AllocationPolicy, Device, MpsLimits, ResourcePlan, Sharing
 
 
@@ -36,9 +37,11 @@ class ResourceSnapshot:
     replicas: int = 1
     mps: MpsLimits | None = None
     by_id: Mapping[str, Device] = field(init=False)
+    layout: DeviceLayout = field(init=False)  # counted once here, not on every GetPreferredAllocation
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_id", MappingProxyType({d.id: d for d in self.devices}))
+        object.__setattr__(self, "layout", DeviceLayout.of(self.by_id))
         object.__setattr__(self, "health", MappingProxyType(dict(self.health)))
 
     def listing(self) -> tuple[tuple[str, bool, int | None], ...]:

@@ -205,6 +205,7 @@ class _DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                     snapshot.by_id,
                     snapshot.nvlink_peers,
                     snapshot.options.policy,
+                    snapshot.layout,
                 )
             except PreferenceError as error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{snapshot.name}: {error}")

@@ -24,7 +24,7 @@ from agent.agent import Agent, AgentOptions
 from agent.config.effective import FlagOverrides, effective
 from agent.config.source import parse_document
 from agent.core.plan import plan
-from agent.core.preferred import preferred
+from agent.core.preferred import DeviceLayout, preferred
 from agent.core.resources import AllocationPolicy
 from agent.gpu.discovery import discover
 from agent.sim.install import install, uninstall
@@ -89,12 +89,13 @@ def bench_plan_and_preferred() -> None:
     assert replicas is not None and len(replicas.devices) == 1024
     by_id = {d.id: d for d in replicas.devices}
     ids = list(by_id)
+    layout = DeviceLayout.of(by_id)  # once per snapshot, as the resource server does
     for policy in AllocationPolicy:
         latencies = []
         for n in range(500):
             size = 1 + n % 4
             start = time.perf_counter()
-            preferred(ids, [], size, by_id, {}, policy)
+            preferred(ids, [], size, by_id, {}, policy, layout)
             latencies.append(time.perf_counter() - start)
         print(
             f"GetPreferredAllocation, 8 GPUs x 128 replicas, {policy:<11}  "
