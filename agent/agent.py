@@ -13,13 +13,12 @@ import logging
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
-
-import yaml
 
 from agent.config.effective import FlagOverrides, effective
 from agent.config.labels import CONFIG_LABEL, MIG_CONFIG_LABEL, NodeLabelChanged
@@ -27,12 +26,15 @@ from agent.config.model import ConfigError, ConfigModel
 from agent.config.source import LoadedConfig, load_config, read_config_set
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
 from agent.core.health import (
+    GPU_LOST_REASON,
     HealthPolicy,
     HealthState,
+    XidEffect,
     due_for_probe,
     probe_failed,
     probe_succeeded,
     record_fault,
+    record_xid,
     units_for_event,
 )
 from agent.core.inventory import Inventory
@@ -42,22 +44,37 @@ from agent.core.plan import plan
 from agent.core.resources import MigStrategy, PlanError, ResourcePlan, Sharing
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
 from agent.gpu.discovery import discover
-from agent.gpu.health import NvmlEventWatcher, WatchFailed, XidEvent, probe
-from agent.mig.layout_file import LayoutFileError, layouts_for_node, parse_layout_file
+from agent.gpu.health import (
+    Evidence,
+    GpuLost,
+    NvmlEventWatcher,
+    WatchFailed,
+    WatchRestored,
+    XidEvent,
+    probe,
+    read_ecc_uncorrected,
+    recovery_evidence,
+)
+from agent.mig.layout_file import LayoutFileError, layouts_for_node, parse_layout_file, read_layout_file
 from agent.mig.manager import MigApplied, MigBusyChecked, MigManager
-from agent.mps.manager import MpsDaemonFailed, MpsDaemonReady, MpsDaemonStopped, MpsManager
+from agent.mps.manager import MpsDaemonFailed, MpsDaemonReady, MpsDaemonStopped, MpsDrainChecked, MpsManager
+from agent.plugin.lock import PluginDirLock, PluginDirLocked
 from agent.plugin.registration import KUBELET_SOCKET, RegistrationError, register
 from agent.plugin.server import ResourceServer
 from agent.plugin.watch import KubeletSocketChanged, KubeletWatcher
+from agent.supervise import Backoff, WorkerCrashed, submit
 from agent.telemetry.service import Telemetry, TelemetrySettings
 
 log = logging.getLogger(__name__)
 
-XID_GPU_LOST = 79
 TICK_SECONDS = 0.1
 STREAM_RETRY_DELAY = 0.2  # after a closed stream, give a restarting kubelet a moment to clean up
 MAX_BACKOFF = 30.0
 SERVE_RETRY_SECONDS = 1.0  # a socket that could not be served is tried again this often
+
+
+class AgentExit(RuntimeError):
+    """A start-up condition that retrying cannot fix; the message says what to do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +93,7 @@ class AgentOptions:
     kubeconfig: str | None = None  # outside a pod: how to reach the Kubernetes API
     health: HealthPolicy = field(default_factory=HealthPolicy)
     liveness_probe_seconds: float = 5.0
+    lock_wait_seconds: float = 15.0  # how long a predecessor on this plugin directory gets to let go
     telemetry: TelemetrySettings | None = None  # None: no metrics endpoint, no node labels
 
     @property
@@ -128,6 +146,10 @@ class AgentStatus:
     plan: ResourcePlan | None = None
     config_errors_total: int = 0
     xid_counts: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (gpu, UUID, xid) -> events
+    internal_errors: dict[str, int] = field(default_factory=dict)  # where -> unexpected exceptions survived
+    waiting_for: dict[str, tuple[str, ...]] = field(default_factory=dict)  # operation -> what it waits for
+    stale_gpus: frozenset[str] = frozenset()  # GPUs withdrawn until the inventory is read again
+    discovery_error: str | None = None  # why the last inventory read failed (the previous one is in force)
 
 
 class Stoppable(Protocol):
@@ -153,10 +175,11 @@ class Agent:
         self._said: set[str] = set()  # warnings already logged, so a reload does not repeat them
         self._config_watcher: ConfigWatcher | None = None
         self._label_watcher: Stoppable | None = None
-        self._mps = MpsManager(options.mps_control, self.post)
+        self._mps = MpsManager(options.mps_control, self.post, options.pod_resources_socket)
         self._mig = MigManager(self.post, options.pod_resources_socket)
         self._mig_label: str | None = None
         self._health = HealthState()
+        self._policy: HealthPolicy = options.health  # the flags' policy with the config's health.xids
         self._snapshots: dict[str, ResourceSnapshot] = {}
         self._kubelet_present = False
         self._next_liveness = 0.0
@@ -168,6 +191,15 @@ class Agent:
         self._config_errors = 0
         self._xid_counts: dict[tuple[str, str, str], int] = {}
         self._telemetry: Telemetry | None = None
+        self._lock: PluginDirLock | None = None
+        self._internal_errors: dict[str, int] = {}
+        self._said_errors: set[tuple[str, str]] = set()
+        self._resync_at: float | None = None  # a failed step is retried by a full, idempotent resync
+        self._resync_backoff = Backoff(0.5, MAX_BACKOFF)
+        self._rediscover_at: float | None = None  # the inventory is read again at this time
+        self._rediscover_backoff = Backoff(0.5, 60.0)
+        self._stale_gpus: frozenset[str] = frozenset()  # their devices are withdrawn until a good re-read
+        self._discovery_error: str | None = None
         self.status = AgentStatus()
         self.heartbeat = self._clock()  # the loop's last turn, for /healthz
         self.started = threading.Event()
@@ -188,7 +220,12 @@ class Agent:
     # ----- the loop -------------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Start, then reconcile until ``stop()``; on the way out stop every server and remove its socket."""
+        """Start, then reconcile until ``stop()``; on the way out stop every server and remove its socket.
+
+        Nothing that happens inside the loop ends it: an unexpected exception in a handler or a tick is
+        logged once with its context, counted, the last good state keeps being served, and a full resync
+        is retried with backoff. Only ``stop()`` (SIGTERM) and ``AgentExit`` at start end ``run``.
+        """
         try:
             self._start()
             self.started.set()
@@ -200,23 +237,58 @@ class Agent:
                 if isinstance(event, Stop):
                     break
                 if event is not None:
-                    self._handle(event)
-                self._tick()
+                    self._guarded("event", self._handle, event)
+                self._guarded("tick", self._tick)
                 self.heartbeat = self._clock()
         finally:
             self._shutdown()
 
+    def _guarded(self, where: str, step: Callable[..., None], *args: object) -> None:
+        try:
+            step(*args)
+        except AgentExit:
+            raise
+        except Exception as error:
+            self._internal_error(where, error, context=type(args[0]).__name__ if args else "")
+            self._schedule_resync()
+
+    def _internal_error(self, where: str, error: BaseException, *, context: str = "") -> None:
+        """Log an unexpected exception once per kind (traceback at debug), count it, and carry on."""
+        self._internal_errors[where] = self._internal_errors.get(where, 0) + 1
+        said = (where, f"{type(error).__name__}: {error}")
+        if said not in self._said_errors:
+            self._said_errors.add(said)
+            log.error(
+                "internal error survived where=%s context=%s error=%r; keeping the last good state and retrying",
+                where, context or "-", said[1],
+            )  # fmt: skip
+        log.debug("internal error traceback where=%s\n%s", where, "".join(traceback.format_exception(error)))
+        self._refresh_status()
+
+    def _schedule_resync(self) -> None:
+        if self._resync_at is None:
+            self._resync_at = self._clock() + self._resync_backoff.next_delay()
+
+    def _resync(self) -> None:
+        """Re-apply everything from scratch (config, MIG, servers): what a failed step is retried as."""
+        self._resync_at = None
+        try:
+            self._apply_config(force=True)
+            self._update_mig(publish=False)
+            self._publish()
+        except Exception as error:
+            self._internal_error("resync", error)
+            self._schedule_resync()
+        else:
+            self._resync_backoff.reset()
+
     def _start(self) -> None:
-        self._inventory = discover()
-        log.info(
-            "discovered gpus=%d failed=%d driver=%s",
-            len(self._inventory.gpus),
-            len(self._inventory.failures),
-            self._inventory.driver_version,
-        )
         self._plan = ResourcePlan((), MigStrategy.NONE)
+        self._inventory = Inventory("", "", None, (), ())
+        self._take_lock()
+        self._read_inventory("start")
         self._start_label_watcher()
-        self._apply_config()
+        self._guarded("config", self._apply_config)
         self._publish()
         if self.options.config_path is not None:
             self._config_watcher = ConfigWatcher(self.options.config_path, self.post)
@@ -250,7 +322,26 @@ class Agent:
         self._registrar.shutdown(wait=True, cancel_futures=True)
         self._mps.shutdown()
         self._mig.shutdown()
+        if self._lock is not None:
+            self._lock.release()
         log.info("stopped")
+
+    def _take_lock(self) -> None:
+        """One agent per device-plugin directory; a predecessor (rolling update) gets a moment to let go."""
+        if self._lock is not None or not self.options.device_plugin_dir.is_dir():
+            return  # taken once the directory appears (_plugin_dir_ready)
+        lock = PluginDirLock(self.options.device_plugin_dir)
+        try:
+            lock.acquire(wait=0.0)
+        except PluginDirLocked as error:
+            wait = self.options.lock_wait_seconds
+            log.warning("device-plugin directory is held by another agent; waiting up to %.0fs error=%r",
+                        wait, str(error))  # fmt: skip
+            try:
+                lock.acquire(wait=wait)
+            except PluginDirLocked as still:
+                raise AgentExit(str(still)) from None
+        self._lock = lock
 
     def _handle(self, event: object) -> None:
         match event:
@@ -258,8 +349,18 @@ class Agent:
                 self._on_xid(event)
             case WatchFailed(gpu_uuid=uuid, error=error):
                 units = [uuid] if uuid else [g.uuid for g in self._gpus()]
+                log.error("GPU health cannot be watched gpus=%s error=%s", ",".join(units), error)
                 self._health = record_fault(self._health, units, f"health watch failed: {error}", self._clock())
                 self._publish()
+            case GpuLost(gpu_uuid=uuid):
+                if not (uuid in self._health.faults and self._health.faults[uuid].lost):
+                    log.warning("GPU lost gpu=%s reason=%s", uuid, GPU_LOST_REASON)
+                self._health = record_fault(self._health, [uuid], GPU_LOST_REASON, self._clock(), lost=True)
+                self._publish()
+            case WatchRestored(gpu_uuid=uuid):
+                self._on_watch_restored(uuid)
+            case WorkerCrashed():
+                self._on_worker_crashed(event)
             case KubeletSocketChanged(present=present):
                 self._on_kubelet(present)
             case StreamClosed(resource=resource):
@@ -275,7 +376,11 @@ class Agent:
                 if self._mps.on_failed(event, self._clock()):
                     self._publish()
             case MpsDaemonStopped():
-                pass
+                if self._mps.on_stopped(event):
+                    self._publish()
+            case MpsDrainChecked():
+                self._mps.on_drain_checked(event, self._clock())
+                self._refresh_status()
             case NodeLabelChanged(key=key, value=value) if key == CONFIG_LABEL:
                 if value != self._config_label:
                     log.info("node label changed key=%s value=%s", key, value)
@@ -293,20 +398,28 @@ class Agent:
                 self._refresh_status()
             case MigApplied():
                 self._mig.on_applied(event, self._clock())
-                self._rediscover()
+                if event.busy:
+                    self._refresh_status()
+                else:
+                    self._rediscover("MIG change", stale=self._uuids_of(self._mig.changing_gpus))
             case _:
                 log.error("unknown event %r", event)
 
     def _tick(self) -> None:
         now = self._clock()
+        if self._resync_at is not None and now >= self._resync_at:
+            self._resync()
+        if self._rediscover_at is not None and now >= self._rediscover_at:
+            self._rediscover("retry")
         self._probe_faults(now)
         if self._mps.tick(now):
             self._publish()
         if self._mig.tick(now):
-            self._rediscover()
+            self._rediscover("MIG reset check", stale=self._uuids_of(self._mig.changing_gpus))
         if now >= self._next_liveness:
             self._next_liveness = now + self.options.liveness_probe_seconds
             self._check_liveness(now)
+        self._supervise_watchers(now)
         if not self._plugin_dir_ready():
             return
         for name, server in list(self._servers.items()):
@@ -323,6 +436,8 @@ class Agent:
     def _plugin_dir_ready(self) -> bool:
         """The device-plugin directory exists; said once when it does not, and once when it appears."""
         present = self.options.device_plugin_dir.is_dir()
+        if present and self._lock is None:
+            self._take_lock()
         if present != self._plugin_dir_present:
             self._plugin_dir_present = present
             if present:
@@ -372,17 +487,24 @@ class Agent:
         self._label_watcher = NodeLabelWatcher(api, self.options.node_name, [CONFIG_LABEL, MIG_CONFIG_LABEL], self.post)
         self._label_watcher.start()
 
-    def _apply_config(self) -> None:
-        """Load the config for this node; apply it if it is valid here, else keep the last good one."""
+    def _apply_config(self, *, force: bool = False) -> None:
+        """Load the config for this node; apply it if it is valid here, else keep the last good one.
+
+        Whatever a config does to the loader — even an exception nobody foresaw — rejects that config and
+        nothing else: the last good one stays in force.
+        """
         assert self._inventory is not None
         try:
             loaded = self._load_config()
-            if self._loaded is not None and (loaded.name, loaded.digest) == (self._loaded.name, self._loaded.digest):
+            same = self._loaded is not None and (loaded.name, loaded.digest) == (self._loaded.name, self._loaded.digest)
+            if same and not force:
                 return  # same config: nothing to do
             chosen = effective(loaded.model, self._overrides())
             new_plan = plan(chosen.plan, self._inventory)
-        except (ConfigError, PlanError) as error:
-            message = str(error)
+        except Exception as error:
+            if not isinstance(error, ConfigError | PlanError):
+                self._internal_error("config", error)
+            message = str(error) or type(error).__name__
             if message != self._config_error:
                 self._config_errors += 1
                 kept = f"keeping config {self._loaded.name!r}" if self._loaded else "advertising nothing until fixed"
@@ -401,12 +523,10 @@ class Agent:
             ",".join(r.name for r in new_plan.resources) or "none",
         )
         self._loaded, self._effective, self._plan, self._config_error = loaded, chosen, new_plan, None
+        self._policy = self.options.health.with_config_overrides(chosen.health_overrides)
         self._mps.reconcile(mps_daemons(new_plan), Path(chosen.allocation.mps_root), self._clock())
         self._update_mig(publish=False)
-        if self._snapshots or self._servers:
-            self._publish()
-        else:
-            self._refresh_status()
+        self._publish()  # also when nothing was served before (an agent that started on a bad config)
 
     # ----- MIG layout ------------------------------------------------------------------------------
 
@@ -415,11 +535,7 @@ class Agent:
         assert self._inventory is not None
         section = self._loaded.model.mig_layout if self._loaded else None
         if self.options.mig_config is not None:
-            origin = str(self.options.mig_config)
-            try:
-                data = yaml.safe_load(self.options.mig_config.read_text(encoding="utf-8"))
-            except (OSError, yaml.YAMLError) as error:
-                raise LayoutFileError(f"{origin}: cannot read: {error}") from error
+            origin, data = str(self.options.mig_config), read_layout_file(self.options.mig_config)
         elif section is not None and section.layouts is not None:
             origin, data = "migLayout.layouts", section.layouts
         else:
@@ -434,29 +550,76 @@ class Agent:
 
     def _update_mig(self, *, publish: bool = True) -> None:
         assert self._inventory is not None
-        before = self._mig.draining
+        before = self._mig.withdrawn
         try:
             layouts = self._desired_layouts()
         except (LayoutFileError, LayoutError) as error:
             self._mig.fail(str(error))
         else:
             self._mig.desire(layouts, self._inventory, self._clock())
-        if publish and self._mig.draining != before:
+        if publish and self._mig.withdrawn != before:
             self._publish()
         else:
             self._refresh_status()
 
-    def _rediscover(self) -> None:
-        """After a MIG change: the node's devices are different; read them, plan and advertise again."""
-        self._inventory = discover()
-        try:
-            self._plan = plan(self._effective.plan, self._inventory)
-        except PlanError as error:
-            log.error("the new MIG layout does not fit the config; advertising nothing error=%r", str(error))
-            self._plan = ResourcePlan((), self._plan.mig_strategy if self._plan else MigStrategy.NONE)
-        self._mps.reconcile(mps_daemons(self._plan), Path(self._effective.allocation.mps_root), self._clock())
-        self._update_mig(publish=False)
+    def _rediscover(self, reason: str, *, stale: frozenset[str] = frozenset()) -> None:
+        """The node's devices may be different (a MIG change, a reset, a GPU back, a retry): read them again,
+        plan and advertise. Until a read succeeds, the GPUs in ``stale`` are withdrawn: a device that may
+        not exist is never advertised."""
+        if self._read_inventory(reason, stale):
+            try:
+                self._plan = plan(self._effective.plan, self._inventory)
+            except PlanError as error:
+                log.error("the node's devices do not fit the config; advertising nothing error=%r", str(error))
+                self._plan = ResourcePlan((), self._plan.mig_strategy if self._plan else MigStrategy.NONE)
+            self._mps.reconcile(mps_daemons(self._plan), Path(self._effective.allocation.mps_root), self._clock())
+            self._update_mig(publish=False)
         self._publish()
+
+    def _read_inventory(self, reason: str, stale: frozenset[str] = frozenset()) -> bool:
+        """Read the GPUs from NVML; on failure keep the last inventory (minus ``stale`` GPUs) and retry with
+        backoff. A GPU that failed to answer is retried the same way until it joins."""
+        self._stale_gpus |= stale
+        try:
+            inventory = discover()
+        except Exception as error:  # NvmlUnavailable, DiscoveryError, or anything else a driver does
+            delay = self._rediscover_backoff.next_delay()
+            self._rediscover_at = self._clock() + delay
+            message = str(error) or type(error).__name__
+            if message != self._discovery_error:
+                log.error(
+                    "cannot read the GPUs reason=%s retry_in=%.1fs withdrawn=%s error=%r",
+                    reason, delay, ",".join(sorted(self._stale_gpus)) or "none", message,
+                )  # fmt: skip
+            self._discovery_error = message
+            self._refresh_status()
+            return False
+        before = {g.uuid for g in self._gpus()}
+        self._inventory, self._stale_gpus, self._discovery_error = inventory, frozenset(), None
+        after = {g.uuid for g in inventory.gpus}
+        if after != before or reason == "start":
+            log.info(
+                "discovered reason=%s gpus=%d joined=%s left=%s failed=%d driver=%s",
+                reason, len(after), ",".join(sorted(after - before)) or "-", ",".join(sorted(before - after)) or "-",
+                len(inventory.failures), inventory.driver_version,
+            )  # fmt: skip
+        self._health = _without_vanished_mig_faults(self._health, inventory)
+        if inventory.failures:
+            delay = self._rediscover_backoff.next_delay()
+            self._rediscover_at = self._clock() + delay
+            said = "; ".join(map(str, inventory.failures))
+            if said not in self._said:
+                self._said.add(said)
+                log.warning("GPUs did not answer; trying again retry_in=%.1fs failures=%r", delay, said)
+        else:
+            self._rediscover_backoff.reset()
+            self._rediscover_at = None
+        if after != before and self._event_watcher is not None:
+            self._event_watcher.set_gpus([g.uuid for g in inventory.gpus])
+        return True
+
+    def _uuids_of(self, gpu_indexes: tuple[int, ...]) -> frozenset[str]:
+        return frozenset(g.uuid for g in self._gpus() if g.index in gpu_indexes)
 
     def _load_config(self) -> LoadedConfig:
         path = self.options.config_path
@@ -472,51 +635,82 @@ class Agent:
     # ----- health ---------------------------------------------------------------------------------
 
     def _on_xid(self, event: XidEvent) -> None:
+        """Judge the XID by NVIDIA's catalog (and the overrides): application-level ones are counted and
+        logged, reset- and reboot-class ones make the devices it names Unhealthy until evidence clears them."""
         gpu = self._inventory.gpu_by_uuid(event.gpu_uuid) if self._inventory else None
         key = (str(gpu.index) if gpu else "", event.gpu_uuid, str(event.xid))
         self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
         self._refresh_status()
-        if not self.options.health.is_critical(event.xid):
-            log.info("ignored XID gpu=%s xid=%d", event.gpu_uuid, event.xid)
+        verdict = self._policy.verdict(event.xid)
+        if not verdict.marks_unhealthy:
+            kind = "application XID" if verdict.effect is XidEffect.APPLICATION else "ignored XID"
+            log.info("%s gpu=%s xid=%d reason=%r; the device stays Healthy", kind, event.gpu_uuid, event.xid,
+                     verdict.reason)  # fmt: skip
             return
         assert self._inventory is not None
         units = units_for_event(self._inventory, event.gpu_uuid, event.gi_id, event.ci_id)
-        lost = event.xid == XID_GPU_LOST
-        self._health = record_fault(
-            self._health, units, f"XID {event.xid}", self._clock(), lost=lost, gpu_uuid=event.gpu_uuid
+        baseline = None if verdict.lost else read_ecc_uncorrected(event.gpu_uuid)
+        self._health = record_xid(
+            self._health, units, verdict, self._clock(), gpu_uuid=event.gpu_uuid, ecc_baseline=baseline
         )
-        log.warning("critical XID gpu=%s xid=%d unhealthy=%s", event.gpu_uuid, event.xid, ",".join(units))
+        log.warning("critical XID gpu=%s xid=%d reason=%r effect=%s unhealthy=%s",
+                    event.gpu_uuid, event.xid, verdict.reason, verdict.effect, ",".join(units))  # fmt: skip
+        self._publish()
+
+    def _on_watch_restored(self, gpu_uuid: str) -> None:
+        """The GPU is watched again: a fault that only said "cannot watch" goes; XID and lost faults stay
+        until their evidence clears them."""
+        fault = self._health.faults.get(gpu_uuid)
+        if fault is None or fault.lost or fault.xid is not None:
+            return
+        log.info("GPU health watched again gpu=%s", gpu_uuid)
+        self._health = probe_succeeded(self._health, gpu_uuid)
         self._publish()
 
     def _probe_faults(self, now: float) -> None:
+        """Faulty units quiet for long enough are checked for recovery: only on evidence (the recovery
+        action, pending remaps and retirements, ECC growth, the device answering) are they Healthy again."""
         changed = False
-        for unit in due_for_probe(self._health, self.options.health, now):
-            error = self._probe_unit(unit)
-            if error is None:
-                log.info("recovered unit=%s after=%r", unit, self._health.faults[unit].reason)
+        came_back: set[str] = set()
+        for unit in due_for_probe(self._health, self._policy, now):
+            fault = self._health.faults[unit]
+            evidence = self._evidence(unit, fault.ecc_baseline)
+            if evidence is None or evidence.ok:
+                log.info("recovered unit=%s after=%r", unit, fault.reason)
                 self._health = probe_succeeded(self._health, unit)
                 changed = True
+                if fault.lost:
+                    came_back.add(fault.gpu_uuid or unit)
             else:
-                log.info("still unhealthy unit=%s error=NVML_ERROR_%s", unit, error)
-                self._health = probe_failed(self._health, unit, now)
-        if changed:
+                reasons = "; ".join(evidence.reasons)
+                if evidence.reasons != fault.blockers:
+                    log.info("still unhealthy unit=%s after=%r blockers=%r", unit, fault.reason, reasons)
+                self._health = probe_failed(
+                    self._health, unit, now, blockers=evidence.reasons, ecc_baseline=evidence.ecc_uncorrected
+                )
+        if came_back:
+            # A GPU that was lost may come back changed (a reset loses its MIG instances): read it before
+            # anything of it is advertised again.
+            self._rediscover("GPU back", stale=frozenset(came_back))
+        elif changed:
             self._publish()
+
+    def _evidence(self, unit: str, ecc_baseline: int | None) -> Evidence | None:
+        """The recovery evidence for a unit; None when the unit (a MIG device) no longer exists."""
+        if not unit.startswith("MIG-"):
+            return recovery_evidence(unit, ecc_baseline=ecc_baseline)  # asked even when absent from the inventory
+        for gpu in self._gpus():
+            if any(m.uuid == unit for m in gpu.mig_devices):
+                return recovery_evidence(gpu.uuid, unit, ecc_baseline=ecc_baseline)
+        return None
 
     def _check_liveness(self, now: float) -> None:
         """Catch a GPU that fell off the bus without an event reaching us."""
-        lost = [g.uuid for g in self._gpus() if g.uuid not in self._health.faults and probe(g.uuid) == "GPU_IS_LOST"]
+        lost = [g.uuid for g in self._gpus() if g.uuid not in self._health.faults and _probe(g.uuid) == "GPU_IS_LOST"]
         if lost:
             log.warning("GPU lost gpus=%s", ",".join(lost))
-            self._health = record_fault(self._health, lost, "GPU is lost", now, lost=True)
+            self._health = record_fault(self._health, lost, GPU_LOST_REASON, now, lost=True)
             self._publish()
-
-    def _probe_unit(self, unit: str) -> str | None:
-        for gpu in self._gpus():
-            if gpu.uuid == unit:
-                return probe(unit)
-            if any(m.uuid == unit for m in gpu.mig_devices):
-                return probe(gpu.uuid, unit)
-        return None  # the unit no longer exists: nothing to keep unhealthy
 
     def _gpus(self) -> tuple:
         return self._inventory.gpus if self._inventory else ()
@@ -526,7 +720,10 @@ class Agent:
     def _publish(self) -> None:
         """Recompute every resource's snapshot and apply the difference to the running servers."""
         assert self._plan is not None and self._inventory is not None
-        visible = self._plan.without(self._mig.draining)  # drained MIG devices leave ListAndWatch first
+        # Withdrawn devices leave ListAndWatch first: those a MIG change or an MPS daemon's retirement will
+        # disturb, and every device of a GPU whose inventory could not be read again.
+        stale = {d.physical_id for r in self._plan.resources for d in r.devices if d.gpu_uuid in self._stale_gpus}
+        visible = self._plan.without(self._mig.withdrawn | self._mps.withdrawn() | stale)
         snapshots = build_snapshots(
             visible, self._health, self._inventory, self._effective.allocation, unavailable=self._mps.unavailable()
         )
@@ -605,7 +802,9 @@ class Agent:
                 continue  # the tick serves it again first
             registration.due_at = None
             registration.in_flight = registration.attempts + 1
-            self._registrar.submit(self._register, name, server.socket_path.name, registration.in_flight)
+            args = (name, server.socket_path.name, registration.in_flight)
+            if submit(self._registrar, self.post, "register", name, self._register, *args) is None:
+                registration.in_flight = 0  # shutting down
 
     def _register(self, name: str, endpoint: str, attempt: int) -> None:
         """Runs on the registrar thread: the kubelet dials back inside Register, which can take seconds."""
@@ -615,6 +814,43 @@ class Agent:
             self.post(RegistrationDone(name, attempt, str(error)))
         else:
             self.post(RegistrationDone(name, attempt, None))
+
+    def _on_worker_crashed(self, event: WorkerCrashed) -> None:
+        """A worker job raised past its own guard: counted, and its owner treats it as a failed attempt."""
+        self._internal_error(f"worker:{event.owner}", RuntimeError(event.error), context=event.key)
+        now = self._clock()
+        if event.owner == "mig":
+            self._mig.on_crashed(event, now)
+            self._rediscover("MIG worker crash", stale=self._uuids_of(self._mig.changing_gpus))
+        elif event.owner == "mps":
+            if self._mps.on_crashed(event, now):
+                self._publish()
+        elif event.owner == "register":
+            registration = self._registrations.get(event.key)
+            if registration is not None and registration.in_flight:
+                self._on_registered(RegistrationDone(event.key, registration.in_flight, event.error))
+
+    def _supervise_watchers(self, now: float) -> None:
+        """A watcher thread that died is noticed here and started again (counted, said once per death)."""
+        for name in ("_event_watcher", "_kubelet_watcher", "_config_watcher"):
+            watcher = getattr(self, name)
+            if watcher is None or watcher.alive():
+                continue
+            self._internal_error("thread", RuntimeError(f"{name.strip('_')} thread died"), context=name.strip("_"))
+            setattr(self, name, self._new_watcher(name))
+
+    def _new_watcher(self, name: str) -> NvmlEventWatcher | KubeletWatcher | ConfigWatcher:
+        watcher: NvmlEventWatcher | KubeletWatcher | ConfigWatcher
+        if name == "_event_watcher":
+            watcher = NvmlEventWatcher([g.uuid for g in self._gpus()], self.post)
+        elif name == "_kubelet_watcher":
+            watcher = KubeletWatcher(self.options.kubelet_socket, self.post)
+        else:
+            assert self.options.config_path is not None
+            watcher = ConfigWatcher(self.options.config_path, self.post)
+            self.post(ConfigSourceChanged())  # a change may have been missed while it was dead
+        watcher.start()
+        return watcher
 
     def _on_registered(self, done: RegistrationDone) -> None:
         registration = self._registrations.get(done.resource)
@@ -655,4 +891,29 @@ class Agent:
             plan=self._plan,
             config_errors_total=self._config_errors,
             xid_counts=dict(self._xid_counts),
+            internal_errors=dict(self._internal_errors),
+            waiting_for=self._waiting_for(),
+            stale_gpus=self._stale_gpus,
+            discovery_error=self._discovery_error,
         )
+
+    def _waiting_for(self) -> dict[str, tuple[str, ...]]:
+        waiting = {f"mps:{key}": reasons for key, reasons in self._mps.waiting_for().items()}
+        if self._mig.waiting_for:
+            waiting["mig"] = self._mig.waiting_for
+        return waiting
+
+
+def _probe(gpu_uuid: str, mig_uuid: str | None = None) -> str | None:
+    """``probe`` that never raises: NVML that cannot even initialise is an answer too (the error name)."""
+    try:
+        return probe(gpu_uuid, mig_uuid)
+    except Exception as error:  # NvmlUnavailable and kin
+        return type(error).__name__
+
+
+def _without_vanished_mig_faults(health: HealthState, inventory: Inventory) -> HealthState:
+    """Faults of MIG devices that no longer exist go with them (a GPU's own fault stays: it may come back)."""
+    existing = {m.uuid for g in inventory.gpus for m in g.mig_devices}
+    kept = {u: f for u, f in health.faults.items() if not u.startswith("MIG-") or u in existing}
+    return health if len(kept) == len(health.faults) else HealthState(kept)

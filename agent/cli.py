@@ -6,9 +6,11 @@ Every flag has an environment-variable twin (``--node`` / ``TESSERA_NODE``); the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +24,8 @@ EXIT_OK = 0
 EXIT_PLAN_ERROR = 1
 EXIT_USAGE = 2
 EXIT_NVML = 3
+EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug, not bad input
+EXIT_INTERRUPTED = 130
 
 
 def _env_flag(
@@ -216,8 +220,15 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--ignored-xids",
         "TESSERA_IGNORED_XIDS",
-        help="XIDs that do not make a device unhealthy (default NVIDIA's: 13,31,43,45,68,109); "
-        "DP_DISABLE_HEALTHCHECKS / DP_ENABLE_HEALTHCHECKS are honoured too",
+        help="XIDs that never make a device unhealthy; giving it switches to NVIDIA's model (every other XID "
+        "is critical) instead of NVIDIA's Xid catalog; DP_DISABLE_HEALTHCHECKS / DP_ENABLE_HEALTHCHECKS count too",
+    )
+    _env_flag(
+        parser,
+        "--xid-overrides",
+        "TESSERA_XID_OVERRIDES",
+        help="per-XID effects over the catalog, e.g. 94=unhealthy,13=ignore,144-150=application "
+        "(ignore, application, unhealthy, lost); wins over the config's health.xids",
     )
     _env_flag(
         parser,
@@ -225,7 +236,7 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         "TESSERA_HEALTH_RECOVERY_SECONDS",
         default="60",
         type=float,
-        help="quiet time after a critical XID before a device is probed and made healthy again; 0 = never",
+        help="quiet time after a critical XID before a device is checked for recovery (on evidence); 0 = never",
     )
     _env_flag(parser, "--log-format", "TESSERA_LOG_FORMAT", default="text", choices=["text", "json"], help="log format")
     _env_flag(
@@ -248,15 +259,59 @@ def _check_env_choices(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Bad input is one line on stderr and a documented exit status; an exception nobody
+    expected is one line too ("internal error", exit 70), with the traceback only when debugging
+    (``--log-level debug``, ``TESSERA_LOG_LEVEL=debug`` or ``TESSERA_DEBUG=1``)."""
     parser = _parser()
     args = parser.parse_args(argv)
     _check_env_choices(parser, args)
+    try:
+        return _command(args)
+    except KeyboardInterrupt:
+        print("tessera: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        if args.command in ("run", "demo"):
+            return _internal_error(args)
+        # the reader of our output went away (`tessera plan | head`): nothing more to say, to anyone
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PLAN_ERROR
+    except Exception:
+        return _internal_error(args)
+
+
+def _debugging(args: argparse.Namespace) -> bool:
+    return (
+        getattr(args, "log_level", None) == "debug"
+        or os.environ.get("TESSERA_LOG_LEVEL", "").lower() == "debug"
+        or os.environ.get("TESSERA_DEBUG", "").lower() in ("1", "true", "yes")
+    )
+
+
+def _internal_error(args: argparse.Namespace) -> int:
+    """The last resort: one line naming the exception; the traceback only when debugging."""
+    error = sys.exc_info()[1]
+    if _debugging(args):
+        traceback.print_exc(file=sys.stderr)
+    detail = " ".join(f"{type(error).__name__}: {error}".split())[:500]
+    hint = "" if _debugging(args) else " (TESSERA_DEBUG=1 prints the traceback)"
+    print(f"tessera: internal error: {detail}, please report{hint}", file=sys.stderr)
+    return EXIT_INTERNAL
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.command == "run":
         return _run(args)
     if args.command == "demo":
         from agent.demo import run_demo
+        from agent.sim.spec import SimSpecError
 
-        return run_demo(args.node, args.mig_strategy)
+        try:
+            return run_demo(args.node, args.mig_strategy)
+        except SimSpecError as error:
+            print(f"tessera: {error}", file=sys.stderr)
+            return EXIT_USAGE
     if args.command == "mig":
         return _mig(args)
     if args.command == "validate":

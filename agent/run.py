@@ -6,17 +6,18 @@ import argparse
 import logging
 import signal
 import socket
+import sys
 import threading
 from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 
-from agent.agent import Agent, AgentOptions
+from agent.agent import Agent, AgentExit, AgentOptions
 from agent.config.effective import FlagOverrides
 from agent.config.labels import validate_node_name
 from agent.config.model import safe_host_path
 from agent.core.allocation import DeviceListStrategy
-from agent.core.health import xid_policy
+from agent.core.health import health_policy
 from agent.telemetry.server import parse_address
 from agent.telemetry.service import TelemetrySettings
 
@@ -40,14 +41,15 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> AgentOpt
                 f"--device-list-strategy: {', '.join(unknown) or 'empty'} is not valid; use one or more of {known}"
             )
     quiet = args.health_recovery_seconds
-    policy, rejected = xid_policy(
-        args.ignored_xids,
-        environ.get("DP_DISABLE_HEALTHCHECKS"),
-        environ.get("DP_ENABLE_HEALTHCHECKS"),
+    policy, warnings = health_policy(
+        ignored=args.ignored_xids,
+        overrides=args.xid_overrides,
+        nvidia_disabled=environ.get("DP_DISABLE_HEALTHCHECKS"),
+        nvidia_enabled=environ.get("DP_ENABLE_HEALTHCHECKS"),
         quiet_seconds=None if quiet <= 0 else quiet,
     )
-    if rejected:
-        log.warning("ignored unknown XID entries entries=%s", ",".join(rejected))
+    for warning in warnings:
+        log.warning("health: %s", warning)
     node_name = args.node_name or environ.get("NODE_NAME") or None
     if node_name is not None:
         try:
@@ -121,7 +123,12 @@ def run_agent(options: AgentOptions, simulate: str | None, sim_control: str | No
                 stack.callback(control.stop)
         agent = Agent(options)
         _stop_on_signals(agent)
-        agent.run()
+        try:
+            agent.run()
+        except AgentExit as error:
+            log.error("cannot run error=%r", str(error))
+            print(f"tessera: {error}", file=sys.stderr)
+            return 1
     return 0
 
 

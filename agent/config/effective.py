@@ -5,10 +5,13 @@ Precedence is NVIDIA's: an explicit flag (or its environment twin), then the con
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from agent.config.model import ConfigModel, ReplicatedResources, quantity_mib
 from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
+from agent.core.health import XidEffect
 from agent.core.resources import (
     AllocationPolicy,
     DeviceSelector,
@@ -40,6 +43,8 @@ class FlagOverrides:
 class Effective:
     plan: PlanConfig
     allocation: AllocationOptions
+    # the config's ``health.xids``, ranges expanded: for ``HealthPolicy.with_config_overrides`` (a flag wins)
+    health_overrides: Mapping[int, XidEffect] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
 
 def effective(model: ConfigModel, overrides: FlagOverrides) -> Effective:
@@ -64,6 +69,7 @@ def effective(model: ConfigModel, overrides: FlagOverrides) -> Effective:
             policy=AllocationPolicy(policy),
             mps_root=overrides.mps_root or flags.mps_root or DEFAULT_MPS_ROOT,
         ),
+        health_overrides=MappingProxyType(model.health.overrides() if model.health else {}),
     )
 
 

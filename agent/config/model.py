@@ -11,7 +11,8 @@ Compatibility rules (facts: nvidia-device-plugin.md §1):
   because a typo (``timeSlice:``) silently turns sharing off on NVIDIA's plugin. ``strict`` rejects them.
 
 Tessera's extensions are additions NVIDIA's plugin ignores: top-level ``match`` (which GPU products this
-config is for), and honouring ``rename``, ``devices`` and ``resources`` where NVIDIA discards them.
+config is for), ``migLayout``, ``health`` (per-XID overrides of the Xid-catalog defaults), and honouring
+``rename``, ``devices`` and ``resources`` where NVIDIA discards them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from agent.core.health import XidEffect, parse_effect, parse_xid_key
 from agent.plugin.names import resource_name_problem
 
 RESOURCE_PREFIX = "nvidia.com/"
@@ -334,6 +336,45 @@ class MigLayoutSection(_Section):
     layouts: dict[str, Any] | None = None  # {version: v1, mig-configs: {...}}, validated by agent.mig.layout_file
 
 
+class HealthSection(_Section):
+    """Tessera: what an XID does to a device, overriding the Xid-catalog default (docs/health.md).
+
+    ``xids`` maps an XID (``"94"``) or an inclusive range (``"144-150"``) to ``ignore``, ``application``,
+    ``unhealthy`` or ``lost``. A ``--xid-overrides`` flag wins over it, XID by XID.
+    """
+
+    xids: dict[str, XidEffect] | None = None
+
+    @field_validator("xids", mode="before")
+    @classmethod
+    def _xids(cls, value: object) -> object:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError('must be a map of XID to effect, e.g. {"94": unhealthy, "13": ignore}')
+        problems, out = [], {}
+        for key, effect in value.items():
+            try:
+                parse_xid_key(key)
+            except ValueError as error:
+                problems.append(f"key {error}")
+                continue
+            try:
+                out[str(key).strip()] = parse_effect(effect)
+            except ValueError as error:
+                problems.append(f"XID {str(key).strip()}: {error}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return out
+
+    def overrides(self) -> dict[int, XidEffect]:
+        """The XID -> effect map, ranges expanded (later keys win where ranges overlap)."""
+        result: dict[int, XidEffect] = {}
+        for key, effect in (self.xids or {}).items():
+            result.update(dict.fromkeys(parse_xid_key(key), effect))
+        return result
+
+
 # ----- the document ---------------------------------------------------------------------------------
 
 
@@ -345,6 +386,7 @@ class ConfigModel(_Section):
     imex: ImexModel | None = None
     match: list[GoString] | None = None  # Tessera: the GPU products this config is for (globs)
     mig_layout: MigLayoutSection | None = Field(None, alias="migLayout")  # Tessera: the MIG layout manager
+    health: HealthSection | None = None  # Tessera: per-XID health overrides
 
     @field_validator("version")
     @classmethod

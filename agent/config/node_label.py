@@ -54,6 +54,8 @@ MIN_HEALTHY_WATCH = 1.0  # a watch the server ends sooner than this, with no eve
 BACKOFF_INITIAL = 0.5
 STOP_JOIN_TIMEOUT = 5.0
 HTTP_GONE = 410
+MAX_STATUS_BODY = 64 << 10  # an error body read for its Status message: larger ones are not parsed
+MAX_STATUS_MESSAGE = 1024  # characters of the API server's message kept for one log line
 
 _RBAC_RULE = 'ClusterRole rule: apiGroups [""], resources [nodes], verbs [get, list, watch]'
 
@@ -96,13 +98,13 @@ def load_kube_api(kubeconfig: str | Path | None = None) -> kubernetes.client.Cor
 def _status_message(e: ApiException) -> str:
     """The API server's own message from a Status body, else the HTTP reason."""
     body = getattr(e, "body", None)
-    if body:
+    if body and len(body) <= MAX_STATUS_BODY:  # a Status is a few hundred bytes; anything else is not one
         try:
             message = json.loads(body).get("message")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, TypeError, RecursionError):
             message = None
         if message:
-            return str(message)
+            return str(message)[:MAX_STATUS_MESSAGE]
     return str(e.reason or "").strip() or "no reason given"
 
 

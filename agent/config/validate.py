@@ -1,4 +1,8 @@
-"""``tessera validate FILE|DIR [--strict]``: check every config before it reaches a node."""
+"""``tessera validate FILE|DIR [--strict]``: check every config before it reaches a node.
+
+Every file is read within the limits of :mod:`agent.config.yaml_limits`; a file that breaks one is
+INVALID with a line naming the limit and the fix, never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ def validate_path(path: Path, *, strict: bool = False) -> int:
         sharing = model.replicated
         summary = f"sharing {sharing[0]}" if sharing else "no sharing"
         strategy = model.flags.mig_strategy or "default"
-        print(f"{name}: valid ({summary}, migStrategy {strategy})")
+        only = f", only on nodes with {', '.join(model.match) or 'nothing'}" if model.match is not None else ""
+        print(f"{name}: valid ({summary}, migStrategy {strategy}{only})")
         for warning in warnings:
             print(f"  warning: {warning.removeprefix(origin + ': ')}")
     total = len(config_set.documents)

@@ -30,7 +30,7 @@ def fingerprint(path: Path) -> tuple[object, ...]:
             return ("dir", target, files)
         info = path.stat()
         return ("file", str(path.resolve()), info.st_ino, info.st_mtime_ns, info.st_size)
-    except OSError:
+    except (OSError, RuntimeError):  # vanished meanwhile, or a symlink loop
         return ("missing",)
 
 
@@ -49,6 +49,9 @@ class ConfigWatcher:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self._interval + 2)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() or self._stop.is_set()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):

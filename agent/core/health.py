@@ -4,42 +4,191 @@ Faults are held per *unit*: a GPU (its UUID) or one MIG device (its MIG UUID). A
 healthy unless its GPU or its own MIG device has a fault, so an XID on a GPU turns every device on it
 Unhealthy — every replica and every MIG device — and an XID attributed to one MIG device only that one.
 
+What an XID does follows NVIDIA's Xid catalog (``agent.core.xid_catalog``): each XID's immediate action
+gives an ``XidEffect``. Application-level XIDs (``RESTART_APP``, ``IGNORE``) leave the device Healthy;
+reset-class and unknown XIDs make it Unhealthy; the reboot class (79 fallen off the bus, ``RESTART_BM``,
+``RESTART_VM``) makes it Unhealthy *and lost*. ``HealthPolicy`` is the one object that decides, with
+per-XID overrides (flag and config), ``--ignored-xids`` and NVIDIA's ``DP_DISABLE_HEALTHCHECKS`` /
+``DP_ENABLE_HEALTHCHECKS`` layered on top (see ``HealthPolicy.effect``).
+
 Unlike NVIDIA's plugin a fault is not forever: after ``quiet_seconds`` without a new critical event the
-unit is due for a probe, and a successful probe (done by the shell through NVML) clears it. A lost GPU
-clears only once it answers again, which is exactly what the probe checks.
+unit is due for a recovery check. The shell gathers the evidence through NVML (``agent.gpu.health.
+recovery_evidence``: the GPU answers, the recovery action reads NONE, nothing pending, ECC not growing)
+and reports it back here: ``probe_succeeded`` clears the fault, ``probe_failed`` keeps it for another quiet
+period and remembers what blocked it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from types import MappingProxyType
 
 from agent.core.inventory import Inventory
 from agent.core.resources import Device
+from agent.core.xid_catalog import CATALOG, XidAction, XidInfo, lookup
 
-NVIDIA_IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+NVIDIA_IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})  # NVIDIA's device plugin v0.20, hard-coded
 UNATTRIBUTED = 0xFFFFFFFF  # an event's GI/CI id when the driver cannot name one instance
+MAX_XID = 0xFFFFFFFF  # eventData is an unsigned 32-bit number
+MAX_RANGE = 1024  # "144-150=unhealthy": a range may name at most this many XIDs
+GPU_LOST_REASON = "GPU is lost (NVML_ERROR_GPU_IS_LOST)"
+
+
+class XidEffect(StrEnum):
+    """What an XID does to the device it names."""
+
+    IGNORE = "ignore"  # counted in metrics only
+    APPLICATION = "application"  # logged and counted; the device stays Healthy (the application is at fault)
+    UNHEALTHY = "unhealthy"  # the device is Unhealthy until the evidence says it recovered
+    LOST = "lost"  # as UNHEALTHY, and the GPU is treated as gone until it answers again (re-read inventory)
+
+    @property
+    def marks_unhealthy(self) -> bool:
+        return self in (XidEffect.UNHEALTHY, XidEffect.LOST)
+
+
+EFFECT_NAMES = tuple(e.value for e in XidEffect)
+
+# The catalog's immediate action -> Tessera's default effect. Anything that may need a reset, a reboot or a
+# human is Unhealthy until evidence says otherwise; only what the catalog says the application causes or
+# that needs no action leaves the device in service.
+DEFAULT_EFFECT: Mapping[XidAction, XidEffect] = MappingProxyType(
+    {
+        XidAction.IGNORE: XidEffect.IGNORE,
+        XidAction.RESTART_APP: XidEffect.APPLICATION,
+        XidAction.WORKFLOW_XID_45: XidEffect.APPLICATION,  # preemptive cleanup after Ctrl-C, a kill, a reset
+        XidAction.RESET_GPU: XidEffect.UNHEALTHY,
+        XidAction.WORKFLOW_XID_48: XidEffect.UNHEALTHY,  # alone: RESET_GPU
+        XidAction.WORKFLOW_NVLINK_ERR: XidEffect.UNHEALTHY,  # needs the message's register bits
+        XidAction.WORKFLOW_NVLINK5_ERR: XidEffect.UNHEALTHY,  # a subcode may need RESET_GPU
+        XidAction.XID_154: XidEffect.UNHEALTHY,  # the recovery action itself decides when it clears
+        XidAction.CHECK_UVM: XidEffect.UNHEALTHY,  # RESET_GPU when UVM is in use, which we cannot rule out
+        XidAction.CHECK_MECHANICALS: XidEffect.UNHEALTHY,
+        XidAction.UPDATE_SWFW: XidEffect.UNHEALTHY,
+        XidAction.CONTACT_SUPPORT: XidEffect.UNHEALTHY,
+        XidAction.NO_BUCKET: XidEffect.UNHEALTHY,  # treated as RESET_GPU
+        XidAction.UNKNOWN: XidEffect.UNHEALTHY,  # treated as CONTACT_SUPPORT
+        XidAction.RESTART_BM: XidEffect.LOST,
+        XidAction.RESTART_VM: XidEffect.LOST,
+    }
+)
+
+
+def default_effect(xid: int) -> XidEffect:
+    """Tessera's default for ``xid``: its catalog action's effect."""
+    return DEFAULT_EFFECT[lookup(xid).action]
+
+
+def nvidia_effect(xid: int) -> XidEffect:
+    """What NVIDIA's device plugin v0.20 does by default: its six XIDs ignored, every other one Unhealthy."""
+    if xid in NVIDIA_IGNORED_XIDS:
+        return XidEffect.IGNORE
+    return XidEffect.LOST if default_effect(xid) is XidEffect.LOST else XidEffect.UNHEALTHY
+
+
+@dataclass(frozen=True, slots=True)
+class XidVerdict:
+    """One XID as the policy sees it: the catalog's entry and the effect in force."""
+
+    xid: int
+    info: XidInfo
+    effect: XidEffect
+
+    @property
+    def action(self) -> XidAction:
+        return self.info.action
+
+    @property
+    def reason(self) -> str:
+        """For logs, status and metrics: ``XID 48 (Double Bit ECC Error, WORKFLOW_XID_48)``."""
+        return f"XID {self.xid} ({self.info.short_name}, {self.info.action})"
+
+    @property
+    def marks_unhealthy(self) -> bool:
+        return self.effect.marks_unhealthy
+
+    @property
+    def lost(self) -> bool:
+        return self.effect is XidEffect.LOST
+
+
+def _frozen_overrides(value: Mapping[int, XidEffect | str] | None) -> Mapping[int, XidEffect]:
+    return MappingProxyType({int(x): XidEffect(e) for x, e in (value or {}).items()})
 
 
 @dataclass(frozen=True, slots=True)
 class HealthPolicy:
-    ignored_xids: frozenset[int] = NVIDIA_IGNORED_XIDS
-    only_xids: frozenset[int] | None = None  # when set, only these count (NVIDIA's "disable all, enable some")
+    """The one object the agent consults about XIDs. Layers, the first that names an XID deciding:
+
+    1. ``overrides`` — Tessera's per-XID flag (``--xid-overrides``);
+    2. ``config_overrides`` — the sharing config's ``health.xids``;
+    3. ``enabled_xids`` / ``enable_all`` — NVIDIA's ``DP_ENABLE_HEALTHCHECKS``: at least Unhealthy
+       (a reboot-class XID stays lost);
+    4. ``ignored_xids`` / ``ignore_all`` — ``--ignored-xids`` and ``DP_DISABLE_HEALTHCHECKS``: ignored;
+    5. the default: the catalog's effect, or — when ``catalog_defaults`` is off (``--ignored-xids`` given,
+       NVIDIA's model) — Unhealthy for every XID.
+    """
+
+    overrides: Mapping[int, XidEffect] = field(default_factory=dict, hash=False)
+    config_overrides: Mapping[int, XidEffect] = field(default_factory=dict, hash=False)
+    ignored_xids: frozenset[int] = frozenset()
+    enabled_xids: frozenset[int] = frozenset()
+    ignore_all: bool = False
+    enable_all: bool = False
+    catalog_defaults: bool = True
     quiet_seconds: float | None = 60.0  # None: faults never clear by themselves (NVIDIA's behaviour)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overrides", _frozen_overrides(self.overrides))
+        object.__setattr__(self, "config_overrides", _frozen_overrides(self.config_overrides))
+        object.__setattr__(self, "ignored_xids", frozenset(self.ignored_xids))
+        object.__setattr__(self, "enabled_xids", frozenset(self.enabled_xids))
+
+    @classmethod
+    def nvidia(cls, quiet_seconds: float | None = None) -> HealthPolicy:
+        """NVIDIA's device plugin exactly: its six XIDs ignored, every other one Unhealthy, no recovery."""
+        return cls(ignored_xids=NVIDIA_IGNORED_XIDS, catalog_defaults=False, quiet_seconds=quiet_seconds)
+
+    def effect(self, xid: int) -> XidEffect:
+        if xid in self.overrides:
+            return self.overrides[xid]
+        if xid in self.config_overrides:
+            return self.config_overrides[xid]
+        base = default_effect(xid)
+        if not self.catalog_defaults and not base.marks_unhealthy:
+            base = XidEffect.UNHEALTHY
+        if self.enable_all or xid in self.enabled_xids:
+            return base if base.marks_unhealthy else XidEffect.UNHEALTHY
+        if self.ignore_all or xid in self.ignored_xids:
+            return XidEffect.IGNORE
+        return base
+
+    def verdict(self, xid: int) -> XidVerdict:
+        return XidVerdict(xid, lookup(xid), self.effect(xid))
+
     def is_critical(self, xid: int) -> bool:
-        if self.only_xids is not None:
-            return xid in self.only_xids
-        return xid not in self.ignored_xids
+        """Does ``xid`` make a device Unhealthy (effect UNHEALTHY or LOST)?"""
+        return self.effect(xid).marks_unhealthy
+
+    def with_config_overrides(self, config_overrides: Mapping[int, XidEffect] | None) -> HealthPolicy:
+        """The same flags with another config's ``health.xids`` (on a config reload)."""
+        return replace(self, config_overrides=_frozen_overrides(config_overrides))
 
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    reason: str
+    reason: str  # e.g. "XID 48 (Double Bit ECC Error, WORKFLOW_XID_48)" or GPU_LOST_REASON
     since: float
     last_event: float
     lost: bool = False
     gpu_uuid: str | None = None  # the parent GPU of a MIG-device fault; None when the unit is the GPU itself
+    xid: int | None = None  # the XID of the latest event, None for a fault that is not an XID
+    action: XidAction | None = None  # the catalog's immediate action for that XID
+    effect: XidEffect | None = None  # the effect the policy gave it
+    ecc_baseline: int | None = None  # volatile uncorrected ECC count to compare the next recovery check with
+    blockers: tuple[str, ...] = ()  # what the last recovery check found still wrong
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +224,16 @@ def record_fault(
     *,
     lost: bool = False,
     gpu_uuid: str | None = None,
+    xid: int | None = None,
+    action: XidAction | None = None,
+    effect: XidEffect | None = None,
+    ecc_baseline: int | None = None,
 ) -> HealthState:
-    """Mark units faulty; ``gpu_uuid`` names the parent GPU when the units are its MIG devices."""
+    """Mark units faulty; ``gpu_uuid`` names the parent GPU when the units are its MIG devices.
+
+    A unit already faulty keeps its first ``since``, stays lost once lost, and keeps its ECC baseline (a
+    count that grows between the first fault and the check blocks recovery once, then becomes the baseline).
+    """
     faults = dict(state.faults)
     for unit in units:
         previous = faults.get(unit)
@@ -86,27 +243,77 @@ def record_fault(
             last_event=now,
             lost=lost or bool(previous and previous.lost),
             gpu_uuid=gpu_uuid if gpu_uuid != unit else None,
+            xid=xid,
+            action=action,
+            effect=effect,
+            ecc_baseline=previous.ecc_baseline if previous and previous.ecc_baseline is not None else ecc_baseline,
         )
     return HealthState(faults)
 
 
+def record_xid(
+    state: HealthState,
+    units: Iterable[str],
+    verdict: XidVerdict,
+    now: float,
+    *,
+    gpu_uuid: str | None = None,
+    ecc_baseline: int | None = None,
+) -> HealthState:
+    """Record an XID the policy judged; an XID that does not mark a device Unhealthy changes nothing."""
+    if not verdict.marks_unhealthy:
+        return state
+    return record_fault(
+        state,
+        units,
+        verdict.reason,
+        now,
+        lost=verdict.lost,
+        gpu_uuid=gpu_uuid,
+        xid=verdict.xid,
+        action=verdict.action,
+        effect=verdict.effect,
+        ecc_baseline=ecc_baseline,
+    )
+
+
 def due_for_probe(state: HealthState, policy: HealthPolicy, now: float) -> list[str]:
-    """Units quiet for long enough to be probed, in a stable order."""
+    """Units quiet for long enough to be checked for recovery, in a stable order."""
     if policy.quiet_seconds is None:
         return []
     return sorted(u for u, f in state.faults.items() if now - f.last_event >= policy.quiet_seconds)
 
 
 def probe_succeeded(state: HealthState, unit: str) -> HealthState:
+    """The evidence says the unit recovered: its fault is cleared."""
     return HealthState({u: f for u, f in state.faults.items() if u != unit})
 
 
-def probe_failed(state: HealthState, unit: str, now: float) -> HealthState:
-    """Still broken: wait another quiet period before the next probe."""
+def probe_failed(
+    state: HealthState,
+    unit: str,
+    now: float,
+    *,
+    blockers: Iterable[str] = (),
+    ecc_baseline: int | None = None,
+) -> HealthState:
+    """Still broken: wait another quiet period before the next check, and remember why (``blockers``).
+
+    ``ecc_baseline`` is the uncorrected ECC count the check read; the next check compares with it.
+    """
     fault = state.faults.get(unit)
     if fault is None:
         return state
-    return HealthState({**state.faults, unit: replace(fault, last_event=now)})
+    updated = replace(
+        fault,
+        last_event=now,
+        blockers=tuple(blockers),
+        ecc_baseline=fault.ecc_baseline if ecc_baseline is None else ecc_baseline,
+    )
+    return HealthState({**state.faults, unit: updated})
+
+
+# ----- parsing flags, environment and config -------------------------------------------------------
 
 
 def parse_xid_list(text: str) -> tuple[frozenset[int], bool, list[str]]:
@@ -119,11 +326,143 @@ def parse_xid_list(text: str) -> tuple[frozenset[int], bool, list[str]]:
             continue
         if entry in ("all", "xids"):
             everything = True
-        elif entry.isascii() and entry.isdigit():  # isdigit() alone accepts '\u00b2', which int() rejects
+        elif _is_number(entry) and int(entry) <= MAX_XID:
             numbers.add(int(entry))
         else:
             rejected.append(entry)
     return frozenset(numbers), everything, rejected
+
+
+def _is_number(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # isdigit() alone accepts '\u00b2', which int() rejects
+
+
+def parse_xid_key(key: object) -> range:
+    """An override's key: one XID (``94``) or an inclusive range (``144-150``). Raises ValueError saying why."""
+    text = str(key).strip() if isinstance(key, int | str) and not isinstance(key, bool) else None
+    if text is None:
+        raise ValueError(f"{key!r} is not an XID; write a number such as 94 or a range such as 144-150")
+    first, sep, last = text.partition("-")
+    if not _is_number(first) or (sep and not _is_number(last)):
+        raise ValueError(f"{text!r} is not an XID; write a number such as 94 or a range such as 144-150")
+    low, high = int(first), int(last) if sep else int(first)
+    if not 1 <= low <= high <= MAX_XID:
+        raise ValueError(f"{text!r} is out of range: XIDs are 1 to {MAX_XID}, written low-high")
+    if high - low + 1 > MAX_RANGE:
+        raise ValueError(f"{text!r} names more than {MAX_RANGE} XIDs; list narrower ranges")
+    return range(low, high + 1)
+
+
+def parse_effect(value: object) -> XidEffect:
+    """An override's value, case-insensitive. Raises ValueError naming the allowed values."""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text not in EFFECT_NAMES:
+        raise ValueError(f"{value!r} is not an XID effect; use one of {', '.join(EFFECT_NAMES)}")
+    return XidEffect(text)
+
+
+def parse_override_mapping(mapping: Mapping[object, object]) -> tuple[dict[int, XidEffect], list[str]]:
+    """``{"94": "unhealthy", "144-150": "ignore"}`` (a config's ``health.xids``): the overrides and one
+    problem line per entry that was not understood."""
+    overrides: dict[int, XidEffect] = {}
+    problems: list[str] = []
+    for key, value in mapping.items():
+        try:
+            xids, effect = parse_xid_key(key), parse_effect(value)
+        except ValueError as error:
+            problems.append(str(error))
+            continue
+        overrides.update(dict.fromkeys(xids, effect))
+    return overrides, problems
+
+
+def parse_xid_overrides(text: str) -> tuple[dict[int, XidEffect], list[str]]:
+    """A flag value such as ``94=unhealthy,13=ignore,144-150=application``: the overrides and the entries
+    that were rejected (a later entry for the same XID wins)."""
+    overrides: dict[int, XidEffect] = {}
+    rejected: list[str] = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        key, sep, value = entry.partition("=")
+        try:
+            if not sep:
+                raise ValueError(entry)
+            xids, effect = parse_xid_key(key), parse_effect(value)
+        except ValueError:
+            rejected.append(entry)
+            continue
+        overrides.update(dict.fromkeys(xids, effect))
+    return overrides, rejected
+
+
+OVERRIDE_SYNTAX = f"XID=EFFECT or LOW-HIGH=EFFECT, comma separated; EFFECT is one of {', '.join(EFFECT_NAMES)}"
+
+
+def health_policy(
+    *,
+    ignored: str | None = None,
+    overrides: str | None = None,
+    config_overrides: Mapping[int, XidEffect] | None = None,
+    nvidia_disabled: str | None = None,
+    nvidia_enabled: str | None = None,
+    quiet_seconds: float | None = 60.0,
+) -> tuple[HealthPolicy, list[str]]:
+    """The policy from every source, and one warning line per thing that was not understood or conflicts.
+
+    - ``ignored``: ``--ignored-xids`` (None when not given). Given, it switches to NVIDIA's model: the listed
+      XIDs are ignored and every other XID makes a device Unhealthy (it replaces NVIDIA's list, as before).
+    - ``overrides``: ``--xid-overrides``, e.g. ``94=unhealthy,13=ignore``; wins over everything.
+    - ``config_overrides``: the sharing config's ``health.xids`` (already validated by the config model).
+    - ``nvidia_disabled`` / ``nvidia_enabled``: ``DP_DISABLE_HEALTHCHECKS`` / ``DP_ENABLE_HEALTHCHECKS``.
+    """
+    warnings: list[str] = []
+    ignored_xids: frozenset[int] = frozenset()
+    if ignored is not None:
+        ignored_xids, _, bad = parse_xid_list(ignored)
+        if bad:
+            warnings.append(f"--ignored-xids: ignored entries that are not XIDs: {', '.join(bad)}")
+    disabled, disable_all, bad = parse_xid_list(nvidia_disabled or "")
+    if bad:
+        warnings.append(f"DP_DISABLE_HEALTHCHECKS: ignored entries that are not XIDs: {', '.join(bad)}")
+    enabled, enable_all, bad = parse_xid_list(nvidia_enabled or "")
+    if bad:
+        warnings.append(f"DP_ENABLE_HEALTHCHECKS: ignored entries that are not XIDs: {', '.join(bad)}")
+    flag_overrides: dict[int, XidEffect] = {}
+    if overrides:
+        flag_overrides, bad = parse_xid_overrides(overrides)
+        if bad:
+            warnings.append(f"--xid-overrides: ignored entries {', '.join(bad)}; write {OVERRIDE_SYNTAX}")
+    policy = HealthPolicy(
+        overrides=flag_overrides,
+        config_overrides=config_overrides or {},
+        ignored_xids=ignored_xids | disabled,
+        enabled_xids=enabled,
+        ignore_all=disable_all,
+        enable_all=enable_all,
+        catalog_defaults=ignored is None,
+        quiet_seconds=quiet_seconds,
+    )
+    warnings += override_conflicts(policy)
+    return policy, warnings
+
+
+def override_conflicts(policy: HealthPolicy) -> list[str]:
+    """One line per XID that an override and an NVIDIA variable (or ``--ignored-xids``) both name."""
+    lines = []
+    for xid in sorted(set(policy.overrides) | set(policy.config_overrides)):
+        named = [
+            source
+            for source, xids in (
+                ("DP_ENABLE_HEALTHCHECKS", policy.enabled_xids),
+                ("DP_DISABLE_HEALTHCHECKS/--ignored-xids", policy.ignored_xids),
+            )
+            if xid in xids
+        ]
+        if named:
+            where = "--xid-overrides" if xid in policy.overrides else "the config's health.xids"
+            lines.append(f"XID {xid}: {where} ({policy.effect(xid)}) wins over {' and '.join(named)}")
+    return lines
 
 
 def xid_policy(
@@ -132,23 +471,36 @@ def xid_policy(
     nvidia_enabled: str | None = None,
     quiet_seconds: float | None = 60.0,
 ) -> tuple[HealthPolicy, list[str]]:
-    """The XID policy from Tessera's ``--ignored-xids`` and NVIDIA's two environment variables.
+    """The policy from ``--ignored-xids`` and NVIDIA's two variables, and the entries not understood.
 
-    ``ignored`` replaces NVIDIA's default list; ``DP_DISABLE_HEALTHCHECKS`` adds to it (``all`` ignores every
-    XID) and ``DP_ENABLE_HEALTHCHECKS`` forces XIDs back on (``all``: every XID counts). Returns the policy
-    and the entries that were not understood, for one warning.
+    Kept for existing callers; ``health_policy`` also takes the overrides and returns whole warning lines.
     """
     rejected: list[str] = []
-    base = NVIDIA_IGNORED_XIDS
-    if ignored is not None:
-        base, _, bad = parse_xid_list(ignored)
-        rejected += bad
-    disabled, disable_all, bad = parse_xid_list(nvidia_disabled or "")
-    rejected += bad
-    enabled, enable_all, bad = parse_xid_list(nvidia_enabled or "")
-    rejected += bad
-    if enable_all:
-        return HealthPolicy(ignored_xids=frozenset(), quiet_seconds=quiet_seconds), rejected
-    if disable_all:
-        return HealthPolicy(only_xids=enabled, quiet_seconds=quiet_seconds), rejected
-    return HealthPolicy(ignored_xids=(base | disabled) - enabled, quiet_seconds=quiet_seconds), rejected
+    for text in (ignored, nvidia_disabled, nvidia_enabled):
+        rejected += parse_xid_list(text or "")[2]
+    policy, _ = health_policy(
+        ignored=ignored, nvidia_disabled=nvidia_disabled, nvidia_enabled=nvidia_enabled, quiet_seconds=quiet_seconds
+    )
+    return policy, rejected
+
+
+# ----- the documented table ------------------------------------------------------------------------
+
+
+def effect_table_markdown() -> str:
+    """docs/health.md's classification table, one row per catalogued XID (a test keeps them equal)."""
+    lines = [
+        "| XID | Mnemonic | Short name | Catalog action | Tessera default | NVIDIA plugin v0.20 |",
+        "|---:|---|---|---|---|---|",
+    ]
+    for xid, info in sorted(CATALOG.items()):
+        ours, theirs = default_effect(xid), nvidia_effect(xid)
+        mark = "" if ours.marks_unhealthy == theirs.marks_unhealthy else " **≠**"
+        lines.append(
+            f"| {xid} | {info.mnemonic or '—'} | {info.short_name} | {info.action} | {ours}{mark} | {theirs} |"
+        )
+    lines.append(
+        f"| other, 999 | — | not in the catalog / unknown to NVML | {XidAction.UNKNOWN} | "
+        f"{DEFAULT_EFFECT[XidAction.UNKNOWN]} | {XidEffect.UNHEALTHY} |"
+    )
+    return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ NUMA on old drivers) give ``None``/empty values, not failures.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -37,7 +38,9 @@ _COMPUTE_MODES = {
     pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "EXCLUSIVE_PROCESS",
 }
 _SKIPPED_PROFILE_ERRORS = ("NOT_SUPPORTED", "INVALID_ARGUMENT")
+_WARNED: set[str] = set()  # said once per process, not at every re-discovery
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class _GpuStepFailed(Exception):
@@ -52,6 +55,12 @@ class _GiProfileInfo:
     index: int
     slice_count: int
     memory_mib: int
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning("%s", message)
 
 
 class DiscoveryError(RuntimeError):
@@ -201,7 +210,14 @@ def _mig_devices(gpu_index: int, gpu_uuid: str, handle: object, total_bytes: int
         )
         ci_info = _step("nvmlComputeInstanceGetInfo", pynvml.nvmlComputeInstanceGetInfo, compute_instance)
         attributes = _step("nvmlDeviceGetAttributes", pynvml.nvmlDeviceGetAttributes, mig)
-        gi_profile = gi_profiles[gi_info.profileId]
+        gi_profile = gi_profiles.get(gi_info.profileId)
+        if gi_profile is None:
+            _warn_once(
+                f"GPU {gpu_index}: MIG device {mig_index} has GPU instance profile id {gi_info.profileId}, which the "
+                f"installed nvidia-ml-py ({len(_GI_PROFILE_INDICES)} profiles) cannot describe; it is not "
+                "advertised. Upgrade nvidia-ml-py to one that knows the driver's profiles"
+            )
+            continue
         ci_slices = _ci_slices(gpu_instance, ci_info.profileId)
         devices.append(
             MigDevice(

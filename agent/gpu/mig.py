@@ -66,22 +66,6 @@ def create_instance(gpu_index: int, profile_id: int, placement: Placement, ci_pr
             ) from error
 
 
-def busy_mig_devices(mig_uuids: list[str]) -> dict[str, int]:
-    """MIG devices with running processes, and how many."""
-    busy = {}
-    with nvml_session():
-        for uuid in mig_uuids:
-            try:
-                processes = pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByUUID(uuid))
-            except pynvml.NVMLError as error:
-                if error_name(error) == "NOT_FOUND":
-                    continue
-                raise MigOperationError(f"{uuid}: list processes", error) from error
-            if processes:
-                busy[uuid] = len(processes)
-    return busy
-
-
 def _gpu(gpu_index: int) -> object:
     try:
         return pynvml.nvmlDeviceGetHandleByIndex(gpu_index)

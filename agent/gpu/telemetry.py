@@ -1,4 +1,4 @@
-"""Telemetry reads through NVML: memory, utilization and processes per GPU and per MIG device.
+"""Telemetry reads through NVML: memory, utilization and processes (MPS clients included) per GPU and MIG device.
 
 One failing GPU gives a ``GpuStats`` with its NVML error and no numbers; the others are still read.
 Utilization is ``None`` where the driver does not report it (a MIG-enabled GPU): Tessera does not fake it.
@@ -58,5 +58,18 @@ def _device(handle: object, uuid: str) -> DeviceStats:
         if not is_error(error, "NOT_SUPPORTED"):
             raise
         utilization = None
-    processes = tuple(ProcessStat(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
-    return DeviceStats(uuid, memory.total, memory.used, utilization, processes)
+    return DeviceStats(uuid, memory.total, memory.used, utilization, _processes(handle))
+
+
+def _processes(handle: object) -> tuple[ProcessStat, ...]:
+    """Compute processes and MPS clients: a real driver lists an MPS server among the compute processes and
+    its clients — the pods' processes — only in the MPS list."""
+    found = {p.pid: ProcessStat(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+    try:
+        clients = pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)
+    except pynvml.NVMLError as error:
+        if not is_error(error, "NOT_SUPPORTED"):
+            raise
+        clients = []
+    found.update((p.pid, ProcessStat(p.pid, p.usedGpuMemory)) for p in clients)
+    return tuple(found[pid] for pid in sorted(found))

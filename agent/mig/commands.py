@@ -8,16 +8,25 @@ from pathlib import Path
 
 import yaml
 
+from agent.core.drain import Drain, busy_reasons, mig_drain
 from agent.core.inventory import Inventory
 from agent.core.mig_layout import CreateInstance, DestroyInstance, LayoutError, Operation, SetMigMode, diff_node
 from agent.gpu.discovery import discover
 from agent.gpu.mig import MigOperationError, create_instance, destroy_instance, set_mig_mode
-from agent.mig.layout_file import LayoutFileError, export_layout, layouts_for_node, parse_layout_file
+from agent.gpu.processes import ProcessesUnknown, device_processes
+from agent.mig.layout_file import (
+    LayoutFileError,
+    export_layout,
+    layouts_for_node,
+    parse_layout_file,
+    read_layout_file,
+)
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1
 EXIT_INVALID = 2
 EXIT_FAILED = 3
+EXIT_BUSY = 4
 
 
 def export(output_format: str, label: str) -> int:
@@ -27,11 +36,7 @@ def export(output_format: str, label: str) -> int:
 
 
 def _operations(config: Path, name: str | None, inventory: Inventory) -> dict[int, tuple[Operation, ...]]:
-    try:
-        data = yaml.safe_load(config.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as error:
-        raise LayoutFileError(f"{config}: cannot read: {error}") from error
-    layout_file = parse_layout_file(data, str(config))
+    layout_file = parse_layout_file(read_layout_file(config), str(config))
     if name is None:
         if len(layout_file.mig_configs) != 1:
             raise LayoutFileError(f"{config}: several mig-configs; choose one with --name")
@@ -55,8 +60,9 @@ def assert_layout(config: Path, name: str | None) -> int:
 
 
 def apply(config: Path, name: str | None, dry_run: bool) -> int:
+    inventory = discover()
     try:
-        operations = _operations(config, name, discover())
+        operations = _operations(config, name, inventory)
     except (LayoutFileError, LayoutError) as error:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_INVALID
@@ -69,6 +75,14 @@ def apply(config: Path, name: str | None, dry_run: bool) -> int:
     if dry_run:
         print("dry run: nothing was changed")
         return EXIT_OK
+    busy = _running_processes(operations, inventory)
+    if busy:
+        print(
+            f"tessera: refusing to change MIG: {'; '.join(busy)}. Stop those processes (drain the node's GPU "
+            "pods) and run again; the running agent does this by itself.",
+            file=sys.stderr,
+        )
+        return EXIT_BUSY
     pending = []
     try:
         for gpu_index, ops in sorted(operations.items()):
@@ -88,6 +102,16 @@ def apply(config: Path, name: str | None, dry_run: bool) -> int:
         return EXIT_MISMATCH
     print("MIG configuration applied successfully")
     return EXIT_OK
+
+
+def _running_processes(operations: dict[int, tuple[Operation, ...]], inventory: Inventory) -> list[str]:
+    """What runs where the change would destroy something (NVML's view; unknown counts as running)."""
+    drain = mig_drain(operations, inventory)
+    try:
+        processes = device_processes(sorted(drain.scopes))
+    except ProcessesUnknown as error:
+        return [f"cannot tell whether processes run on the GPUs: {error}"]
+    return busy_reasons(Drain(scopes=drain.scopes), {}, processes)
 
 
 def describe(op: Operation) -> str:

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -47,11 +47,14 @@ from pydantic import (
     field_validator,
 )
 
+from agent.config.model import ConfigError
+from agent.config.yaml_limits import load_yaml, read_bounded
 from agent.core.inventory import Gpu
 from agent.core.mig_catalog import parse_profile_name
 from agent.core.mig_layout import DesiredLayout, current_layout
 
 VERSION = "v1"
+KIND = "a MIG layout file"
 
 
 class LayoutFileError(ValueError):
@@ -234,12 +237,26 @@ def parse_layout_file(data: object, origin: str) -> MigLayoutFile:
     return parsed
 
 
-def parse_layout_text(text: str, origin: str) -> MigLayoutFile:
-    """Parse YAML (or JSON) text, as mig-parted reads its file."""
+def read_layout_file(path: Path) -> object:
+    """The YAML/JSON document of the layout file at ``path``, read within the limits of
+    :mod:`agent.config.yaml_limits` (1 MiB, nesting, aliases, one document, a regular file).
+
+    Raises only LayoutFileError, whose message starts with the path; pass the result to
+    :func:`parse_layout_file` (``parse_layout_file(read_layout_file(path), str(path))``).
+    """
+    origin = str(path)
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise LayoutFileError(f"{origin}: not valid YAML: {error}") from None
+        return load_yaml(read_bounded(path, origin), origin, kind=KIND)
+    except ConfigError as error:
+        raise LayoutFileError(str(error), error.problems) from None
+
+
+def parse_layout_text(text: str, origin: str) -> MigLayoutFile:
+    """Parse YAML (or JSON) text, as mig-parted reads its file, within the limits of agent.config.yaml_limits."""
+    try:
+        data = load_yaml(text, origin, kind=KIND)
+    except ConfigError as error:
+        raise LayoutFileError(str(error), error.problems) from None
     return parse_layout_file(data, origin)
 
 

@@ -1,14 +1,18 @@
 """The MIG layout manager: brings the GPUs to the selected layout without pulling a device from under a pod.
 
-It belongs to the reconcile loop. ``desire`` computes the operations (pure, ``agent.core.mig_layout``);
-the MIG devices they would destroy are *drained*: the agent stops advertising them at once, so no new pod
-gets them. A worker then checks, through the kubelet's PodResources API and NVML, that none of them is
-allocated or has processes; only when all are free are the operations applied, on the worker, and the
-result comes back as an event. The agent then re-reads the inventory and advertises the new devices.
+It belongs to the reconcile loop. ``desire`` computes the operations (pure, ``agent.core.mig_layout``) and
+what they disturb (``agent.core.drain``): a MIG mode change the whole GPU — the GPU as a device, its
+replicas, every MIG device on it and their replicas; destroying an instance its MIG devices and the whole
+GPU where that is advertised as one device. Those devices are *withdrawn* at once, so no new pod gets them.
+A worker then checks, through the kubelet's PodResources API and NVML (compute processes and MPS clients),
+that none of them is allocated and nothing runs there — unknown counts as busy — and checks again right
+before acting; only then are the operations applied, on the worker, and the result comes back as an event.
+The agent then re-reads the inventory and advertises the new devices.
 
 State, as the node label ``nvidia.com/mig.config.state`` will show it: ``pending`` (draining or waiting
-for devices to be freed), ``applying``, ``success``, ``failed`` (the NVML error is named; the next attempt
-starts from a fresh inventory and converges), ``reset-required`` (a MIG mode change waits for a GPU reset).
+for devices to be freed; ``waiting_for`` says for what), ``applying``, ``success``, ``failed`` (the NVML
+error is named; the next attempt starts from a fresh inventory and converges), ``reset-required`` (a MIG
+mode change waits for a GPU reset).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from agent.core.drain import Drain, mig_drain
 from agent.core.inventory import Inventory
 from agent.core.mig_layout import (
     CreateInstance,
@@ -30,8 +35,9 @@ from agent.core.mig_layout import (
     SetMigMode,
     diff_node,
 )
-from agent.gpu.mig import MigOperationError, busy_mig_devices, create_instance, destroy_instance, set_mig_mode
-from agent.plugin.podresources import PodResourcesError, allocated_devices
+from agent.drain import why_busy
+from agent.gpu.mig import create_instance, destroy_instance, set_mig_mode
+from agent.supervise import WorkerCrashed, submit
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +57,7 @@ class MigState(StrEnum):
 @dataclass(frozen=True, slots=True)
 class MigBusyChecked:
     generation: int
-    busy: tuple[str, ...]  # "MIG-… held by default/pod (container)" or "MIG-… has 2 processes"
-    error: str | None = None
+    busy: tuple[str, ...]  # "MIG-… held by default/pod (container)", "GPU-… runs 2 process(es)", "cannot tell …"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,7 @@ class MigApplied:
     generation: int
     error: str | None = None
     reset_required: tuple[int, ...] = ()
+    busy: tuple[str, ...] = ()  # the last check before acting found the devices in use: nothing was done
 
 
 class MigManager:
@@ -69,37 +75,37 @@ class MigManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mig")
         self.state: MigState | None = None  # None: no layout is managed
         self.error: str | None = None
-        self.draining: frozenset[str] = frozenset()
+        self.drain = Drain()
+        self.waiting_for: tuple[str, ...] = ()  # why a pending change does not go ahead
         self._operations: dict[int, tuple[Operation, ...]] = {}
         self._generation = 0
         self._in_flight = False
         self._next_check = 0.0
         self._failures = 0
-        self._said_busy: tuple[str, ...] = ()
 
     def desire(self, layouts: Mapping[int, DesiredLayout] | None, inventory: Inventory, now: float) -> None:
         """The layout to reach, per GPU index (None: leave MIG alone)."""
         if layouts is None:
-            self.state, self.error, self.draining, self._operations = None, None, frozenset(), {}
+            self._reset(None, None)
             return
         try:
             operations = diff_node(inventory.gpus, layouts)
         except LayoutError as error:
             if str(error) != self.error:
                 log.error("MIG layout cannot be applied; nothing is changed error=%r", str(error))
-            self.state, self.error, self.draining, self._operations = MigState.FAILED, str(error), frozenset(), {}
+            self._reset(MigState.FAILED, str(error))
             return
         if not operations:
             if self.state not in (MigState.SUCCESS, None) or self._operations:
                 log.info("MIG layout in place gpus=%d", len(layouts))
-            self.state, self.error, self.draining, self._operations = MigState.SUCCESS, None, frozenset(), {}
+            self._reset(MigState.SUCCESS, None)
             self._failures = 0
             return
         if operations == self._operations and self.state in (MigState.FAILED, MigState.RESET_REQUIRED):
             return  # the same change as before, waiting for its retry (or a reset)
         if operations != self._operations:
             self._generation += 1
-            self._said_busy = ()
+            self.waiting_for = ()
             if self.state is not MigState.FAILED:  # a failed change keeps its backoff
                 self._next_check = now
             if self.state is MigState.RESET_REQUIRED:
@@ -107,13 +113,7 @@ class MigManager:
             summary = "; ".join(f"GPU {i}: {len(ops)} operations" for i, ops in sorted(operations.items()))
             log.info("MIG layout change planned %s", summary)
         self._operations = operations
-        self.draining = frozenset(
-            uuid
-            for ops in operations.values()
-            for op in ops
-            if isinstance(op, DestroyInstance)
-            for uuid in op.mig_uuids
-        )
+        self.drain = mig_drain(operations, inventory)
         if self.state not in (MigState.APPLYING, MigState.FAILED, MigState.RESET_REQUIRED):
             self.state = MigState.PENDING
 
@@ -121,7 +121,20 @@ class MigManager:
         """The layout itself is unusable (bad file, unknown name): change nothing, say why once."""
         if error != self.error:
             log.error("MIG layout cannot be applied; nothing is changed error=%r", error)
-        self.state, self.error, self.draining, self._operations = MigState.FAILED, error, frozenset(), {}
+        self._reset(MigState.FAILED, error)
+
+    def _reset(self, state: MigState | None, error: str | None) -> None:
+        self.state, self.error, self.drain, self._operations, self.waiting_for = state, error, Drain(), {}, ()
+
+    @property
+    def changing_gpus(self) -> tuple[int, ...]:
+        """The GPU indexes the current change operates on."""
+        return tuple(sorted(self._operations))
+
+    @property
+    def withdrawn(self) -> frozenset[str]:
+        """Physical device IDs not to advertise while a change is pending or applying."""
+        return self.drain.withdrawn
 
     def tick(self, now: float) -> bool:
         """Start due work; True when the agent should re-read the inventory (a reset may have happened)."""
@@ -134,29 +147,32 @@ class MigManager:
             self.state = MigState.PENDING  # retry
         if self.state is MigState.PENDING:
             self._in_flight = True
-            self._pool.submit(self._check_free, self._generation, self.draining)
+            self._submit("check", self._check_free, self._generation, self.drain)
         return False
 
     def on_busy_checked(self, event: MigBusyChecked, now: float) -> None:
         self._in_flight = False
         if event.generation != self._generation or self.state is not MigState.PENDING:
             return
-        if event.error or event.busy:
-            reason = event.error or ", ".join(event.busy)
-            if event.busy != self._said_busy or event.error:
-                log.info("MIG layout change waits for devices to be freed reason=%r", reason)
-                self._said_busy = event.busy
-            self._next_check = now + CHECK_INTERVAL
+        if event.busy:
+            self._wait(event.busy, now)
             return
         self.state = MigState.APPLYING
         self._in_flight = True
         log.info("MIG layout change applying generation=%d", self._generation)
-        self._pool.submit(self._apply, self._generation, dict(self._operations))
+        self._submit("apply", self._apply, self._generation, dict(self._operations), self.drain)
+
+    def _wait(self, busy: tuple[str, ...], now: float) -> None:
+        if busy != self.waiting_for:
+            log.info("MIG layout change waits for devices to be freed waiting_for=%r", "; ".join(busy))
+        self.state, self.waiting_for, self._next_check = MigState.PENDING, busy, now + CHECK_INTERVAL
 
     def on_applied(self, event: MigApplied, now: float) -> None:
         """The worker is done; the agent re-reads the inventory and calls ``desire`` again after this."""
         self._in_flight = False
-        if event.error is not None:
+        if event.busy:
+            self._wait(event.busy, now)
+        elif event.error is not None:
             self._failures += 1
             backoff = min(MAX_BACKOFF, 2.0 ** (self._failures - 1))
             self.state, self.error, self._next_check = MigState.FAILED, event.error, now + backoff
@@ -166,30 +182,37 @@ class MigManager:
             self.error = f"GPU(s) {', '.join(map(str, event.reset_required))} need a reset for the MIG mode change"
             log.warning("MIG mode change pending until a GPU reset gpus=%s", ",".join(map(str, event.reset_required)))
         else:
-            self.state, self.error, self._failures = MigState.SUCCESS, None, 0
+            self.state, self.error, self._failures, self.waiting_for = MigState.SUCCESS, None, 0, ()
             log.info("MIG layout change applied generation=%d", event.generation)
+
+    def on_crashed(self, event: WorkerCrashed, now: float) -> None:
+        """A worker job raised past its own guard: treat it as a failed attempt, retried with backoff."""
+        log.debug("MIG worker traceback:\n%s", event.traceback)
+        self.on_applied(MigApplied(self._generation, f"{event.key} crashed: {event.error}"), now)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # ----- worker -----------------------------------------------------------------------------------
 
-    def _check_free(self, generation: int, draining: frozenset[str]) -> None:
-        try:
-            holders = allocated_devices(self._socket)
-            held = sorted(
-                f"{device_id.split('::')[0]} held by {h.namespace}/{h.pod} ({h.container})"
-                for device_id, h in holders.items()
-                if device_id.split("::")[0] in draining
-            )
-            running = busy_mig_devices(sorted(draining))
-            busy = tuple(held + [f"{uuid} has {n} processes" for uuid, n in sorted(running.items())])
-            self._post(MigBusyChecked(generation, busy))
-        except (PodResourcesError, MigOperationError) as error:
-            # Without the kubelet's word that nothing holds them, the devices are treated as busy.
-            self._post(MigBusyChecked(generation, (), f"cannot tell whether the devices are free: {error}"))
+    def _submit(self, key: str, job: object, *args: object) -> None:
+        if submit(self._pool, self._post, "mig", key, job, *args) is None:
+            self._in_flight = False  # shutting down
 
-    def _apply(self, generation: int, operations: dict[int, tuple[Operation, ...]]) -> None:
+    def _check_free(self, generation: int, drain: Drain) -> None:
+        self._post(MigBusyChecked(generation, tuple(self._busy(drain))))
+
+    def _busy(self, drain: Drain) -> list[str]:
+        try:
+            return why_busy(drain, self._socket)
+        except Exception as error:  # whatever went wrong, nobody said the devices are free
+            return [f"cannot tell whether the devices are free: {type(error).__name__}: {error}"]
+
+    def _apply(self, generation: int, operations: dict[int, tuple[Operation, ...]], drain: Drain) -> None:
+        busy = self._busy(drain)  # again, right before acting: something may have started since the check
+        if busy:
+            self._post(MigApplied(generation, busy=tuple(busy)))
+            return
         reset_required = []
         try:
             for gpu_index, ops in sorted(operations.items()):
@@ -202,7 +225,7 @@ class MigManager:
                         destroy_instance(gpu_index, op.gi_id)
                     elif isinstance(op, CreateInstance):
                         create_instance(gpu_index, op.profile_id, op.placement, op.ci_profile_id)
-        except MigOperationError as error:
-            self._post(MigApplied(generation, str(error)))
+        except Exception as error:  # an NVML error, NVML gone (NvmlUnavailable), anything: a failed attempt
+            self._post(MigApplied(generation, str(error) or type(error).__name__))
             return
         self._post(MigApplied(generation, None, tuple(reset_required)))

@@ -12,7 +12,12 @@ a small worker pool whose results come back as events (``MpsDaemonReady``, ``Mps
   Unhealthy; it is restarted with backoff (0.5 s doubling to 30 s), and a daemon that keeps failing is
   reported with the last lines of its control log once per streak, not in a hot loop.
 - An agent restart adopts a daemon that still answers on its pipe instead of killing its clients' server;
-  stopping the agent leaves daemons running. A resource that goes away gets ``quit`` and DEFAULT compute mode.
+  stopping the agent leaves daemons running.
+- Retiring a daemon (its resource went away, or its spec changed) never pulls the server from under a
+  client: its devices are withdrawn from ListAndWatch first (``withdrawn``), then a worker waits until the
+  kubelet holds none of their replicas and NVML lists no compute process or MPS client on them — unknown
+  counts as busy — and only then sends ``quit`` and sets DEFAULT compute mode (left EXCLUSIVE_PROCESS when a
+  successor daemon takes the devices). A successor on the same devices starts once its predecessor is gone.
 """
 
 from __future__ import annotations
@@ -24,15 +29,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.core.drain import Drain
 from agent.core.mps import MpsDaemonSpec
+from agent.drain import why_busy
 from agent.gpu.compute_mode import DEFAULT, EXCLUSIVE_PROCESS, ComputeModeError, set_compute_mode
 from agent.mps.control import MpsControl, MpsError, pinned_limit_command, thread_percentage_command
+from agent.supervise import WorkerCrashed, submit
 
 log = logging.getLogger(__name__)
 
 BINARY = "nvidia-cuda-mps-control"
 READINESS_COMMAND = "get_default_active_thread_percentage"
 MAX_BACKOFF = 30.0
+DRAIN_CHECK_INTERVAL = 1.0  # how often a retiring daemon looks again whether its clients are gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +64,14 @@ class MpsDaemonStopped:
     key: str
 
 
+@dataclass(frozen=True, slots=True)
+class MpsDrainChecked:
+    """A retiring daemon's devices are still in use (``busy`` says by what): nothing was done."""
+
+    key: str
+    busy: tuple[str, ...]
+
+
 @dataclass
 class _Daemon:
     spec: MpsDaemonSpec
@@ -68,11 +85,25 @@ class _Daemon:
     restarts: int = 0
 
 
+@dataclass
+class _Retiring:
+    """A daemon on its way out: withdrawn, waiting for its clients to be gone before it is quit."""
+
+    spec: MpsDaemonSpec
+    control: MpsControl | None
+    next_check: float = 0.0
+    in_flight: bool = False
+    waiting_for: tuple[str, ...] = ()
+    failures: int = 0
+
+
 class MpsManager:
-    def __init__(self, binary: str | None, post: Callable[[object], None]) -> None:
+    def __init__(self, binary: str | None, post: Callable[[object], None], pod_resources_socket: Path) -> None:
         self._binary = binary
         self._post = post
+        self._socket = pod_resources_socket
         self._daemons: dict[str, _Daemon] = {}
+        self._retiring: dict[str, _Retiring] = {}
         self._root: Path | None = None
         # One worker: jobs run in the order they were asked for, so a daemon's tear-down (compute mode back
         # to DEFAULT) never overtakes the start of its successor on the same devices.
@@ -84,11 +115,11 @@ class MpsManager:
         wanted = {spec.key: spec for spec in specs}
         if root != self._root:
             for key in list(self._daemons):  # a new root: every daemon lives somewhere else now
-                self._stop(key)
+                self._retire(key, now)
             self._root = root
         for key in list(self._daemons):
             if key not in wanted or wanted[key] != self._daemons[key].spec:
-                self._stop(key)
+                self._retire(key, now)
         for key, spec in wanted.items():
             if key not in self._daemons:
                 self._daemons[key] = _Daemon(spec, self._control(spec, root), next_attempt=now)
@@ -107,9 +138,59 @@ class MpsManager:
                     key, daemon.restarts, " | ".join(daemon.control.log_tail(3)),
                 )  # fmt: skip
                 changed = True
-            if daemon.state in ("pending", "down") and now >= daemon.next_attempt:
+            if daemon.state in ("pending", "down") and now >= daemon.next_attempt and not self._blocked(daemon):
                 self._start(key, daemon)
+        for key, retiring in self._retiring.items():
+            if not retiring.in_flight and now >= retiring.next_check:
+                retiring.in_flight = True
+                keep = self._successor_devices(retiring.spec)
+                if submit(self._pool, self._post, "mps", key, self._drain_and_stop, key, retiring, keep) is None:
+                    retiring.in_flight = False
         return changed
+
+    def on_drain_checked(self, event: MpsDrainChecked, now: float) -> None:
+        retiring = self._retiring.get(event.key)
+        if retiring is None:
+            return
+        if event.busy != retiring.waiting_for:
+            log.info("MPS daemon change waits for its clients key=%s waiting_for=%r", event.key, "; ".join(event.busy))
+        retiring.in_flight, retiring.waiting_for = False, event.busy
+        retiring.next_check = now + DRAIN_CHECK_INTERVAL
+
+    def on_stopped(self, event: MpsDaemonStopped) -> bool:
+        """The retired daemon is gone: its devices may be advertised again (by a successor)."""
+        return self._retiring.pop(event.key, None) is not None
+
+    def on_crashed(self, event: WorkerCrashed, now: float) -> bool:
+        """A worker job raised past its guard: a retiring daemon checks again later, a starting one failed."""
+        log.debug("MPS worker traceback:\n%s", event.traceback)
+        retiring = self._retiring.get(event.key)
+        if retiring is not None:
+            retiring.in_flight, retiring.failures = False, retiring.failures + 1
+            retiring.next_check = now + min(MAX_BACKOFF, DRAIN_CHECK_INTERVAL * 2**retiring.failures)
+            log.error("MPS daemon retirement failed key=%s error=%r; trying again", event.key, event.error)
+            return False
+        daemon = self._daemons.get(event.key)
+        if daemon is None or daemon.state != "starting":
+            return False
+        return self.on_failed(MpsDaemonFailed(event.key, daemon.generation, event.error), now)
+
+    def withdrawn(self) -> frozenset[str]:
+        """Physical devices of retiring daemons: not advertised (by any resource) until the daemon is gone."""
+        return frozenset().union(*(r.spec.physical_ids for r in self._retiring.values()))
+
+    def waiting_for(self) -> dict[str, tuple[str, ...]]:
+        return {key: r.waiting_for for key, r in self._retiring.items() if r.waiting_for}
+
+    def _blocked(self, daemon: _Daemon) -> bool:
+        """A daemon waits while a retiring one has its key (its pipe directory) or any of its devices."""
+        return any(
+            key == daemon.spec.key or retiring.spec.physical_ids & daemon.spec.physical_ids
+            for key, retiring in self._retiring.items()
+        )
+
+    def _successor_devices(self, spec: MpsDaemonSpec) -> frozenset[str]:
+        return frozenset().union(*(d.spec.physical_ids for d in self._daemons.values())) & spec.physical_ids
 
     def on_ready(self, event: MpsDaemonReady) -> bool:
         daemon = self._daemons.get(event.key)
@@ -148,10 +229,18 @@ class MpsManager:
         return all(d.ready_once for d in daemons)
 
     def status(self) -> dict[str, dict[str, object]]:
-        return {
+        status: dict[str, dict[str, object]] = {
             key: {"state": d.state, "restarts": d.restarts, "error": d.last_error, "resource": d.spec.resource}
             for key, d in self._daemons.items()
         }
+        for key, r in self._retiring.items():
+            status[f"{key} (retiring)"] = {
+                "state": "draining",
+                "restarts": 0,
+                "error": "; ".join(r.waiting_for) or None,
+                "resource": r.spec.resource,
+            }
+        return status
 
     def shutdown(self) -> None:
         """The agent stops; daemons keep serving their clients and are adopted by the next agent."""
@@ -185,7 +274,7 @@ class MpsManager:
             except (MpsError, ValueError) as error:
                 self._post(MpsDaemonFailed(key, daemon.generation, str(error)))
                 return
-        self._pool.submit(self._bring_up, key, daemon.generation, daemon.spec, daemon.control)
+        submit(self._pool, self._post, "mps", key, self._bring_up, key, daemon.generation, daemon.spec, daemon.control)
 
     def _bring_up(self, key: str, generation: int, spec: MpsDaemonSpec, control: MpsControl) -> None:
         """Worker thread: adopt a daemon that answers, else start one; then limits; then readiness."""
@@ -202,22 +291,33 @@ class MpsManager:
             if not reply or float(reply[-1]) != float(spec.active_thread_percentage):
                 raise MpsError(f"the daemon reports {reply!r} for {READINESS_COMMAND}")
             self._post(MpsDaemonReady(key, generation, control.pid(), adopted))
-        except (MpsError, ValueError, OSError) as error:
-            self._post(MpsDaemonFailed(key, generation, str(error)))
+        except Exception as error:  # MpsError, OSError, NVML gone ...: a failed attempt, retried with backoff
+            self._post(MpsDaemonFailed(key, generation, str(error) or type(error).__name__))
 
-    def _stop(self, key: str) -> None:
+    def _retire(self, key: str, now: float) -> None:
         daemon = self._daemons.pop(key)
-        if daemon.control is not None:
-            self._pool.submit(self._tear_down, key, daemon.spec, daemon.control)
+        previous = self._retiring.get(key)
+        if previous is not None:  # still retiring an older one under this key: that one goes first
+            return
+        self._retiring[key] = _Retiring(daemon.spec, daemon.control, next_check=now)
+        log.info("MPS daemon retiring key=%s; its devices are withdrawn until its clients are gone", key)
 
-    def _tear_down(self, key: str, spec: MpsDaemonSpec, control: MpsControl) -> None:
+    def _drain_and_stop(self, key: str, retiring: _Retiring, keep_exclusive: frozenset[str]) -> None:
+        """Worker: quit the daemon only when nothing uses its devices; else report what does."""
+        drain = Drain(retiring.spec.physical_ids, retiring.spec.physical_ids)
+        busy = why_busy(drain, self._socket)
+        if busy:
+            self._post(MpsDrainChecked(key, tuple(busy)))
+            return
+        control = retiring.control
         try:
-            if control.pid() is not None:
+            if control is not None and control.pid() is not None:
                 control.quit()
         except MpsError as error:
             log.warning("MPS daemon did not quit cleanly key=%s error=%r", key, str(error))
-        for uuid in spec.visible_devices:
-            _compute_mode(uuid, DEFAULT)
+        for uuid in retiring.spec.visible_devices:
+            if uuid not in keep_exclusive:
+                _compute_mode(uuid, DEFAULT)
         log.info("MPS daemon stopped key=%s", key)
         self._post(MpsDaemonStopped(key))
 

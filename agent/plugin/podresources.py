@@ -1,4 +1,11 @@
-"""Which devices the kubelet has allocated to pods: a client of the kubelet's PodResources API (v1)."""
+"""Which devices the kubelet has allocated to pods: a client of the kubelet's PodResources API (v1).
+
+The answer is bounded: gRPC refuses a message larger than ``MAX_RECEIVE_BYTES`` (16 MiB, the limit the
+kubelet's own PodResources client uses), at most ``MAX_DEVICE_IDS`` device IDs are kept, and names longer than
+``MAX_NAME_CHARS`` are refused. Whatever goes wrong — no socket, a failed call, an answer too big or
+malformed — is a :class:`PodResourcesError`, never another exception; callers treat it as "unknown", which
+counts as busy.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,13 @@ import grpc
 from agent.api.podresources.v1 import api_pb2, api_pb2_grpc
 
 TIMEOUT = 5.0
+MAX_RECEIVE_BYTES = 16 << 20  # as the kubelet's own PodResources client (DefaultPodResourcesMaxSize, 16 MiB)
+MAX_DEVICE_IDS = 1 << 18  # 262,144: 8 GPUs x 7 MIG devices x 1,024 replicas is 57,344, plus other vendors' devices
+MAX_NAME_CHARS = 1024  # a device ID, resource, pod, namespace or container name; Kubernetes' own are far shorter
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+    ("grpc.max_send_message_length", 1 << 20),
+)
 
 
 class PodResourcesError(RuntimeError):
@@ -26,19 +40,53 @@ class DeviceHolder:
 
 def allocated_devices(socket: Path) -> dict[str, DeviceHolder]:
     """Device ID (as advertised, replicas included) -> the pod and container holding it."""
-    if not socket.exists():
-        raise PodResourcesError(f"the kubelet's PodResources socket {socket} does not exist")
-    with grpc.insecure_channel(f"unix://{socket}") as channel:
-        try:
+    try:
+        if not socket.exists():
+            raise PodResourcesError(f"the kubelet's PodResources socket {socket} does not exist")
+        with grpc.insecure_channel(f"unix://{socket}", options=CHANNEL_OPTIONS) as channel:
             response = api_pb2_grpc.PodResourcesListerStub(channel).List(
                 api_pb2.ListPodResourcesRequest(), timeout=TIMEOUT
             )
-        except grpc.RpcError as error:
-            raise PodResourcesError(f"PodResources List failed: {error.code().name}: {error.details()}") from error
-    holders = {}
+        return _holders(response)
+    except PodResourcesError:
+        raise
+    except grpc.RpcError as error:
+        raise PodResourcesError(f"PodResources List failed: {_rpc_error(error)}") from error
+    except Exception as error:  # a malformed answer, an unusable socket path: the answer is unknown
+        raise PodResourcesError(
+            f"PodResources List gave an unusable answer: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _rpc_error(error: grpc.RpcError) -> str:
+    code = getattr(error, "code", None)
+    details = getattr(error, "details", None)
+    if callable(code) and callable(details):
+        return f"{code().name}: {details()}"
+    return str(error) or type(error).__name__
+
+
+def _holders(response: api_pb2.ListPodResourcesResponse) -> dict[str, DeviceHolder]:
+    holders: dict[str, DeviceHolder] = {}
     for pod in response.pod_resources:
         for container in pod.containers:
             for devices in container.devices:
+                names = (pod.namespace, pod.name, container.name, devices.resource_name)
+                if any(len(name) > MAX_NAME_CHARS for name in names):
+                    raise PodResourcesError(
+                        f"PodResources answer names a pod, container or resource longer than {MAX_NAME_CHARS} "
+                        "characters; it is not a kubelet's answer"
+                    )
                 for device_id in devices.device_ids:
+                    if len(device_id) > MAX_NAME_CHARS:
+                        raise PodResourcesError(
+                            f"PodResources answer has a device ID longer than {MAX_NAME_CHARS} characters "
+                            f"({devices.resource_name}); it is not a kubelet's answer"
+                        )
                     holders[device_id] = DeviceHolder(pod.namespace, pod.name, container.name, devices.resource_name)
+                    if len(holders) > MAX_DEVICE_IDS:
+                        raise PodResourcesError(
+                            f"PodResources answer lists more than {MAX_DEVICE_IDS:,} allocated device IDs; "
+                            "it is not a kubelet's answer"
+                        )
     return holders

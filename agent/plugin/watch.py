@@ -37,6 +37,9 @@ class KubeletWatcher:
         self._stop.set()
         self._thread.join(timeout=self._interval + 2)
 
+    def alive(self) -> bool:
+        return self._thread.is_alive() or self._stop.is_set()
+
     def _identity(self) -> tuple[int, int] | None:
         try:
             info = self._socket.stat()

@@ -3,7 +3,8 @@
 ``tessera run --simulate SPEC --sim-control PATH`` serves this on a unix socket (mode 0600), so an
 end-to-end test or the demo can inject an XID, lose a GPU or start a process in the agent's simulated
 driver. One JSON request per line, one JSON reply per line: ``{"op": "inject_xid", "gpu": 0, "xid": 48}``
-→ ``{"ok": true}`` or ``{"ok": false, "error": "..."}``. Only the operations below exist.
+→ ``{"ok": true}`` or ``{"ok": false, "error": "..."}``. Only the operations below exist, and each takes
+only its named arguments, of their JSON types (an NVML code is its ``Return`` name, e.g. ``"ERROR_UNKNOWN"``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import socket
 import socketserver
 import threading
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +24,30 @@ from agent.sim.nvml_codes import Return
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 4096
+POLL_SECONDS = 0.05  # how soon ``stop`` returns: the serving loop checks for shutdown this often
+
+_ArgumentTypes = dict[str, type | tuple[type, ...]]
+_Operations = dict[str, tuple[Callable[..., Any], _ArgumentTypes]]
+_NULL = type(None)
+_HEALTH_SIGNALS: _ArgumentTypes = {
+    "gpu": int,
+    "recovery_action": (int, _NULL),
+    "remap_pending": bool,
+    "remap_failure": bool,
+    "remapped_correctable": int,
+    "remapped_uncorrectable": int,
+    "retired_pages_pending": bool,
+    "ecc_uncorrected": int,
+}
 
 
-def _operations(driver: SimDriver) -> dict[str, tuple[Callable[..., Any], dict[str, type]]]:
+def _operations(driver: SimDriver) -> _Operations:
     """Each operation: the driver method and its arguments with their types (anything else is refused)."""
+    return _node_operations(driver) | _fault_operations(driver)
+
+
+def _node_operations(driver: SimDriver) -> _Operations:
+    """What happens to the node: Xids, lost GPUs, resets, processes, health evidence."""
     return {
         "inject_xid": (
             lambda gpu, xid, mig_uuid=None: driver.inject_xid(gpu, xid, mig_uuid=mig_uuid),
@@ -35,8 +57,10 @@ def _operations(driver: SimDriver) -> dict[str, tuple[Callable[..., Any], dict[s
         "recover_gpu": (lambda gpu: driver.recover_gpu(gpu), {"gpu": int}),
         "reset_gpu": (lambda gpu: driver.reset_gpu(gpu), {"gpu": int}),
         "add_process": (
-            lambda gpu, pid, used_mib, mig_uuid=None: driver.add_process(gpu, pid, used_mib, mig_uuid=mig_uuid),
-            {"gpu": int, "pid": int, "used_mib": int, "mig_uuid": str},
+            lambda gpu, pid, used_mib, mig_uuid=None, kind="compute": driver.add_process(
+                gpu, pid, used_mib, mig_uuid=mig_uuid, kind=kind
+            ),
+            {"gpu": int, "pid": int, "used_mib": int, "mig_uuid": str, "kind": str},
         ),
         "remove_process": (driver.remove_process, {"pid": int}),
         "set_utilization": (
@@ -44,13 +68,52 @@ def _operations(driver: SimDriver) -> dict[str, tuple[Callable[..., Any], dict[s
             {"gpu": int, "percent": int, "memory_percent": int},
         ),
         "compute_mode": (lambda uuid: _compute_mode(driver, uuid), {"uuid": str}),
+        "set_health_signals": (lambda gpu, **signals: driver.set_health_signals(gpu, **signals), _HEALTH_SIGNALS),
+        "hide_gi_profile": (driver.hide_gi_profile, {"profile_index": int}),
+        "destructive_calls": (lambda: _destructive_calls(driver), {}),
+    }
+
+
+def _fault_operations(driver: SimDriver) -> _Operations:
+    """Failures of the NVML library itself: injected errors, random faults, a failing nvmlInit."""
+    return {
         "inject_error": (
             lambda symbol, code, times=1, gpu=None: driver.inject_error(
-                symbol, Return[code], times=times, gpu_index=gpu
+                symbol, _code(code), times=times, gpu_index=gpu
             ),
-            {"symbol": str, "code": str, "times": int, "gpu": int},
+            {"symbol": str, "code": str, "times": (int, _NULL), "gpu": int},
+        ),
+        "clear_injected_errors": (driver.clear_injected_errors, {}),
+        "fail_init": (
+            lambda code, times=None: driver.fail_init(None if code is None else _code(code), times=times),
+            {"code": (str, _NULL), "times": (int, _NULL)},
+        ),
+        "set_fault_rate": (
+            lambda rate, seed=0, code="ERROR_UNKNOWN", symbols=None: driver.set_fault_rate(
+                float(rate), seed=seed, code=_code(code), symbols=_symbols(symbols)
+            ),
+            {"rate": (float, int), "seed": int, "code": str, "symbols": (list, _NULL)},
         ),
     }
+
+
+def _code(name: str) -> Return:
+    """An NVML code by its ``Return`` name (``"ERROR_GPU_IS_LOST"``; the ``NVML_`` prefix may be given)."""
+    key = name.removeprefix("NVML_")
+    if key not in Return.__members__:
+        raise ValueError(f"unknown NVML code {name!r}; known: {', '.join(Return.__members__)}")
+    return Return[key]
+
+
+def _symbols(symbols: list[Any] | None) -> list[str] | None:
+    if symbols is not None and not all(isinstance(symbol, str) for symbol in symbols):
+        raise ValueError("symbols is a list of C symbol names")
+    return symbols
+
+
+def _destructive_calls(driver: SimDriver) -> list[dict[str, Any]]:
+    """Read-only: the destructive-call log, oldest first, with each result as its ``Return`` name."""
+    return [{**asdict(call), "result": call.result.name} for call in driver.destructive_calls]
 
 
 def _compute_mode(driver: SimDriver, uuid: str) -> int:
@@ -66,15 +129,21 @@ class SimControlServer:
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
-                for line in self.rfile:
-                    reply = _dispatch(operations, line[:MAX_REQUEST_BYTES])
+                while line := self.rfile.readline(MAX_REQUEST_BYTES + 1):  # never buffers more than a request
+                    if len(line) > MAX_REQUEST_BYTES and not line.endswith(b"\n"):
+                        reply = {"ok": False, "error": f"a request is at most {MAX_REQUEST_BYTES} bytes"}
+                        self.wfile.write(json.dumps(reply).encode() + b"\n")
+                        return  # the rest of an oversized line is not read: the connection ends
+                    reply = _dispatch(operations, line)
                     self.wfile.write(json.dumps(reply).encode() + b"\n")
 
         path.unlink(missing_ok=True)
         self._server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
         self._server.daemon_threads = True
         path.chmod(0o600)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="sim-control", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(POLL_SECONDS,), name="sim-control", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -86,7 +155,7 @@ class SimControlServer:
         self.path.unlink(missing_ok=True)
 
 
-def _dispatch(operations: dict[str, tuple[Callable[..., Any], dict[str, type]]], line: bytes) -> dict[str, Any]:
+def _dispatch(operations: _Operations, line: bytes) -> dict[str, Any]:
     try:
         request = json.loads(line)
         if not isinstance(request, dict):
@@ -96,12 +165,17 @@ def _dispatch(operations: dict[str, tuple[Callable[..., Any], dict[str, type]]],
             raise ValueError(f"unknown op {op!r}; known: {', '.join(sorted(operations))}")
         function, types = operations[op]
         for name, value in request.items():
-            if name not in types or type(value) is not types[name]:
+            if name not in types or not _is_a(value, types[name]):
                 raise ValueError(f"{op}: bad argument {name}={value!r}")
         result = function(**request)
     except Exception as error:  # any failure is the caller's answer, never the server's death
         return {"ok": False, "error": str(error) or type(error).__name__}
     return {"ok": True, "result": result}
+
+
+def _is_a(value: Any, allowed: type | tuple[type, ...]) -> bool:
+    """Exact JSON types: ``true`` is not an int here, though it is one in Python."""
+    return type(value) in (allowed if isinstance(allowed, tuple) else (allowed,))
 
 
 class SimControlClient:

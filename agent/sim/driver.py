@@ -1,9 +1,11 @@
 """The simulated GPU driver: node state and the hardware's rules, in plain Python.
 
 ``SimDriver`` is what ``libnvidia-ml.so.1`` would talk to: GPUs, MIG GPU and compute instances, processes,
-events. Its operations raise ``NvmlFault`` with a real ``nvmlReturn_t`` code wherever the real driver
-fails, and ``libnvml`` turns them into return codes for pynvml. Tests drive it through its control
-methods (``add_process``, ``inject_xid``, ``lose_gpu`` ...), never through the agent.
+events, memory health. Its operations raise ``NvmlFault`` with a real ``nvmlReturn_t`` code wherever the
+real driver fails, and ``libnvml`` turns them into return codes for pynvml. Tests drive it through its
+control methods (``add_process``, ``inject_xid``, ``lose_gpu``, ``fail_init``, ``set_fault_rate``,
+``set_health_signals`` ...), never through the agent, and read back what the agent did to the node
+through ``destructive_calls``.
 
 All state sits behind one lock; ``wait_event`` sleeps on a condition of that lock, so the event thread
 of the agent blocks exactly as it would in ``nvmlEventSetWait``.
@@ -11,29 +13,64 @@ of the agent blocks exactly as it would in ``nvmlEventSetWait``.
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 import uuid as uuidlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 
 from agent.sim.hardware import CiProfile, GiProfile, GpuModel
 from agent.sim.nvml_codes import (
+    ARCH_AMPERE,
     COMPUTE_MODES,
+    ECC_COUNTER_AGGREGATE,
+    ECC_COUNTER_VOLATILE,
     EVENT_CLOCK,
     EVENT_DOUBLE_BIT_ECC,
     EVENT_MIG_CONFIG_CHANGE,
     EVENT_PSTATE,
     EVENT_SINGLE_BIT_ECC,
     EVENT_XID_CRITICAL,
+    FI_ECC_CURRENT,
+    FI_ECC_DBE_AGG_TOTAL,
+    FI_ECC_DBE_VOL_TOTAL,
+    FI_ECC_PENDING,
+    FI_ECC_SBE_AGG_TOTAL,
+    FI_ECC_SBE_VOL_TOTAL,
+    FI_GPU_RECOVERY_ACTION,
+    FI_REMAPPED_COR,
+    FI_REMAPPED_FAILURE,
+    FI_REMAPPED_PENDING,
+    FI_REMAPPED_UNC,
+    FI_RETIRED_DBE,
+    FI_RETIRED_PENDING,
+    FI_RETIRED_SBE,
     GPU_INSTANCE_PROFILE_COUNT,
     INVALID_INSTANCE_ID,
+    MEMORY_ERROR_CORRECTED,
+    MEMORY_ERROR_UNCORRECTED,
+    RECOVERY_ACTION_MIN_DRIVER,
+    VALUE_TYPE_UINT,
+    VALUE_TYPE_ULONGLONG,
     XID_FALLEN_OFF_THE_BUS,
     Return,
 )
 
 _UUID_NAMESPACE = uuidlib.UUID("5d1e4c1e-7e55-4e7a-9a3c-7e55e7a0c0de")
 EVENT_QUEUE_LIMIT = 4096  # per event set; the oldest events are dropped past it, as a bounded kernel queue would
+DESTRUCTIVE_LOG_LIMIT = 100_000  # destructive calls remembered; the oldest are dropped past it
+
+PROCESS_KINDS = ("compute", "mps_server", "mps_client")
+COMPUTE_LIST_KINDS = frozenset({"compute", "mps_server"})  # nvmlDeviceGetComputeRunningProcesses: the MPS server too
+MPS_LIST_KINDS = frozenset({"mps_client"})  # nvmlDeviceGetMPSComputeRunningProcesses: only the MPS clients
+
+_INIT_SYMBOLS = frozenset({"nvmlInit", "nvmlInit_v2", "nvmlInitWithFlags"})
+_NEVER_FAULTED = frozenset({"nvmlShutdown", "nvmlErrorString"})
+_UINT32_MAX = 0xFFFFFFFF
 
 
 class NvmlFault(Exception):
@@ -71,6 +108,7 @@ class SimProcess:
     used_mib: int
     gi_id: int = INVALID_INSTANCE_ID
     ci_id: int = INVALID_INSTANCE_ID
+    kind: str = "compute"  # one of PROCESS_KINDS
 
 
 @dataclass(eq=False)
@@ -94,6 +132,15 @@ class SimGpu:
     nvlink_peers: frozenset[int] = frozenset()
     nvswitch: bool = False
     mig_generation: int = 0  # counts compute instances ever created, so MIG UUIDs are new on re-creation
+    # memory health (facts gpu-health §2.1, §2.2)
+    recovery_action: int | None = 0  # NVML_GPU_RECOVERY_ACTION_*; None: the field is not supported
+    remapped_rows_pending: bool = False
+    remapped_rows_failure: bool = False
+    remapped_rows_correctable: int = 0
+    remapped_rows_uncorrectable: int = 0
+    retired_pages_pending: bool = False
+    ecc_uncorrected_volatile: int = 0
+    ecc_uncorrected_aggregate: int = 0  # lifetime; grows with the volatile count, survives its reset
 
     def mig_devices(self) -> list[tuple[SimGpuInstance, SimComputeInstance]]:
         """MIG devices in index order: by GPU instance id, then compute instance id."""
@@ -105,6 +152,14 @@ class SimGpu:
 
     def used_memory_slices(self) -> set[int]:
         return set().union(*(gi.memory_slices() for gi in self.gis.values())) if self.gis else set()
+
+    def processes_in_gi(self, gi_id: int) -> int:
+        return sum(1 for p in self.processes.values() if p.gi_id == gi_id)
+
+    @property
+    def remaps_rows(self) -> bool:
+        """Ampere and newer repair memory by row remapping; older GPUs retire pages instead."""
+        return self.model.architecture_id >= ARCH_AMPERE
 
 
 @dataclass(eq=False)
@@ -123,12 +178,57 @@ class SimEvent:
     ci_id: int = INVALID_INSTANCE_ID
 
 
+@dataclass(frozen=True, slots=True)
+class DestructiveCall:
+    """One call that could destroy work, as the driver saw it when it arrived.
+
+    ``processes`` counts processes of any kind on the affected scope at that moment: the whole GPU for a
+    MIG mode change, a GPU compute mode change or a reset; the GPU instance for a destroy or a MIG device's
+    compute mode. Refused calls are recorded too, with the code they failed with in ``result``.
+    """
+
+    symbol: str  # the C symbol, or "reset_gpu" (a reset is not an NVML call)
+    gpu_index: int
+    target: str  # GPU UUID, or the MIG UUID of a compute instance
+    processes: int
+    at: float  # time.monotonic()
+    result: Return = Return.SUCCESS
+    gpu_instance_id: int | None = None
+
+
 @dataclass
 class _InjectedFault:
     symbol: str
     code: Return
-    remaining: int
+    remaining: int | None  # None: until cleared
     gpu_index: int | None
+
+
+@dataclass
+class _InitFailure:
+    code: Return
+    remaining: int | None  # None: until fail_init(None)
+
+
+@dataclass
+class _FaultRate:
+    rate: float
+    code: Return
+    symbols: frozenset[str] | None  # None: every symbol but nvmlInit
+    rng: random.Random
+
+    def applies_to(self, symbol: str) -> bool:
+        if symbol in _NEVER_FAULTED:
+            return False
+        if self.symbols is None:
+            return symbol not in _INIT_SYMBOLS
+        return symbol in self.symbols or (symbol in _INIT_SYMBOLS and "nvmlInit" in self.symbols)
+
+
+class _Keep(Enum):
+    """A keyword left out of ``set_health_signals`` (None means something there)."""
+
+    KEEP = 0
 
 
 def gpu_uuid(node_name: str, index: int) -> str:
@@ -161,7 +261,12 @@ class SimDriver:
         self._event_ready = threading.Condition(self.lock)
         self._event_sets: list[SimEventSet] = []
         self._faults: list[_InjectedFault] = []
+        self._init_failure: _InitFailure | None = None
+        self._fault_rate: _FaultRate | None = None
+        self._hidden_gi_profiles: set[int] = set()
+        self._destructive_calls: deque[DestructiveCall] = deque(maxlen=DESTRUCTIVE_LOG_LIMIT)
         self.init_count = 0
+        self.random_faults = 0  # calls failed by set_fault_rate so far
 
     # ----- lookups -------------------------------------------------------------------------------
 
@@ -224,15 +329,22 @@ class SimDriver:
             gpu = self.gpu(index)
             if not gpu.model.mig_capable:
                 raise NvmlFault(Return.ERROR_NOT_SUPPORTED, f"GPU {index} ({gpu.model.nvml_name}) is not MIG capable")
-            gpu.mig_pending = enabled
-            if gpu.mig_current == enabled:
-                return Return.SUCCESS
-            if gpu.processes:
-                return Return.ERROR_IN_USE
-            if gpu.mig_needs_reset:
-                return Return.ERROR_RESET_REQUIRED
-            self._activate_mig_mode(gpu)
+            before, processes = (gpu.mig_current, gpu.mig_pending), len(gpu.processes)
+            status = self._request_mig_mode(gpu, enabled)
+            if (gpu.mig_current, gpu.mig_pending) != before:
+                self._log_destructive("nvmlDeviceSetMigMode", gpu, gpu.uuid, processes, status)
+            return status
+
+    def _request_mig_mode(self, gpu: SimGpu, enabled: bool) -> Return:
+        gpu.mig_pending = enabled
+        if gpu.mig_current == enabled:
             return Return.SUCCESS
+        if gpu.processes:
+            return Return.ERROR_IN_USE
+        if gpu.mig_needs_reset:
+            return Return.ERROR_RESET_REQUIRED
+        self._activate_mig_mode(gpu)
+        return Return.SUCCESS
 
     def _activate_mig_mode(self, gpu: SimGpu) -> None:
         gpu.mig_current = gpu.mig_pending
@@ -241,17 +353,31 @@ class SimDriver:
         self._emit(gpu.index, EVENT_MIG_CONFIG_CHANGE, 0)
 
     def reset_gpu(self, index: int) -> None:
-        """``nvidia-smi -r``: applies a pending MIG mode and loses every GPU/compute instance."""
+        """``nvidia-smi -r``: refused while any process runs on the GPU (``IN_USE``).
+
+        A reset destroys every GPU and compute instance (MIG devices come back with new UUIDs when they
+        are created again), puts the compute mode back to DEFAULT, applies a pending MIG mode, carries
+        out pending row remaps and page retirements, and clears the recovery action.
+        """
         with self.lock:
             gpu = self.gpu(index)
-            if gpu.processes:
-                raise NvmlFault(Return.ERROR_IN_USE, f"GPU {index} has running processes")
-            if gpu.mig_current != gpu.mig_pending:
-                self._activate_mig_mode(gpu)
-            elif gpu.gis:
-                gpu.gis.clear()
-                self._emit(gpu.index, EVENT_MIG_CONFIG_CHANGE, 0)
-            gpu.utilization = (0, 0)
+            with self._destructive("reset_gpu", gpu, gpu.uuid, len(gpu.processes)):
+                if gpu.processes:
+                    raise NvmlFault(Return.ERROR_IN_USE, f"GPU {index} has running processes")
+                self._reset(gpu)
+
+    def _reset(self, gpu: SimGpu) -> None:
+        if gpu.mig_current != gpu.mig_pending:
+            self._activate_mig_mode(gpu)
+        elif gpu.gis:
+            gpu.gis.clear()
+            self._emit(gpu.index, EVENT_MIG_CONFIG_CHANGE, 0)
+        gpu.compute_mode = 0
+        gpu.utilization = (0, 0)
+        if gpu.recovery_action is not None:
+            gpu.recovery_action = 0
+        gpu.remapped_rows_pending = False
+        gpu.retired_pages_pending = False
 
     # ----- GPU instances -------------------------------------------------------------------------
 
@@ -259,6 +385,8 @@ class SimDriver:
         gpu = self.gpu(index)
         if profile_index >= GPU_INSTANCE_PROFILE_COUNT or profile_index < 0:
             raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"profile index {profile_index} out of range")
+        if profile_index in self._hidden_gi_profiles:
+            raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"profile index {profile_index} is unknown here")
         gpu = self.mig_gpu(index)
         profile = gpu.model.gi_profile_by_index(profile_index)
         if profile is None:
@@ -311,12 +439,14 @@ class SimDriver:
         with self.lock:
             gpu = self.mig_gpu(index)
             self.live_gi(index, gi)
-            if gi.cis:
-                raise NvmlFault(Return.ERROR_IN_USE, f"GPU instance {gi.id} still has compute instances")
-            if any(p.gi_id == gi.id for p in gpu.processes.values()):
-                raise NvmlFault(Return.ERROR_IN_USE, f"GPU instance {gi.id} has running processes")
-            del gpu.gis[gi.id]
-            self._emit(index, EVENT_MIG_CONFIG_CHANGE, 0)
+            processes = gpu.processes_in_gi(gi.id)
+            with self._destructive("nvmlGpuInstanceDestroy", gpu, gpu.uuid, processes, gi.id):
+                if gi.cis:
+                    raise NvmlFault(Return.ERROR_IN_USE, f"GPU instance {gi.id} still has compute instances")
+                if processes:
+                    raise NvmlFault(Return.ERROR_IN_USE, f"GPU instance {gi.id} has running processes")
+                del gpu.gis[gi.id]
+                self._emit(index, EVENT_MIG_CONFIG_CHANGE, 0)
 
     def gpu_instances(self, index: int, profile_id: int) -> list[SimGpuInstance]:
         with self.lock:
@@ -382,10 +512,12 @@ class SimDriver:
         with self.lock:
             gpu = self.mig_gpu(index)
             self.live_ci(index, gi, ci)
-            if any(p.gi_id == gi.id and p.ci_id == ci.id for p in gpu.processes.values()):
-                raise NvmlFault(Return.ERROR_IN_USE, f"compute instance {gi.id}/{ci.id} has running processes")
-            del gi.cis[ci.id]
-            self._emit(index, EVENT_MIG_CONFIG_CHANGE, 0)
+            processes = gpu.processes_in_gi(gi.id)
+            with self._destructive("nvmlComputeInstanceDestroy", gpu, ci.uuid, processes, gi.id):
+                if any(p.gi_id == gi.id and p.ci_id == ci.id for p in gpu.processes.values()):
+                    raise NvmlFault(Return.ERROR_IN_USE, f"compute instance {gi.id}/{ci.id} has running processes")
+                del gi.cis[ci.id]
+                self._emit(index, EVENT_MIG_CONFIG_CHANGE, 0)
 
     def compute_instances(self, index: int, gi: SimGpuInstance, profile_id: int) -> list[SimComputeInstance]:
         with self.lock:
@@ -411,16 +543,29 @@ class SimDriver:
             if mode not in COMPUTE_MODES:
                 raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"compute mode {mode} is not supported")
             if ci is not None:
+                if ci.compute_mode != mode:
+                    gi_id = next(gi.id for gi in gpu.gis.values() if gi.cis.get(ci.id) is ci)
+                    processes = gpu.processes_in_gi(gi_id)
+                    self._log_destructive("nvmlDeviceSetComputeMode", gpu, ci.uuid, processes, gpu_instance_id=gi_id)
                 ci.compute_mode = mode
             elif gpu.mig_current:
                 raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "with MIG enabled the compute mode is set per MIG device")
             else:
+                if gpu.compute_mode != mode:
+                    self._log_destructive("nvmlDeviceSetComputeMode", gpu, gpu.uuid, len(gpu.processes))
                 gpu.compute_mode = mode
 
-    def processes(self, index: int, mig: tuple[SimGpuInstance, SimComputeInstance] | None = None) -> list[SimProcess]:
+    def processes(
+        self,
+        index: int,
+        mig: tuple[SimGpuInstance, SimComputeInstance] | None = None,
+        kinds: Iterable[str] = PROCESS_KINDS,
+    ) -> list[SimProcess]:
+        """Processes on a GPU or MIG device by pid, of the given kinds (every kind unless told)."""
+        wanted = frozenset(kinds)
         with self.lock:
             gpu = self.gpu(index)
-            procs = sorted(gpu.processes.values(), key=lambda p: p.pid)
+            procs = sorted((p for p in gpu.processes.values() if p.kind in wanted), key=lambda p: p.pid)
             if mig is None:
                 return procs
             gi, ci = mig
@@ -437,6 +582,61 @@ class SimDriver:
         if gpu.mig_current:
             raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "utilization is not reported on a MIG-enabled GPU")
         return gpu.utilization
+
+    # ----- memory health (facts gpu-health §2.1, §2.2) ------------------------------------------------
+
+    def field_value(self, index: int, field_id: int) -> tuple[int, int]:
+        """One ``nvmlDeviceGetFieldValues`` entry: (value type, value), or NvmlFault for its ``nvmlReturn``."""
+        with self.lock:
+            gpu = self.gpu(index)
+            reader = _FIELD_READERS.get(field_id)
+            if reader is None:
+                raise NvmlFault(Return.ERROR_NOT_SUPPORTED, f"field {field_id} is not supported")
+            return reader(self, gpu)
+
+    def _recovery_action(self, gpu: SimGpu) -> int:
+        """Field 230: unknown to drivers before R565, and None where a test made it unsupported."""
+        if gpu.recovery_action is None or self._driver_major() < RECOVERY_ACTION_MIN_DRIVER:
+            raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "GPU recovery action is not supported")
+        return gpu.recovery_action
+
+    def remapped_rows(self, index: int) -> tuple[int, int, bool, bool]:
+        """``nvmlDeviceGetRemappedRows``: (correctable, uncorrectable, pending, failure occurred)."""
+        with self.lock:
+            gpu = _row_remapping(self.gpu(index))
+            return (
+                gpu.remapped_rows_correctable,
+                gpu.remapped_rows_uncorrectable,
+                gpu.remapped_rows_pending,
+                gpu.remapped_rows_failure,
+            )
+
+    def retired_pages_pending(self, index: int) -> bool:
+        with self.lock:
+            return _page_retiring(self.gpu(index)).retired_pages_pending
+
+    def retired_pages(self, index: int) -> list[int]:
+        """``nvmlDeviceGetRetiredPages``: addresses of retired pages (none in the simulator)."""
+        with self.lock:
+            return [0] * _retired_page_count(self.gpu(index))
+
+    def total_ecc_errors(self, index: int, error_type: int, counter_type: int) -> int:
+        """``nvmlDeviceGetTotalEccErrors``: corrected errors are 0; uncorrected as set by a test."""
+        with self.lock:
+            gpu = self.gpu(index)
+            if error_type not in (MEMORY_ERROR_CORRECTED, MEMORY_ERROR_UNCORRECTED):
+                raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"memory error type {error_type}")
+            if counter_type not in (ECC_COUNTER_VOLATILE, ECC_COUNTER_AGGREGATE):
+                raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"ECC counter type {counter_type}")
+            if error_type == MEMORY_ERROR_CORRECTED:
+                return 0
+            if counter_type == ECC_COUNTER_VOLATILE:
+                return gpu.ecc_uncorrected_volatile
+            return gpu.ecc_uncorrected_aggregate
+
+    def _driver_major(self) -> int:
+        head = self.driver_version.split(".")[0]
+        return int(head) if head.isdigit() else 0
 
     # ----- events --------------------------------------------------------------------------------
 
@@ -467,14 +667,25 @@ class SimDriver:
             self._event_ready.notify_all()
 
     def wait_event(self, event_set: SimEventSet, timeout_ms: int) -> SimEvent:
-        """Block until an event arrives in the set, or fail with TIMEOUT after ``timeout_ms``."""
+        """Block until an event arrives in the set, or fail with TIMEOUT after ``timeout_ms``.
+
+        Queued events come first (a lost GPU's Xid 79 among them); after that, while any GPU the set is
+        registered on is lost, every wait fails at once with GPU_IS_LOST without saying which GPU.
+        """
         with self._event_ready:
             self._check_event_set(event_set)
-            self._event_ready.wait_for(lambda: event_set.queue or event_set.freed, timeout_ms / 1000)
+            self._event_ready.wait_for(
+                lambda: event_set.queue or event_set.freed or self._lost_in(event_set), timeout_ms / 1000
+            )
             self._check_event_set(event_set)
-            if not event_set.queue:
-                raise NvmlFault(Return.ERROR_TIMEOUT, f"no event within {timeout_ms} ms")
-            return event_set.queue.popleft()
+            if event_set.queue:
+                return event_set.queue.popleft()
+            if self._lost_in(event_set):
+                raise NvmlFault(Return.ERROR_GPU_IS_LOST, "a GPU of the event set has fallen off the bus")
+            raise NvmlFault(Return.ERROR_TIMEOUT, f"no event within {timeout_ms} ms")
+
+    def _lost_in(self, event_set: SimEventSet) -> bool:
+        return any(self.gpus[index].lost for index in event_set.registrations)
 
     def _check_event_set(self, event_set: SimEventSet) -> None:
         if event_set.freed:
@@ -505,20 +716,32 @@ class SimDriver:
             self._emit(index, EVENT_XID_CRITICAL, xid, gi_id, ci_id)
 
     def lose_gpu(self, index: int) -> None:
-        """The GPU falls off the bus (Xid 79): from now on every call on it fails with GPU_IS_LOST."""
+        """The GPU falls off the bus (Xid 79): from now on every call on it fails with GPU_IS_LOST.
+
+        Event sets registered on it get the Xid 79 event, then fail every wait with GPU_IS_LOST.
+        """
         with self.lock:
             self._emit(index, EVENT_XID_CRITICAL, XID_FALLEN_OFF_THE_BUS)
             self.gpus[index].lost = True
+            self._event_ready.notify_all()
 
     def recover_gpu(self, index: int) -> None:
-        """The GPU answers again (as after a node-level recovery); its MIG instances are gone."""
+        """The GPU answers again (as after a node-level recovery); its MIG instances are gone.
+
+        Event registrations on it stay, so waits on its event sets behave normally again.
+        """
         with self.lock:
             gpu = self.gpus[index]
             gpu.lost = False
             gpu.gis.clear()
             gpu.processes.clear()
 
-    def add_process(self, index: int, pid: int, used_mib: int, *, mig_uuid: str | None = None) -> None:
+    def add_process(
+        self, index: int, pid: int, used_mib: int, *, mig_uuid: str | None = None, kind: str = "compute"
+    ) -> None:
+        """A process starts on a GPU or MIG device: a CUDA process, an MPS server, or an MPS client."""
+        if kind not in PROCESS_KINDS:
+            raise ValueError(f"process kind {kind!r} is not one of {', '.join(PROCESS_KINDS)}")
         with self.lock:
             gpu = self.gpu(index)
             gi_id = ci_id = INVALID_INSTANCE_ID
@@ -529,7 +752,7 @@ class SimDriver:
                 gi_id, ci_id = gi.id, ci.id
             elif gpu.mig_current:
                 raise ValueError(f"GPU {index} is in MIG mode: a process runs on one of its MIG devices")
-            gpu.processes[pid] = SimProcess(pid, used_mib, gi_id, ci_id)
+            gpu.processes[pid] = SimProcess(pid, used_mib, gi_id, ci_id, kind)
 
     def remove_process(self, pid: int) -> None:
         with self.lock:
@@ -540,20 +763,245 @@ class SimDriver:
         with self.lock:
             self.gpus[index].utilization = (gpu_percent, memory_percent)
 
-    def inject_error(self, symbol: str, code: Return, *, times: int = 1, gpu_index: int | None = None) -> None:
-        """Make the next ``times`` calls of the C function ``symbol`` (optionally on one GPU) fail with ``code``."""
+    def set_health_signals(
+        self,
+        index: int,
+        *,
+        recovery_action: int | _Keep | None = _Keep.KEEP,
+        remap_pending: bool | None = None,
+        remap_failure: bool | None = None,
+        remapped_correctable: int | None = None,
+        remapped_uncorrectable: int | None = None,
+        retired_pages_pending: bool | None = None,
+        ecc_uncorrected: int | None = None,
+    ) -> None:
+        """Set a GPU's memory-health evidence; only the keywords given change (also on a lost GPU).
+
+        ``recovery_action=None`` makes field 230 unsupported. Row-remap signals exist only on Ampere and
+        newer, page retirement only before Ampere, as on real GPUs: asking for the other one is a
+        ValueError. ``ecc_uncorrected`` is the volatile count; the aggregate count grows with it.
+        """
+        if not 0 <= index < len(self.gpus):
+            raise ValueError(f"no GPU {index}")
+        with self.lock:
+            gpu = self.gpus[index]
+            remaps = (remap_pending, remap_failure, remapped_correctable, remapped_uncorrectable)
+            if any(value is not None for value in remaps) and not gpu.remaps_rows:
+                raise ValueError(f"GPU {index} ({gpu.model.nvml_name}) retires pages; it has no row remapping")
+            if retired_pages_pending is not None and gpu.remaps_rows:
+                raise ValueError(f"GPU {index} ({gpu.model.nvml_name}) remaps rows; it does not retire pages")
+            if recovery_action is not _Keep.KEEP:
+                gpu.recovery_action = _uint32("recovery_action", recovery_action)
+            _update_remaps(gpu, *remaps)
+            if retired_pages_pending is not None:
+                gpu.retired_pages_pending = retired_pages_pending
+            if ecc_uncorrected is not None:
+                _update_ecc(gpu, ecc_uncorrected)
+
+    def hide_gi_profile(self, profile_index: int) -> None:
+        """From now on the GPU instance profile at ``profile_index`` is unknown to the profile-info calls.
+
+        ``nvmlDeviceGetGpuInstanceProfileInfo(V)`` fails with INVALID_ARGUMENT for it, as a driver newer
+        than the installed pynvml would look; instances of it live on and report their profile id.
+        """
+        with self.lock:
+            self._hidden_gi_profiles.add(profile_index)
+
+    # ----- control: failures of the library itself ------------------------------------------------
+
+    def fail_init(self, code: Return | None, *, times: int | None = None) -> None:
+        """``nvmlInit`` fails with ``code`` (the library stays uninitialised): ``times`` inits, or until None."""
+        if code is not None and Return(code) == Return.SUCCESS:
+            raise ValueError("fail_init needs an error code, or None to stop failing")
+        if times is not None and times < 0:
+            raise ValueError(f"times must be at least 0, not {times}")
+        with self.lock:
+            self._init_failure = None if code is None or times == 0 else _InitFailure(Return(code), times)
+
+    def take_init_failure(self) -> Return | None:
+        with self.lock:
+            failure = self._init_failure
+            if failure is None:
+                return None
+            if failure.remaining is not None:
+                failure.remaining -= 1
+                if failure.remaining <= 0:
+                    self._init_failure = None
+            return failure.code
+
+    def set_fault_rate(
+        self,
+        rate: float,
+        *,
+        seed: int = 0,
+        code: Return = Return.ERROR_UNKNOWN,
+        symbols: Iterable[str] | None = None,
+    ) -> None:
+        """Fail each NVML call with ``code`` with probability ``rate`` (0 turns it off).
+
+        The draws come from ``random.Random(seed)``, so the same calls in the same order fail the same
+        way. ``symbols`` limits it to those C symbols; nvmlInit (``nvmlInit``, ``nvmlInit_v2``,
+        ``nvmlInitWithFlags``) fails only when listed, nvmlShutdown and nvmlErrorString never.
+        """
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"fault rate {rate} is not within [0, 1]")
+        if Return(code) == Return.SUCCESS:
+            raise ValueError("set_fault_rate needs an error code")
+        wanted = None if symbols is None else frozenset(symbols)
+        rng = random.Random(seed)  # noqa: S311 - reproducible draws, not secrets
+        with self.lock:
+            self._fault_rate = _FaultRate(rate, Return(code), wanted, rng) if rate > 0 else None
+
+    def take_random_fault(self, symbol: str) -> Return | None:
+        with self.lock:
+            plan = self._fault_rate
+            if plan is None or not plan.applies_to(symbol) or plan.rng.random() >= plan.rate:
+                return None
+            self.random_faults += 1
+            return plan.code
+
+    def inject_error(self, symbol: str, code: Return, *, times: int | None = 1, gpu_index: int | None = None) -> None:
+        """Make the next ``times`` calls of the C function ``symbol`` (optionally on one GPU) fail with ``code``.
+
+        ``times=None`` fails every call until ``clear_injected_errors``.
+        """
+        if times is not None and times < 1:
+            raise ValueError(f"times must be at least 1 (or None for until cleared), not {times}")
         with self.lock:
             self._faults.append(_InjectedFault(symbol, code, times, gpu_index))
+
+    def clear_injected_errors(self) -> None:
+        """Forget every error queued by ``inject_error``."""
+        with self.lock:
+            self._faults.clear()
 
     def take_injected_fault(self, symbol: str, gpu_index: int | None) -> Return | None:
         with self.lock:
             for fault in self._faults:
                 if fault.symbol == symbol and fault.gpu_index in (None, gpu_index):
-                    fault.remaining -= 1
-                    if fault.remaining <= 0:
-                        self._faults.remove(fault)
+                    if fault.remaining is not None:
+                        fault.remaining -= 1
+                        if fault.remaining <= 0:
+                            self._faults.remove(fault)
                     return fault.code
             return None
+
+    # ----- the destructive-call log ----------------------------------------------------------------
+
+    @property
+    def destructive_calls(self) -> list[DestructiveCall]:
+        """A snapshot, oldest first, of the calls that could destroy work (at most DESTRUCTIVE_LOG_LIMIT)."""
+        with self.lock:
+            return list(self._destructive_calls)
+
+    def clear_destructive_calls(self) -> None:
+        with self.lock:
+            self._destructive_calls.clear()
+
+    def _log_destructive(
+        self,
+        symbol: str,
+        gpu: SimGpu,
+        target: str,
+        processes: int,
+        result: Return = Return.SUCCESS,
+        gpu_instance_id: int | None = None,
+    ) -> None:
+        call = DestructiveCall(symbol, gpu.index, target, processes, time.monotonic(), result, gpu_instance_id)
+        self._destructive_calls.append(call)
+
+    @contextmanager
+    def _destructive(
+        self, symbol: str, gpu: SimGpu, target: str, processes: int, gpu_instance_id: int | None = None
+    ) -> Iterator[None]:
+        """Log the call around its body, with the code it was refused with if it raises NvmlFault."""
+        try:
+            yield
+        except NvmlFault as fault:
+            self._log_destructive(symbol, gpu, target, processes, fault.code, gpu_instance_id)
+            raise
+        self._log_destructive(symbol, gpu, target, processes, Return.SUCCESS, gpu_instance_id)
+
+
+# ----- memory health --------------------------------------------------------------------------------
+
+
+def _uint32(name: str, value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= _UINT32_MAX:
+        raise ValueError(f"{name}={value} is not an unsigned 32-bit value")
+    return value
+
+
+def _update_remaps(
+    gpu: SimGpu, pending: bool | None, failure: bool | None, correctable: int | None, uncorrectable: int | None
+) -> None:
+    if pending is not None:
+        gpu.remapped_rows_pending = pending
+    if failure is not None:
+        gpu.remapped_rows_failure = failure
+    if correctable is not None:
+        gpu.remapped_rows_correctable = correctable
+    if uncorrectable is not None:
+        gpu.remapped_rows_uncorrectable = uncorrectable
+
+
+def _update_ecc(gpu: SimGpu, volatile: int) -> None:
+    """A new volatile count; the aggregate (lifetime) count takes every increase and keeps it."""
+    if volatile < 0:
+        raise ValueError(f"ecc_uncorrected={volatile} is negative")
+    gpu.ecc_uncorrected_aggregate += max(0, volatile - gpu.ecc_uncorrected_volatile)
+    gpu.ecc_uncorrected_volatile = volatile
+
+
+def _row_remapping(gpu: SimGpu) -> SimGpu:
+    """The GPU, if it reports remapped rows now: Ampere or newer, and no MIG instances."""
+    if not gpu.remaps_rows:
+        raise NvmlFault(Return.ERROR_NOT_SUPPORTED, f"{gpu.model.nvml_name} retires pages, it does not remap rows")
+    if gpu.mig_current and gpu.gis:
+        raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "remapped rows are not reported while MIG instances exist")
+    return gpu
+
+
+def _page_retiring(gpu: SimGpu) -> SimGpu:
+    """The GPU, if it retires pages (before Ampere; row-remapping GPUs report page retirement as N/A)."""
+    if gpu.remaps_rows:
+        raise NvmlFault(Return.ERROR_NOT_SUPPORTED, f"{gpu.model.nvml_name} remaps rows, it does not retire pages")
+    return gpu
+
+
+def _retired_page_count(gpu: SimGpu) -> int:
+    _page_retiring(gpu)
+    return 0  # the simulator keeps no retired page addresses, only the pending flag
+
+
+_FieldReader = Callable[["SimDriver", SimGpu], tuple[int, int]]
+
+
+def _uint(read: Callable[[SimGpu], int | bool]) -> _FieldReader:
+    return lambda driver, gpu: (VALUE_TYPE_UINT, int(read(gpu)))
+
+
+def _ulonglong(read: Callable[[SimGpu], int]) -> _FieldReader:
+    return lambda driver, gpu: (VALUE_TYPE_ULONGLONG, read(gpu))
+
+
+# nvmlDeviceGetFieldValues: how each supported field reads; an NvmlFault is that entry's nvmlReturn.
+_FIELD_READERS: dict[int, _FieldReader] = {
+    FI_ECC_CURRENT: _uint(lambda gpu: 1),
+    FI_ECC_PENDING: _uint(lambda gpu: 1),
+    FI_ECC_SBE_VOL_TOTAL: _ulonglong(lambda gpu: 0),
+    FI_ECC_DBE_VOL_TOTAL: _ulonglong(lambda gpu: gpu.ecc_uncorrected_volatile),
+    FI_ECC_SBE_AGG_TOTAL: _ulonglong(lambda gpu: 0),
+    FI_ECC_DBE_AGG_TOTAL: _ulonglong(lambda gpu: gpu.ecc_uncorrected_aggregate),
+    FI_RETIRED_SBE: _ulonglong(lambda gpu: _retired_page_count(gpu)),
+    FI_RETIRED_DBE: _ulonglong(lambda gpu: _retired_page_count(gpu)),
+    FI_RETIRED_PENDING: _uint(lambda gpu: _page_retiring(gpu).retired_pages_pending),
+    FI_REMAPPED_COR: _uint(lambda gpu: _row_remapping(gpu).remapped_rows_correctable),
+    FI_REMAPPED_UNC: _uint(lambda gpu: _row_remapping(gpu).remapped_rows_uncorrectable),
+    FI_REMAPPED_PENDING: _uint(lambda gpu: _row_remapping(gpu).remapped_rows_pending),
+    FI_REMAPPED_FAILURE: _uint(lambda gpu: _row_remapping(gpu).remapped_rows_failure),
+    FI_GPU_RECOVERY_ACTION: lambda driver, gpu: (VALUE_TYPE_UINT, driver._recovery_action(gpu)),
+}
 
 
 # ----- placement rules ---------------------------------------------------------------------------

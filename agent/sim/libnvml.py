@@ -10,10 +10,18 @@ resolves; a handle of a destroyed instance stays invalid, as on the real driver.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from typing import Any
 
-from agent.sim.driver import NvmlFault, SimComputeInstance, SimDriver, SimGpuInstance
+from agent.sim.driver import (
+    COMPUTE_LIST_KINDS,
+    MPS_LIST_KINDS,
+    NvmlFault,
+    SimComputeInstance,
+    SimDriver,
+    SimGpuInstance,
+)
 from agent.sim.nvml_codes import (
     COMPUTE_INSTANCE_PROFILE_INFO_V2,
     ERROR_STRINGS,
@@ -27,6 +35,9 @@ from agent.sim.nvml_codes import (
     TOPOLOGY_NODE,
     TOPOLOGY_SINGLE,
     TOPOLOGY_SYSTEM,
+    VALUE_TYPE_DOUBLE,
+    VALUE_TYPE_UINT,
+    VALUE_TYPE_ULONGLONG,
     Return,
 )
 
@@ -137,6 +148,8 @@ class SimulatedNvmlLibrary:
             if symbol not in _CALLABLE_BEFORE_INIT and self.driver.init_count == 0:
                 return int(Return.ERROR_UNINITIALIZED)
             injected = self.driver.take_injected_fault(symbol, self._gpu_index_of(args))
+            if injected is None:
+                injected = self.driver.take_random_fault(symbol)
             if injected is not None:
                 return int(injected)
             result = impl(self, *args)
@@ -210,6 +223,9 @@ class SimulatedNvmlLibrary:
 @_export("nvmlInitWithFlags", "nvmlInit_v2")
 def _init(lib: SimulatedNvmlLibrary, flags: Any = 0) -> None:
     with lib.driver.lock:
+        failure = lib.driver.take_init_failure()
+        if failure is not None:
+            raise NvmlFault(failure, "nvmlInit failed as the test asked")
         lib.driver.init_count += 1
 
 
@@ -373,10 +389,24 @@ def _utilization(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
     info.gpu, info.memory = lib.driver.utilization(index)
 
 
-@_export("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetMPSComputeRunningProcesses_v3")
-def _processes(lib: SimulatedNvmlLibrary, handle: Any, count: Any, infos: Any) -> Return:
+@_export("nvmlDeviceGetComputeRunningProcesses_v3")
+def _compute_processes(lib: SimulatedNvmlLibrary, handle: Any, count: Any, infos: Any) -> Return:
+    return _processes(lib, handle, count, infos, COMPUTE_LIST_KINDS)
+
+
+@_export("nvmlDeviceGetMPSComputeRunningProcesses_v3")
+def _mps_processes(lib: SimulatedNvmlLibrary, handle: Any, count: Any, infos: Any) -> Return:
+    return _processes(lib, handle, count, infos, MPS_LIST_KINDS)
+
+
+@_export("nvmlDeviceGetGraphicsRunningProcesses_v3")
+def _graphics_processes(lib: SimulatedNvmlLibrary, handle: Any, count: Any, infos: Any) -> Return:
+    return _processes(lib, handle, count, infos, ())  # a compute node runs no graphics
+
+
+def _processes(lib: SimulatedNvmlLibrary, handle: Any, count: Any, infos: Any, kinds: Collection[str]) -> Return:
     index, mig = lib.device(handle)
-    procs = lib.driver.processes(index, mig)
+    procs = lib.driver.processes(index, mig, kinds)
     capacity = _target(count).value
     _set(count, len(procs))
     if not procs:
@@ -404,6 +434,74 @@ def _get_compute_mode(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
 def _set_compute_mode(lib: SimulatedNvmlLibrary, handle: Any, mode: Any) -> None:
     index, mig = lib.device(handle)
     lib.driver.set_compute_mode(index, _value(mode), mig[1] if mig else None)
+
+
+# ----- memory health ---------------------------------------------------------------------------------
+
+
+@_export("nvmlDeviceGetFieldValues")
+def _field_values(lib: SimulatedNvmlLibrary, handle: Any, count: Any, values: Any) -> None:
+    """Fill each entry's ``nvmlReturn``, ``valueType`` and ``value``; the call itself succeeds.
+
+    A MIG device handle answers no field (each entry NOT_SUPPORTED); a lost GPU fails the whole call.
+    """
+    index, mig = lib.device(handle)
+    entries = _target(values)
+    length = _value(count)
+    if length <= 0:
+        raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"{length} field values")
+    now_us = int(time.time() * 1_000_000)
+    for position in range(length):
+        entry = entries[position]
+        entry.timestamp, entry.latencyUsec = now_us, 0
+        try:
+            if mig is not None:
+                raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "no field values on a MIG device")
+            value_type, value = lib.driver.field_value(index, entry.fieldId)
+        except NvmlFault as fault:
+            entry.nvmlReturn = int(fault.code)
+            continue
+        _set_field(entry, value_type, value)
+
+
+def _set_field(entry: Any, value_type: int, value: int) -> None:
+    member = {VALUE_TYPE_DOUBLE: "dVal", VALUE_TYPE_UINT: "uiVal", VALUE_TYPE_ULONGLONG: "ullVal"}[value_type]
+    setattr(entry.value, member, value)
+    entry.valueType = value_type
+    entry.nvmlReturn = int(Return.SUCCESS)
+
+
+@_export("nvmlDeviceGetRemappedRows")
+def _remapped_rows(lib: SimulatedNvmlLibrary, handle: Any, corr: Any, unc: Any, pending: Any, failure: Any) -> None:
+    rows = lib.driver.remapped_rows(lib.gpu_index(handle))
+    for out, value in zip((corr, unc, pending, failure), rows, strict=True):
+        _set(out, int(value))
+
+
+@_export("nvmlDeviceGetRetiredPagesPendingStatus")
+def _retired_pages_pending(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
+    _set(out, int(lib.driver.retired_pages_pending(lib.gpu_index(handle))))
+
+
+@_export("nvmlDeviceGetRetiredPages")
+def _retired_pages(lib: SimulatedNvmlLibrary, handle: Any, cause: Any, count: Any, addresses: Any) -> Return:
+    if _value(cause) not in (0, 1):
+        raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"page retirement cause {_value(cause)}")
+    pages = lib.driver.retired_pages(lib.gpu_index(handle))
+    capacity = _target(count).value
+    _set(count, len(pages))
+    if not pages:
+        return Return.SUCCESS
+    if addresses is None or capacity < len(pages):
+        return Return.ERROR_INSUFFICIENT_SIZE
+    for position, page in enumerate(pages):
+        addresses[position] = page
+    return Return.SUCCESS
+
+
+@_export("nvmlDeviceGetTotalEccErrors")
+def _total_ecc_errors(lib: SimulatedNvmlLibrary, handle: Any, error_type: Any, counter_type: Any, out: Any) -> None:
+    _set(out, lib.driver.total_ecc_errors(lib.gpu_index(handle), _value(error_type), _value(counter_type)))
 
 
 # ----- MIG mode and MIG device handles ---------------------------------------------------------------

@@ -52,11 +52,20 @@ ERROR_STRINGS: dict[int, bytes] = {
     Return.ERROR_ALREADY_INITIALIZED: b"Already Initialized",
     Return.ERROR_NOT_FOUND: b"Not Found",
     Return.ERROR_INSUFFICIENT_SIZE: b"Insufficient Size",
+    Return.ERROR_INSUFFICIENT_POWER: b"Insufficient External Power",
+    Return.ERROR_DRIVER_NOT_LOADED: b"Driver Not Loaded",
     Return.ERROR_TIMEOUT: b"Timeout",
+    Return.ERROR_IRQ_ISSUE: b"Interrupt Request Issue",
+    Return.ERROR_LIBRARY_NOT_FOUND: b"NVML Shared Library Not Found",
     Return.ERROR_FUNCTION_NOT_FOUND: b"Function Not Found",
+    Return.ERROR_CORRUPTED_INFOROM: b"Corrupted infoROM",
     Return.ERROR_GPU_IS_LOST: b"GPU is lost",
     Return.ERROR_RESET_REQUIRED: b"GPU requires restart",
+    Return.ERROR_OPERATING_SYSTEM: b"The operating system has blocked the request.",
+    Return.ERROR_LIB_RM_VERSION_MISMATCH: b"Driver/library version mismatch",
     Return.ERROR_IN_USE: b"In use by another client",
+    Return.ERROR_MEMORY: b"Insufficient Memory",
+    Return.ERROR_NO_DATA: b"No data",
     Return.ERROR_INSUFFICIENT_RESOURCES: b"Insufficient Resources",
     Return.ERROR_ARGUMENT_VERSION_MISMATCH: b"Argument version mismatch",
     Return.ERROR_UNKNOWN: b"Unknown Error",
@@ -93,3 +102,33 @@ TOPOLOGY_SYSTEM = 50
 P2P_CAPS_INDEX_NVLINK = 2
 P2P_STATUS_OK = 0
 P2P_STATUS_NOT_SUPPORTED = 5
+
+# NVML_DEVICE_ARCH_*: row remapping replaced page retirement with Ampere.
+ARCH_AMPERE = 7
+
+# nvmlDeviceGetFieldValues: field ids (NVML_FI_DEV_*) the simulator answers, and nvmlValueType_t.
+FI_ECC_CURRENT = 1
+FI_ECC_PENDING = 2
+FI_ECC_SBE_VOL_TOTAL = 3
+FI_ECC_DBE_VOL_TOTAL = 4
+FI_ECC_SBE_AGG_TOTAL = 5
+FI_ECC_DBE_AGG_TOTAL = 6
+FI_RETIRED_SBE = 29
+FI_RETIRED_DBE = 30
+FI_RETIRED_PENDING = 31
+FI_REMAPPED_COR = 142
+FI_REMAPPED_UNC = 143
+FI_REMAPPED_PENDING = 144
+FI_REMAPPED_FAILURE = 145
+FI_GPU_RECOVERY_ACTION = 230  # in the headers from R570; the facts put the minimum driver at R565
+RECOVERY_ACTION_MIN_DRIVER = 565
+
+VALUE_TYPE_DOUBLE = 0
+VALUE_TYPE_UINT = 1
+VALUE_TYPE_ULONGLONG = 3
+
+# nvmlDeviceGetTotalEccErrors arguments.
+MEMORY_ERROR_CORRECTED = 0
+MEMORY_ERROR_UNCORRECTED = 1
+ECC_COUNTER_VOLATILE = 0
+ECC_COUNTER_AGGREGATE = 1

@@ -25,12 +25,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from agent.config.model import ConfigError
+from agent.config.yaml_limits import load_yaml, read_bounded
 from agent.sim.driver import NvmlFault, SimDriver, SimGpu, SimGpuInstance, gpu_uuid
 from agent.sim.hardware import GpuModel, find_model, hardware_table
 
+KIND = "a node spec"
+MAX_GPUS = 64  # per node, as count: a real node has at most 16
 _COMPUTE_MODES = {"DEFAULT": 0, "PROHIBITED": 2, "EXCLUSIVE_PROCESS": 3}
 _CI_PREFIX = re.compile(r"^(?:(?P<c>\d+)c\.)?(?P<gi>\d+g\..+)$")
 
@@ -72,6 +75,14 @@ class NodeSpec(_Strict):
     numa_nodes: int = Field(default=1, ge=1, le=8)
     gpus: list[GpuGroupSpec] = Field(default_factory=list)
 
+    @field_validator("gpus")
+    @classmethod
+    def _at_most_max_gpus(cls, value: list[GpuGroupSpec]) -> list[GpuGroupSpec]:
+        total = sum(group.count for group in value)
+        if total > MAX_GPUS:
+            raise ValueError(f"{total} GPUs in all; a simulated node has at most {MAX_GPUS}: lower the counts")
+        return value
+
 
 def preset_names() -> list[str]:
     folder = resources.files("agent.sim").joinpath("presets")
@@ -79,22 +90,25 @@ def preset_names() -> list[str]:
 
 
 def load_node_spec(reference: str) -> NodeSpec:
-    """A node spec from a YAML file path or a preset name."""
+    """A node spec from a YAML file path or a preset name, read within the limits of agent.config.yaml_limits."""
     path = Path(reference)
-    if path.is_file():
-        text, origin = path.read_text(encoding="utf-8"), str(path)
-    elif reference in preset_names():
-        text = resources.files("agent.sim").joinpath("presets", f"{reference}.yaml").read_text(encoding="utf-8")
-        origin = f"preset {reference}"
-    else:
-        raise SimSpecError(
-            f"node spec {reference!r} is neither a file nor a preset; presets: {', '.join(preset_names())}"
-        )
     try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as error:
-        raise SimSpecError(f"{origin}: not valid YAML: {error}") from error
-    return parse_node_spec(data, origin)
+        if path.is_file() or (path.exists() and reference not in preset_names()):
+            origin = str(path)
+            data = load_yaml(read_bounded(path, origin), origin, kind=KIND)
+        elif reference in preset_names():
+            origin = f"preset {reference}"
+            text = resources.files("agent.sim").joinpath("presets", f"{reference}.yaml").read_text(encoding="utf-8")
+            data = load_yaml(text, origin, kind=KIND)
+        else:
+            raise SimSpecError(
+                f"node spec {reference!r} is neither a file nor a preset; presets: {', '.join(preset_names())}"
+            )
+    except ConfigError as error:
+        raise SimSpecError(str(error)) from None
+    except OSError as error:  # path.is_file() on a path the caller may not search
+        raise SimSpecError(f"{reference}: cannot read: {error.strerror or error}; check the path") from None
+    return parse_node_spec({} if data is None else data, origin)
 
 
 def parse_node_spec(data: object, origin: str = "node spec") -> NodeSpec:

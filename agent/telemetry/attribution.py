@@ -13,6 +13,9 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from agent.config.model import ConfigError
+from agent.config.yaml_limits import read_bounded
+
 _POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 CHECKPOINT = "kubelet_internal_checkpoint"
 MAX_CHECKPOINT_BYTES = 64 << 20
@@ -29,19 +32,25 @@ def pod_uid_of(pid: int, proc_root: Path) -> str | None:
 
 
 def devices_by_pod_uid(device_plugin_dir: Path) -> dict[str, set[str]]:
-    """Pod UID -> the device IDs (any resource) its containers hold, from the kubelet's checkpoint."""
+    """Pod UID -> the device IDs (any resource) its containers hold, from the kubelet's checkpoint.
+
+    The checkpoint is read defensively: too large, not JSON, nested too deep or of another shape gives
+    nothing (attribution falls back to PodResources), never an exception.
+    """
     path = device_plugin_dir / CHECKPOINT
     try:
-        if path.stat().st_size > MAX_CHECKPOINT_BYTES:
-            return {}
-        document = json.loads(path.read_text())
-    except (OSError, ValueError):
+        document = json.loads(read_bounded(path, str(path), MAX_CHECKPOINT_BYTES))
+    except (ConfigError, ValueError, RecursionError):  # missing, too big, not a regular file, not JSON
         return {}
+    data = document.get("Data") if isinstance(document, dict) else None
+    entries = data.get("PodDeviceEntries") if isinstance(data, dict) else None
     result: dict[str, set[str]] = defaultdict(set)
-    entries = document.get("Data", {}).get("PodDeviceEntries") or []
     for entry in entries if isinstance(entries, list) else []:
+        if not isinstance(entry, dict) or not isinstance(entry.get("PodUID"), str):
+            continue
         ids = entry.get("DeviceIDs")
-        flat = [i for group in ids.values() for i in group] if isinstance(ids, dict) else (ids or [])
-        if isinstance(entry.get("PodUID"), str):
-            result[entry["PodUID"]].update(i for i in flat if isinstance(i, str))
+        groups = ids.values() if isinstance(ids, dict) else [ids]
+        result[entry["PodUID"]].update(
+            i for group in groups if isinstance(group, list) for i in group if isinstance(i, str)
+        )
     return dict(result)

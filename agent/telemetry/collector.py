@@ -344,4 +344,25 @@ class TelemetryCollector:
         for (gpu, uuid, xid), count in sorted(getattr(status, "xid_counts", {}).items()):
             xids.add_metric([gpu, uuid, xid, host], count)
         families.append(xids)
+        internal = CounterMetricFamily(
+            "tessera_internal_errors",
+            "unexpected exceptions the agent survived (logged once each; the step was retried)",
+            labels=["where", "Hostname"],
+        )
+        for where, count in sorted(getattr(status, "internal_errors", {}).items()):
+            internal.add_metric([where, host], count)
+        waiting = GaugeMetricFamily(
+            "tessera_drain_waiting",
+            "reasons a disruptive operation (MIG change, MPS daemon retirement) is waiting for: pods, processes",
+            labels=["operation", "Hostname"],
+        )
+        for operation, reasons in sorted(getattr(status, "waiting_for", {}).items()):
+            waiting.add_metric([operation, host], len(reasons))
+        stale = GaugeMetricFamily(
+            "tessera_gpus_withdrawn",
+            "GPUs whose devices are withdrawn until NVML can be read again",
+            labels=["Hostname"],
+        )
+        stale.add_metric([host], len(getattr(status, "stale_gpus", ())))
+        families += [internal, waiting, stale]
         return families

@@ -7,7 +7,9 @@
   the GPU models it is for (``tessera mig apply --dry-run``), and the node specs the MIG pods are planned
   on are exactly those layouts (``tessera mig assert``);
 - the ConfigMaps as the kubelet mounts them (one file per key) select the configs they should on
-  unlabelled, labelled and matching nodes.
+  unlabelled, labelled and matching nodes;
+- every config with a ``match`` applies, alone (``--config FILE``), to the nodes it names and to no other:
+  a node it does not match advertises exactly what it would with no config, and says why.
 """
 
 from __future__ import annotations
@@ -206,3 +208,69 @@ def test_mig_manager_config_map_selects_by_model_and_label(tmp_path):
     labelled = plan("a100-mig", "--config", mounted, "--node-label", "a100-80gb-mig-mixed")
     assert counts(labelled) == {"nvidia.com/mig-1g.10gb": 7}
     assert plan("dgx-a100", "--config", mounted)["mig_strategy"] == "none"
+
+
+# ----- match: on the nodes a config names, and on no other --------------------------------------------------
+
+H100_NVL = """\
+# An H100 NVL (94 GB; MIG profiles 1g.12gb...): an H100, but not one h100-balanced's layout fits.
+name: h100-nvl
+gpus:
+  - model: H100-NVL-94GB
+    count: 2
+"""
+# config with `match` -> (nodes it applies to: what they must advertise or their MIG strategy, nodes it must not touch)
+MATCH_CASES: dict[str, tuple[dict[str, dict[str, Any]], list[str]]] = {
+    "by-model.yaml": (
+        {"t4x4": {"resources": {"nvidia.com/gpu": 16}}, L4: {"resources": {"nvidia.com/gpu": 8}}},
+        ["dgx-a100", "dgx-h100", "a100-mig", "demo"],
+    ),
+    "h100-balanced.yaml": (
+        {"dgx-h100": {"mig_strategy": "mixed"}, H100_BALANCED: {"mig_strategy": "mixed"}},
+        ["dgx-a100", "a100-mig", "t4x4", "demo", "h100-nvl"],
+    ),
+}
+
+
+def test_every_config_with_a_match_is_covered():
+    with_match = {p.name for p in config_files() if "match" in yaml.safe_load(p.read_text(encoding="utf-8"))}
+    assert set(MATCH_CASES) == with_match
+
+
+def _plan_with_stderr(node: str, *config_args: str) -> tuple[dict[str, Any], str]:
+    result = tessera("plan", "--node", node, *config_args, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    return json.loads(result.stdout), result.stderr
+
+
+@pytest.mark.parametrize("config", sorted(MATCH_CASES))
+def test_a_config_with_match_applies_alone_to_its_nodes_and_to_no_other(tmp_path, config):
+    nvl = tmp_path / "h100-nvl.yaml"
+    nvl.write_text(H100_NVL, encoding="utf-8")
+    matching, others = MATCH_CASES[config]
+    patterns = yaml.safe_load((CONFIGS / config).read_text(encoding="utf-8"))["match"]
+    nodes = [str(nvl) if n == "h100-nvl" else n for n in others]
+    runs = [(node, True) for node in matching] + [(node, False) for node in nodes]
+    config_args = ("--config", str(CONFIGS / config))
+
+    def both(case: tuple[str, bool]) -> tuple[tuple[dict[str, Any], str], tuple[dict[str, Any], str]]:
+        return _plan_with_stderr(case[0], *config_args), _plan_with_stderr(case[0])
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(both, runs))
+    for (node, matches), ((planned, stderr), (bare, _)) in zip(runs, results, strict=True):
+        name = Path(node).stem
+        if matches:
+            expected = matching[node]
+            assert "whose match selects" in stderr, (name, stderr)
+            if "resources" in expected:
+                assert counts(planned) == expected["resources"], name
+            if "mig_strategy" in expected:
+                assert planned["mig_strategy"] == expected["mig_strategy"], name
+        else:
+            assert planned == bare, f"{config} changed what {name} advertises"
+            assert f"no config applies: {config} matches only {', '.join(patterns)}; this node has" in stderr, (
+                name,
+                stderr,
+            )

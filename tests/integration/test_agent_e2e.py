@@ -139,7 +139,7 @@ def test_xid_makes_a_gpu_unhealthy_and_it_recovers(agent: Running) -> None:
 
 def test_ignored_xid_changes_nothing_and_mig_xid_hits_one_device(agent: Running) -> None:
     kubelet = agent.kubelet
-    agent.control.call("inject_xid", gpu=1, xid=13)  # ignored by default, like NVIDIA's plugin
+    agent.control.call("inject_xid", gpu=1, xid=13)  # RESTART_APP in NVIDIA's catalog: the device stays Healthy
     mig_ids = sorted(kubelet.devices("nvidia.com/mig-1g.10gb"))
     agent.control.call("inject_xid", gpu=0, xid=48, mig_uuid=mig_ids[0])
     kubelet.wait_for(
@@ -148,7 +148,7 @@ def test_ignored_xid_changes_nothing_and_mig_xid_hits_one_device(agent: Running)
     assert kubelet.devices("nvidia.com/mig-1g.10gb")[mig_ids[1]] == "Healthy"
     assert kubelet.allocatable("nvidia.com/mig-3g.40gb") == 1
     assert kubelet.allocatable("nvidia.com/gpu") == 3
-    assert "ignored XID" in agent.log()
+    assert "application XID" in agent.log() and "xid=13" in agent.log()
 
 
 def test_lost_gpu_goes_unhealthy_the_rest_keep_serving(agent: Running) -> None:

@@ -219,3 +219,143 @@ def test_inventory_prints_like_nvidia_smi_list():
     devices = mixed["resources"]["nvidia.com/mig-1g.10gb"]["devices"]
     assert [d["id"] for d in devices] == mig_uuids
     assert {d["gpu"] for d in devices} == {gpu[1]}
+
+
+# --- bad input never prints a traceback -------------------------------------------------------------------------
+
+DEEP = "a: " + "[" * 500 + "]" * 500  # the issue's ~1 kB config bomb
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(9)
+)
+
+
+def write_bomb(tmp_path, kind: str):
+    """A file (or FIFO) that breaks one input limit, and the words the error must say."""
+    path = tmp_path / f"{kind}.yaml"
+    if kind == "deep":
+        path.write_text(DEEP, encoding="utf-8")
+        return path, "nested 501 levels deep"
+    if kind == "laughs":
+        path.write_text(LAUGHS, encoding="utf-8")
+        return path, "billion laughs"
+    if kind == "huge":
+        with path.open("wb") as stream:
+            stream.truncate(100 << 20)  # 100 MB, sparse
+        return path, "larger than the 1 MiB limit"
+    if kind == "binary":
+        path.write_bytes(bytes(range(256)) * 16)
+        return path, "not UTF-8"
+    if kind == "fifo":
+        os.mkfifo(path)
+        return path, "is a FIFO (named pipe), not a regular file"
+    raise AssertionError(kind)
+
+
+BOMBS = ["deep", "laughs", "huge", "binary", "fifo"]
+
+
+def assert_no_traceback(result: subprocess.CompletedProcess[str], code: int) -> None:
+    assert result.returncode == code, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "internal error" not in result.stderr
+
+
+@pytest.mark.parametrize("kind", BOMBS)
+def test_validate_names_the_file_and_the_limit_and_exits_1(tmp_path, kind):
+    path, expected = write_bomb(tmp_path, kind)
+    result = tessera("validate", str(path))
+    assert_no_traceback(result, 1)
+    output = result.stdout + result.stderr
+    assert expected in output
+    error_lines = [line for line in output.splitlines() if expected in line]
+    assert len(error_lines) == 1
+    if kind in ("huge", "fifo", "binary"):  # refused before parsing: one line on stderr naming the file
+        assert result.stderr == f"tessera: {path}: {error_lines[0].split(f'{path}: ', 1)[1]}\n"
+    else:  # parsed and refused: the verdict names the file, the next line the problem
+        assert f"{path.name}: INVALID" in result.stdout
+        assert "0 of 1 config valid" in result.stdout
+
+
+def test_validate_a_directory_with_bombs_reports_each_and_the_good_ones(tmp_path):
+    for kind in ("deep", "laughs"):
+        write_bomb(tmp_path, kind)
+    os.mkfifo(tmp_path / "pipe")  # not a config: skipped
+    (tmp_path / "good.yaml").write_text("version: v1\n", encoding="utf-8")
+    result = tessera("validate", str(tmp_path))
+    assert_no_traceback(result, 1)
+    assert "deep.yaml: INVALID" in result.stdout
+    assert "laughs.yaml: INVALID" in result.stdout
+    assert "good.yaml: valid" in result.stdout
+    assert "1 of 3 configs valid" in result.stdout
+
+
+@pytest.mark.parametrize("kind", ["deep", "laughs", "fifo"])
+def test_plan_with_a_config_bomb_is_one_line_and_exit_2(tmp_path, kind):
+    path, expected = write_bomb(tmp_path, kind)
+    stderr = assert_clean_failure(tessera("plan", "--node", "t4x4", "--config", str(path)), 2)
+    assert "internal error" not in stderr
+    assert f"{path}: " in stderr
+    assert expected in stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "kind"),
+    [(("plan",), "deep"), (("inventory",), "huge"), (("mig", "export"), "binary"), (("plan",), "fifo")],
+    ids=["plan-deep", "inventory-huge", "mig-export-binary", "plan-fifo"],
+)
+def test_a_node_spec_bomb_is_a_bad_node_spec_exit_2(tmp_path, command, kind):
+    path, expected = write_bomb(tmp_path, kind)
+    stderr = assert_clean_failure(tessera(*command, "--node", str(path)), 2)
+    assert "internal error" not in stderr
+    assert str(path) in stderr
+    assert expected in stderr
+
+
+@pytest.mark.parametrize(("verb", "kind"), [*(("apply", kind) for kind in [*BOMBS, "directory"]), ("assert", "laughs")])
+def test_mig_with_a_layout_file_bomb_is_one_line_and_exit_2(tmp_path, verb, kind):
+    if kind == "directory":
+        path, expected = tmp_path, "is a directory, not a file"
+    else:
+        path, expected = write_bomb(tmp_path, kind)
+    stderr = assert_clean_failure(tessera("mig", verb, "--node", "a100-mig", "--config", str(path)), 2)
+    assert "internal error" not in stderr
+    assert f"{path}: " in stderr
+    assert expected in stderr
+
+
+def test_an_unexpected_exception_is_one_line_exit_70(monkeypatch, capsys):
+    from agent import cli
+
+    def broken(args):
+        raise KeyError("bug\nsecond line")
+
+    monkeypatch.setattr(cli, "_command", broken)
+    monkeypatch.delenv("TESSERA_DEBUG", raising=False)
+    monkeypatch.delenv("TESSERA_LOG_LEVEL", raising=False)
+    assert cli.main(["validate", "x"]) == 70
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("tessera: internal error: KeyError: 'bug\\nsecond line', please report")
+    assert "Traceback" not in err
+    monkeypatch.setenv("TESSERA_DEBUG", "1")
+    assert cli.main(["validate", "x"]) == 70
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert err.splitlines()[-1].startswith("tessera: internal error: KeyError")
+
+
+# --- config selection never widens ------------------------------------------------------------------------------
+
+
+def test_by_model_does_not_touch_an_a100_node():
+    """configs/by-model.yaml matches T4, L4 and A10G only: an A100 node keeps its 8 whole GPUs, and says why."""
+    result = tessera_cached("plan", "--node", "dgx-a100", "--config", "configs/by-model.yaml", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert {name: r["count"] for name, r in document["resources"].items()} == {"nvidia.com/gpu": 8}
+    assert (
+        "tessera: config (defaults): no config applies: by-model.yaml matches only Tesla T4, NVIDIA L4, NVIDIA A10G; "
+        "this node has NVIDIA A100-SXM4-80GB"
+    ) in result.stderr
+    on_t4 = ok_json("plan", "--node", "t4x4", "--config", "configs/by-model.yaml", "--format", "json")
+    assert on_t4["resources"]["nvidia.com/gpu"]["count"] == 16

@@ -97,9 +97,12 @@ def test_a_held_device_is_never_destroyed_and_the_change_follows_the_pod(node: N
     agent.post(NodeLabelChanged(MIG_CONFIG_LABEL, "all-3g.40gb"))
     kubelet.wait_for(lambda: agent.status.mig_state == "pending", 5, "pending")
     kubelet.wait_for(lambda: SMALL not in kubelet.resources() or kubelet.stopped(SMALL), 5, "1g drained")
-    kubelet.wait_for(lambda: agent.status.mig_state == "pending", 2, "still pending while the pod runs")
+    # Wait for the manager's own word that it checked and found the pod (not for a state that is already true).
+    held_by = f"{held} held by default/holder"
+    kubelet.wait_for(lambda: any(held_by in r for r in agent.status.waiting_for.get("mig", ())), 10, "pod found")
     assert held in _mig_uuids(node.driver)  # the pod's device is still there
     assert agent.status.mig_state == "pending"
+    assert not [c for c in node.driver.destructive_calls if c.target == held]
 
     kubelet.delete_pod("holder")
     kubelet.wait_for(lambda: agent.status.mig_state == "success", 10, "applied after the pod ended")

@@ -3,7 +3,7 @@
 An MPS config starts a daemon with the right environment, sets compute mode, applies the limits before
 the resource is registered, and Allocate hands out the pipe directory, mounts and limits. A killed daemon
 turns the devices Unhealthy and comes back; a restarted agent adopts the daemon; a removed resource
-quits it and restores the compute mode.
+quits it (once its clients are gone) and restores the compute mode.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class World:
             sys.executable, "-m", "agent", "run", "--simulate", str(self.base / "node.yaml"),
             "--sim-control", str(self.base / "ctl.sock"), "--device-plugin-dir", str(self.base / "dp"),
             "--config", str(self.config), "--mps-root", str(self.base / "mps"),
+            "--pod-resources-socket", str(self.base / "pr.sock"),
         ]  # fmt: skip
         log = (self.base / f"agent{len(self.processes)}.log").open("w")
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
@@ -103,7 +104,7 @@ def world(mps_bin: Path) -> Iterator[World]:
     (base / "node.yaml").write_text(NODE)
     config = base / "config.yaml"
     config.write_text(MPS_CONFIG)
-    kubelet = KubeletEmulator(base / "dp")
+    kubelet = KubeletEmulator(base / "dp", base / "pr.sock")
     kubelet.start()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TESSERA_", "DP_", "MPS_", "CUDA_"))}
     env["PATH"] = f"{mps_bin}{os.pathsep}{env.get('PATH', '')}"
@@ -183,8 +184,12 @@ def test_mps_daemon_limits_allocate_crash_adoption_and_removal(world: World) -> 
     _registered(world)
     assert world.daemon_pid() == new_pid
 
-    # the resource goes away: the daemon quits and the compute mode is DEFAULT again
+    # the resource goes away: the daemon waits for its client, then quits and the compute mode is DEFAULT again
     world.config.write_text("version: v1\n")
+    _wait(lambda: "MPS daemon change waits for its clients" in world.log(), 10, "the daemon to wait for its client")
+    assert "held by default/mps-client" in world.log()
+    assert world.daemon_pid() == new_pid, "the daemon was quit under its client"
+    kubelet.delete_pod("mps-client")
     _wait(lambda: world.daemon_pid() is None, 10, "the daemon to quit")
     kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 2, 10, "dedicated GPUs again")
     _wait(lambda: all(control.call("compute_mode", uuid=uuid) == 0 for uuid in gpus), 10, "DEFAULT compute mode")

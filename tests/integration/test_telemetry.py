@@ -191,11 +191,13 @@ class TelemetryNode:
 
     # ----- pods and processes -----------------------------------------------------------------------------
 
-    def run_process(self, pod: Pod, gpu: int, pid: int, used_mib: int, *, mig_uuid: str | None = None) -> None:
+    def run_process(
+        self, pod: Pod, gpu: int, pid: int, used_mib: int, *, mig_uuid: str | None = None, kind: str = "compute"
+    ) -> None:
         """A process of ``pod`` on the GPU: in the driver, and in the fake /proc with the pod's cgroup."""
         (self.proc / str(pid)).mkdir()
         (self.proc / str(pid) / "cgroup").write_text(cgroup_line(pod.uid))
-        self.driver.add_process(gpu, pid, used_mib, mig_uuid=mig_uuid)
+        self.driver.add_process(gpu, pid, used_mib, mig_uuid=mig_uuid, kind=kind)
 
 
 def series(samples: Samples, name: str, **match: str) -> list[tuple[dict[str, str], float]]:
@@ -364,6 +366,26 @@ def test_per_pod_memory_on_a_time_sliced_gpu(node: TelemetryNode) -> None:
     assert value(samples, "tessera_gpu_processes", gpu=str(shared_gpu)) == 4
     assert value(samples, "tessera_mig_memory_used_bytes", device_id=mig_uuid) == 2048 * MIB
     assert value(samples, "tessera_mig_processes", device_id=mig_uuid) == 1
+
+
+def test_mps_clients_are_attributed_to_their_pods_as_a_real_driver_lists_them(node: TelemetryNode) -> None:
+    """A real driver lists an MPS server among the compute processes and its clients only in the MPS list."""
+    kubelet = node.kubelet
+    pods = [kubelet.create_pod(f"mps-{n}", {"main": {GPU: 1}}, namespace="infer") for n in range(3)]
+    by_gpu: dict[int, list[Pod]] = {}
+    for pod in pods:
+        by_gpu.setdefault(gpu_of(node, held_device(pod, "main", GPU)), []).append(pod)
+    gpu, (first, second) = next((g, p) for g, p in by_gpu.items() if len(p) == 2)
+    node.driver.add_process(gpu, 900, 300, kind="mps_server")  # the server: no pod's cgroup
+    node.run_process(first, gpu, 4242, 3000, kind="mps_client")
+    node.run_process(second, gpu, 4343, 5000, kind="mps_client")
+
+    samples = node.wait_samples(
+        lambda s: len(s.get("tessera_pod_gpu_memory_used_bytes", [])) == 2, 5, "per-pod memory of the MPS clients"
+    )
+    per_pod = {labels["pod"]: v for labels, v in samples["tessera_pod_gpu_memory_used_bytes"]}
+    assert per_pod == {first.name: 3000 * MIB, second.name: 5000 * MIB}
+    assert value(samples, "tessera_gpu_processes", gpu=str(gpu)) == 3
 
 
 def test_an_idle_allocation_accumulates_idle_seconds_and_a_busy_one_does_not(node: TelemetryNode) -> None:

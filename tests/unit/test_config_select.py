@@ -4,11 +4,14 @@ The kubelet writes the data into a timestamped directory ``..2026_11_21_10_00_00
 ``..data`` symlink at it and exposes each key as a symlink ``<key> -> ..data/<key>``; an update writes a new
 timestamped directory and swaps ``..data``. Only the keys are configs (facts §1.7). Selection order (Tessera):
 ``--config-name``, the node label, ``match`` on a GPU product, ``default``, the only config, else defaults;
-a name that does not exist is a warning and the next rule applies.
+a name that does not exist is a warning and the next rule applies. Selection never widens: a config whose
+``match`` excludes the node is applied only when chosen explicitly (name or label), never as ``default``, the
+only config or a single file. Every file is read within the input limits (agent.config.yaml_limits).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -98,7 +101,21 @@ def test_config_name_beats_label_match_and_default(cm: Path):
 
 
 def test_label_beats_match_and_default(cm: Path):
-    assert choose(cm, label="h100", products=(A100,)) == ("h100", [])
+    name, warnings = choose(cm, label="h100", products=(H100,))
+    assert (name, warnings) == ("h100", [])
+
+
+def test_an_explicit_choice_wins_over_its_own_match_with_a_warning(cm: Path):
+    """The label (or --config-name) names a config whose match excludes this node: applied, and said so."""
+    name, warnings = choose(cm, label="h100", products=(A100,))
+    assert name == "h100"
+    assert len(warnings) == 1
+    assert "nvidia.com/device-plugin.config=h100" in warnings[0]
+    assert "does not select this node's GPUs" in warnings[0]
+    assert A100 in warnings[0]
+    name, warnings = choose(cm, requested="a100", products=(H100,))
+    assert name == "a100"
+    assert "--config-name=a100" in warnings[0]
 
 
 def test_match_on_gpu_product_beats_default(cm: Path):
@@ -146,7 +163,7 @@ def test_empty_configmap_means_defaults(tmp_path: Path):
 
 
 def test_missing_config_name_warns_and_falls_back_to_the_label(cm: Path):
-    name, warnings = choose(cm, requested="nope", label="h100")
+    name, warnings = choose(cm, requested="nope", label="h100", products=(H100,))
     assert name == "h100"
     assert len(warnings) == 1
     assert "--config-name" in warnings[0]
@@ -284,15 +301,15 @@ def test_missing_path_is_a_config_error(tmp_path: Path):
 
 def test_unreadable_file_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     root = configmap(tmp_path / "cm", {"default": TS4})
-    # Tests may run as root, for whom mode 000 is readable: fail the read the way the kernel would.
-    real_read = Path.read_text
+    # Tests may run as root, for whom mode 000 is readable: fail the open the way the kernel would.
+    real_open = os.open
 
-    def denied(self: Path, *args: object, **kwargs: object) -> str:
-        if self.name == "default":
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_read(self, *args, **kwargs)  # type: ignore[arg-type]
+    def denied(path: object, *args: object, **kwargs: object) -> int:
+        if Path(str(path)).name == "default":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Path, "read_text", denied)
+    monkeypatch.setattr(os, "open", denied)
     with pytest.raises(ConfigError) as raised:
         read_config_set(root)
     assert raised.value.problems == ["cannot read: Permission denied; check the mount and the path"]
@@ -318,3 +335,184 @@ def test_binary_file_is_a_config_error_not_a_crash(tmp_path: Path):
     with pytest.raises(ConfigError) as raised:
         read_config_set(path)
     assert "not UTF-8" in raised.value.problems[0]
+
+
+# ----- selection never widens: a match that excludes the node keeps the config off it ---------------------
+
+T4 = "Tesla T4"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+H100_LAYOUT = """\
+version: v1
+match: ["NVIDIA H100*"]
+flags: {migStrategy: mixed}
+migLayout:
+  config: all-1g
+  layouts: {version: v1, mig-configs: {all-1g: [{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}]}}
+"""
+
+
+def test_a_single_file_whose_match_excludes_the_node_is_not_applied(tmp_path: Path):
+    path = tmp_path / "h100-only.yaml"
+    path.write_text(H100_LAYOUT)
+    loaded = load_config(read_config_set(path), gpu_products=(A100,) * 8)
+    assert loaded.name is None
+    assert loaded.model.mig_layout is None  # nor its layout
+    assert loaded.model.flags.mig_strategy is None
+    assert loaded.reason == f"no config applies: h100-only.yaml matches only NVIDIA H100*; this node has {A100}"
+    assert loaded.warnings == ()
+    applied = load_config(read_config_set(path), gpu_products=(H100,))
+    assert applied.name == "h100-only.yaml"
+    assert applied.model.mig_layout is not None
+
+
+def test_by_model_from_the_catalogue_leaves_an_a100_node_alone():
+    loaded = load_config(read_config_set(CONFIGS / "by-model.yaml"), gpu_products=(A100,) * 8)
+    assert loaded.name is None
+    assert loaded.model.sharing is None
+    assert loaded.reason == (
+        f"no config applies: by-model.yaml matches only Tesla T4, NVIDIA L4, NVIDIA A10G; this node has {A100}"
+    )
+    on_t4 = load_config(read_config_set(CONFIGS / "by-model.yaml"), gpu_products=(T4,) * 4)
+    assert on_t4.name == "by-model.yaml"
+    assert on_t4.model.replicated is not None
+
+
+def test_the_only_config_of_a_directory_is_not_applied_where_its_match_excludes_the_node(tmp_path: Path):
+    root = configmap(tmp_path / "cm", {"h100": H100_LAYOUT})
+    name, reason, warnings = select_config(read_config_set(root), None, None, (A100,))
+    assert name is None
+    assert "h100 matches only NVIDIA H100*" in reason
+    assert warnings == []
+    assert select_config(read_config_set(root), None, None, (H100,))[0] == "h100"
+
+
+def test_a_default_whose_match_excludes_the_node_is_not_applied(tmp_path: Path):
+    root = configmap(tmp_path / "cm", {"default": H100_LAYOUT, "ts4": TS4})
+    name, reason, warnings = select_config(read_config_set(root), None, None, (A100,))
+    assert name is None
+    assert "default matches only NVIDIA H100*" in reason
+    assert "ts4 applies only when named" in reason
+    assert len(warnings) == 1
+    assert "using the defaults" in warnings[0]
+    assert select_config(read_config_set(root), None, None, (H100,))[0] == "default"  # matched, not fallen back to
+    root2 = configmap(tmp_path / "cm2", {"default": H100_LAYOUT})
+    assert select_config(read_config_set(root2), None, None, (A100,))[0] is None
+
+
+def test_a_default_without_match_still_applies_beside_configs_that_match_other_gpus(cm: Path):
+    name, reason, _ = select_config(read_config_set(cm), None, None, (T4,))
+    assert (name, reason) == ("default", "the config named default")
+
+
+def test_an_empty_match_selects_no_node(tmp_path: Path):
+    root = configmap(tmp_path / "cm", {"nowhere": f"match: []\n{TS4}"})
+    name, reason, _ = select_config(read_config_set(root), None, None, (A100, H100, T4))
+    assert name is None
+    assert "nowhere matches only nothing" in reason
+    assert select_config(read_config_set(root), "nowhere", None, (A100,))[0] == "nowhere"  # explicit wins
+
+
+def test_a_match_that_is_not_globs_selects_no_node_with_a_warning(tmp_path: Path):
+    root = configmap(tmp_path / "cm", {"odd": f"match: {{a: b}}\n{TS4}"})
+    name, _, warnings = select_config(read_config_set(root), None, None, (A100,))
+    assert name is None
+    assert any("odd: match is not a glob" in w for w in warnings)
+
+
+def test_a_match_written_as_numbers_is_read_as_text_like_the_model_reads_it(tmp_path: Path):
+    root = configmap(tmp_path / "cm", {"num": f"match: [1080]\n{TS4}"})
+    assert select_config(read_config_set(root), None, None, ("1080",))[0] == "num"
+    assert load_config(read_config_set(root), gpu_products=("1080",)).model.match == ["1080"]
+
+
+def test_no_gpus_means_no_match_selects(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"match: '*'\n{TS4}")
+    name, reason, _ = select_config(read_config_set(path), None, None, ())
+    assert name is None
+    assert reason.endswith("this node has no GPUs")
+
+
+# ----- bounded input: bombs and garbage are ConfigErrors naming the file and the limit ----------------------
+
+DEEP = "a: " + "[" * 500 + "]" * 500
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(9)
+)
+
+
+def test_a_config_nested_500_deep_is_a_config_error_not_a_recursion_error(tmp_path: Path):
+    root = configmap(tmp_path / "cm", {"default": DEEP})
+    with pytest.raises(ConfigError) as raised:
+        load_config(read_config_set(root))
+    assert raised.value.origin == str(root / "default")
+    assert len(DEEP) < 1100
+    (problem,) = raised.value.problems
+    assert "nested 501 levels deep" in problem
+    assert "at most 64" in problem
+    assert "flatten" in problem
+
+
+def test_an_alias_bomb_is_a_config_error_naming_the_limit(tmp_path: Path):
+    path = tmp_path / "laughs.yaml"
+    path.write_text(LAUGHS)
+    with pytest.raises(ConfigError) as raised:
+        load_config(read_config_set(path))
+    assert raised.value.origin == str(path)
+    assert "aliases expand to more than 20,000 values" in raised.value.problems[0]
+    assert "billion laughs" in raised.value.problems[0]
+
+
+def test_a_bomb_beside_a_good_config_does_not_stop_selection(tmp_path: Path):
+    root = configmap(tmp_path / "cm", {"deep": DEEP, "laughs": LAUGHS, "a100": f"match: 'NVIDIA A100*'\n{TS4}"})
+    assert choose(root, products=(A100,)) == ("a100", [])
+    assert load_config(read_config_set(root), gpu_products=(A100,)).model.replicated is not None
+    with pytest.raises(ConfigError, match="nested 501 levels deep"):
+        load_config(read_config_set(root), requested="deep")
+
+
+def test_a_100_mb_file_is_refused_from_its_size_without_reading_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = tmp_path / "huge.yaml"
+    with path.open("wb") as stream:
+        stream.truncate(100 << 20)  # sparse: 100 MB that costs nothing
+    monkeypatch.setattr(os, "read", lambda *_: pytest.fail("the file was read"))
+    with pytest.raises(ConfigError) as raised:
+        read_config_set(path)
+    assert raised.value.origin == str(path)
+    assert "larger than the 1 MiB limit: 100 MiB" in raised.value.problems[0]
+
+
+def test_binary_garbage_is_a_config_error(tmp_path: Path):
+    path = tmp_path / "config.yaml"
+    path.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ConfigError) as raised:
+        load_config(read_config_set(path))
+    assert raised.value.origin == str(path)
+    assert "not UTF-8" in raised.value.problems[0]
+    path.write_bytes(b"version: v1\n\x00\x01\x02ELF")  # valid UTF-8, but control characters
+    with pytest.raises(ConfigError) as raised:
+        load_config(read_config_set(path))
+    assert "not text: character U+0000" in raised.value.problems[0]
+    assert "line 2, column 1" in raised.value.problems[0]
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path: Path):
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError) as raised:
+        read_config_set(fifo)  # opening a FIFO for reading would wait for a writer forever
+    assert raised.value.origin == str(fifo)
+    assert "is a FIFO (named pipe), not a regular file" in raised.value.problems[0]
+    root = configmap(tmp_path / "cm", {"default": TS4})
+    os.mkfifo(root / "pipe")
+    assert sorted(read_config_set(root).documents) == ["default"]  # in a directory: not a config
+
+
+def test_two_documents_in_one_config_are_an_error(tmp_path: Path):
+    path = tmp_path / "two.yaml"
+    path.write_text(f"{TS4}---\n{MPS2}")
+    with pytest.raises(ConfigError) as raised:
+        load_config(read_config_set(path))
+    assert "holds more than one YAML document (another starts at line 6, column 1)" in raised.value.problems[0]
+    path.write_text(f"---\n{TS4}---\n# nothing more\n")
+    assert load_config(read_config_set(path)).model.replicated is not None

@@ -1,10 +1,13 @@
-"""Device health (device plugin §6): XID policy, which units an event hits, faults, probes and recovery.
+"""Device health (device plugin §6): XID policy (the Xid catalog, overrides, NVIDIA's variables), which
+units an event hits, faults and their reasons, recovery checks.
 
 The node: GPUs 0 and 1 in MIG mode with seven 1g.10gb devices each, GPU 2 a plain GPU, and GPU 3 in MIG
 mode with one 3g.40gb GPU instance split into two compute instances (1c.3g.40gb). Time is a plain number.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -16,16 +19,24 @@ from agent.core.health import (
     UNATTRIBUTED,
     HealthPolicy,
     HealthState,
+    XidEffect,
     due_for_probe,
+    health_policy,
+    parse_effect,
+    parse_override_mapping,
+    parse_xid_key,
+    parse_xid_overrides,
     probe_failed,
     probe_succeeded,
     record_fault,
+    record_xid,
     units_for_event,
     xid_policy,
 )
 from agent.core.inventory import Gpu, Inventory, MigDevice, Placement
 from agent.core.resources import Device, MigStrategy, Resource, ResourcePlan
 from agent.core.snapshot import AllocationOptions, build_snapshots
+from agent.core.xid_catalog import XidAction
 from tests.unit.builders import a100
 
 QUIET = 60.0
@@ -129,47 +140,80 @@ def xid(state: HealthState, gpu_index: int, number: int, now: float, gi: int = U
 
 # ----- which XIDs count ----------------------------------------------------------------------------
 
+APPLICATION_XIDS = (8, 13, 31, 32, 43, 45, 68, 69, 94)  # RESTART_APP / IGNORE / WORKFLOW_XID_45 in the catalog
+RESET_CLASS_XIDS = (46, 48, 62, 64, 74, 95, 109, 119, 140, 144, 154, 159, 167, 999, 500)
 
-@pytest.mark.parametrize("number", [13, 31, 43, 45, 68, 109])
-def test_nvidia_default_ignored_xids_do_not_count(number: int):
+
+@pytest.mark.parametrize("number", APPLICATION_XIDS)
+def test_application_level_xids_leave_the_device_healthy_by_default(number: int):
     assert not HealthPolicy().is_critical(number)
     assert not xid_policy()[0].is_critical(number)
 
 
-@pytest.mark.parametrize("number", [48, 63, 64, 74, 79, 92, 94, 95, 119])
-def test_other_xids_count_by_default(number: int):
+@pytest.mark.parametrize("number", RESET_CLASS_XIDS)
+def test_reset_class_and_unknown_xids_make_the_device_unhealthy_by_default(number: int):
+    assert HealthPolicy().effect(number) is XidEffect.UNHEALTHY
     assert HealthPolicy().is_critical(number)
 
 
-def test_default_policy_is_nvidias_list_and_nothing_rejected():
+@pytest.mark.parametrize("number", [79, 151])
+def test_reboot_class_xids_mark_the_gpu_lost(number: int):
+    assert HealthPolicy().effect(number) is XidEffect.LOST
+    assert HealthPolicy().is_critical(number)
+    assert HealthPolicy().verdict(number).lost
+
+
+def test_catalog_ignore_and_restart_app_differ_in_what_is_logged():
+    policy = HealthPolicy()
+    assert policy.effect(63) is XidEffect.IGNORE  # remap event: no action
+    assert policy.effect(94) is XidEffect.APPLICATION  # contained error: the application restarts
+
+
+def test_where_the_default_differs_from_nvidias_plugin():
+    ours, nvidias = HealthPolicy(), HealthPolicy.nvidia()
+    assert not ours.is_critical(94) and nvidias.is_critical(94)  # RESTART_APP; NVIDIA: unhealthy
+    assert ours.is_critical(109) and not nvidias.is_critical(109)  # RESET_GPU; NVIDIA: ignored
+    for number in NVIDIA_IGNORED_XIDS:
+        assert not nvidias.is_critical(number)
+    assert nvidias.effect(79) is XidEffect.LOST
+    assert nvidias.quiet_seconds is None
+
+
+def test_default_policy_uses_the_catalog_and_nothing_is_rejected():
     policy, rejected = xid_policy()
-    assert policy.ignored_xids == NVIDIA_IGNORED_XIDS == frozenset({13, 31, 43, 45, 68, 109})
+    assert policy.catalog_defaults and policy.ignored_xids == frozenset()
     assert rejected == []
+    assert health_policy() == (HealthPolicy(), [])
 
 
-def test_xid_13_is_ignored_by_default_but_counts_with_dp_enable_healthchecks_13():
+def test_xid_13_counts_with_dp_enable_healthchecks_13():
     policy, _ = xid_policy(nvidia_enabled="13")
-    assert policy.is_critical(13)
-    assert not policy.is_critical(31)  # the other defaults stay ignored
+    assert policy.effect(13) is XidEffect.UNHEALTHY
+    assert not policy.is_critical(31)  # the other application XIDs stay as they were
 
 
-def test_dp_disable_healthchecks_adds_to_the_default_ignores():
+def test_dp_enable_healthchecks_keeps_a_reboot_class_xid_lost():
+    assert xid_policy(nvidia_enabled="79")[0].effect(79) is XidEffect.LOST
+
+
+def test_dp_disable_healthchecks_ignores_the_xids_it_names():
     policy, _ = xid_policy(nvidia_disabled="79, 48")
-    assert not policy.is_critical(79) and not policy.is_critical(48)
+    assert policy.effect(79) is XidEffect.IGNORE and policy.effect(48) is XidEffect.IGNORE
     assert not policy.is_critical(13)
-    assert policy.is_critical(94)
+    assert policy.is_critical(109) and policy.is_critical(95)
 
 
 @pytest.mark.parametrize("value", ["all", "xids", "ALL", " All ", "48,all"])
 def test_dp_disable_healthchecks_all_turns_every_xid_off(value: str):
     policy, rejected = xid_policy(nvidia_disabled=value)
-    assert not any(policy.is_critical(n) for n in (13, 48, 79, 94, 119))
+    assert all(policy.effect(n) is XidEffect.IGNORE for n in (13, 48, 79, 94, 119, 151, 999))
     assert rejected == []
 
 
 def test_disable_all_with_some_enabled_counts_only_those():
+    """NVIDIA's code comment's reading (its code itself then monitors nothing; docs/health.md)."""
     policy, _ = xid_policy(nvidia_disabled="all", nvidia_enabled="79,13")
-    assert policy.is_critical(79) and policy.is_critical(13)
+    assert policy.effect(79) is XidEffect.LOST and policy.effect(13) is XidEffect.UNHEALTHY
     assert not policy.is_critical(48)
 
 
@@ -182,13 +226,19 @@ def test_dp_enable_healthchecks_overrides_the_disabled_list():
 @pytest.mark.parametrize("disabled", [None, "all", "48,79"])
 def test_dp_enable_healthchecks_all_makes_every_xid_count_defaults_included(disabled: str | None):
     policy, _ = xid_policy(nvidia_disabled=disabled, nvidia_enabled="All")
-    assert all(policy.is_critical(n) for n in (13, 31, 43, 45, 48, 68, 79, 109))
+    assert all(policy.is_critical(n) for n in (13, 31, 43, 45, 48, 63, 68, 79, 92, 94, 109, 121))
 
 
-def test_ignored_xids_flag_replaces_nvidias_default_list():
+def test_ignored_xids_flag_switches_to_nvidias_model_with_that_list():
     policy, _ = xid_policy(ignored="79")
-    assert policy.is_critical(13)
-    assert not policy.is_critical(79)
+    assert policy.effect(79) is XidEffect.IGNORE
+    assert policy.is_critical(13) and policy.is_critical(94) and policy.is_critical(63)  # list replaced
+    assert policy.effect(151) is XidEffect.LOST
+
+
+def test_ignored_xids_with_nvidias_list_is_nvidias_plugin():
+    policy, _ = xid_policy(ignored="13,31,43,45,68,109", quiet_seconds=None)
+    assert all(policy.effect(n) == HealthPolicy.nvidia().effect(n) for n in range(0, 1001))
 
 
 def test_ignored_xids_flag_and_dp_disable_healthchecks_combine():
@@ -197,9 +247,13 @@ def test_ignored_xids_flag_and_dp_disable_healthchecks_combine():
     assert policy.is_critical(13)
 
 
+def test_dp_enable_healthchecks_wins_over_ignored_xids():
+    assert xid_policy(ignored="13,48", nvidia_enabled="48")[0].is_critical(48)
+
+
 def test_empty_ignored_xids_flag_makes_every_xid_count():
     policy, _ = xid_policy(ignored="")
-    assert all(policy.is_critical(n) for n in NVIDIA_IGNORED_XIDS)
+    assert all(policy.is_critical(n) for n in (*NVIDIA_IGNORED_XIDS, *APPLICATION_XIDS))
 
 
 def test_bad_entries_are_returned_for_a_warning_and_good_ones_still_apply():
@@ -215,19 +269,193 @@ def test_non_ascii_digits_are_rejected_not_a_crash():
     assert not policy.is_critical(48)
 
 
+def test_an_xid_beyond_32_bits_is_rejected():
+    assert xid_policy(nvidia_disabled="4294967296")[1] == ["4294967296"]
+
+
 @settings(max_examples=200, deadline=None)
-@given(ignored=st.none() | st.text(), disabled=st.none() | st.text(), enabled=st.none() | st.text())
-def test_property_any_environment_gives_a_policy_never_an_exception(
-    ignored: str | None, disabled: str | None, enabled: str | None
+@given(
+    ignored=st.none() | st.text(),
+    disabled=st.none() | st.text(),
+    enabled=st.none() | st.text(),
+    overrides=st.none() | st.text(),
+    number=st.integers(0, 2**32),
+)
+def test_property_any_flags_and_environment_give_a_policy_never_an_exception(
+    ignored: str | None, disabled: str | None, enabled: str | None, overrides: str | None, number: int
 ):
-    policy, rejected = xid_policy(ignored, disabled, enabled)
-    assert all(isinstance(entry, str) and entry for entry in rejected)
-    assert isinstance(policy.is_critical(79), bool)
+    policy, warnings = health_policy(
+        ignored=ignored, overrides=overrides, nvidia_disabled=disabled, nvidia_enabled=enabled
+    )
+    assert all(isinstance(line, str) and line for line in warnings)
+    assert policy.is_critical(number) == policy.effect(number).marks_unhealthy
+    assert xid_policy(ignored, disabled, enabled)[0] == replace(policy, overrides={})
 
 
 def test_quiet_period_is_passed_through_and_none_means_faults_never_clear():
     assert xid_policy(quiet_seconds=5.0)[0].quiet_seconds == 5.0
     assert xid_policy(quiet_seconds=None)[0].quiet_seconds is None
+
+
+# ----- per-XID overrides: flag and config ----------------------------------------------------------
+
+
+def test_override_flag_value_is_parsed_case_insensitively_with_ranges():
+    overrides, rejected = parse_xid_overrides(" 94=Unhealthy, 13=ignore,109=application , 144-146=LOST,")
+    assert overrides == {
+        94: XidEffect.UNHEALTHY,
+        13: XidEffect.IGNORE,
+        109: XidEffect.APPLICATION,
+        144: XidEffect.LOST,
+        145: XidEffect.LOST,
+        146: XidEffect.LOST,
+    }
+    assert rejected == []
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "94",
+        "94=",
+        "=ignore",
+        "94=fatal",
+        "x=ignore",
+        "0=ignore",
+        "150-144=ignore",
+        "1-2000=ignore",
+        "\u00b2=ignore",
+        "4294967296=ignore",
+        "94=ignore=x",
+        "-5=ignore",
+    ],
+)
+def test_bad_override_entries_are_rejected_and_the_rest_applies(entry: str):
+    overrides, rejected = parse_xid_overrides(f"13=unhealthy,{entry}")
+    assert rejected == [entry]
+    assert overrides == {13: XidEffect.UNHEALTHY}
+
+
+def test_a_later_override_entry_wins():
+    assert parse_xid_overrides("94=ignore,90-95=unhealthy")[0][94] is XidEffect.UNHEALTHY
+
+
+def test_key_and_effect_errors_say_what_is_allowed():
+    with pytest.raises(ValueError, match="ignore, application, unhealthy, lost"):
+        parse_effect("fatal")
+    with pytest.raises(ValueError, match="144-150"):
+        parse_xid_key("ninety")
+    assert parse_override_mapping({94: "ignore", "1-3": "lost", "x": "ignore", "5": 7}) == (
+        {94: XidEffect.IGNORE, 1: XidEffect.LOST, 2: XidEffect.LOST, 3: XidEffect.LOST},
+        [
+            "'x' is not an XID; write a number such as 94 or a range such as 144-150",
+            "7 is not an XID effect; use one of ignore, application, unhealthy, lost",
+        ],
+    )
+
+
+def test_overrides_win_over_every_other_source():
+    policy, warnings = health_policy(
+        overrides="13=unhealthy,48=ignore", nvidia_disabled="all,13", nvidia_enabled="all,48"
+    )
+    assert policy.effect(13) is XidEffect.UNHEALTHY
+    assert policy.effect(48) is XidEffect.IGNORE
+    assert policy.effect(95) is XidEffect.UNHEALTHY  # DP_ENABLE_HEALTHCHECKS=all for the rest
+    assert warnings == [
+        "XID 13: --xid-overrides (unhealthy) wins over DP_DISABLE_HEALTHCHECKS/--ignored-xids",
+        "XID 48: --xid-overrides (ignore) wins over DP_ENABLE_HEALTHCHECKS",
+    ]
+
+
+def test_flag_override_wins_over_the_config_xid_by_xid():
+    config = {94: XidEffect.UNHEALTHY, 13: XidEffect.IGNORE}
+    policy, warnings = health_policy(overrides="94=application", config_overrides=config)
+    assert policy.effect(94) is XidEffect.APPLICATION  # the flag
+    assert policy.effect(13) is XidEffect.IGNORE  # the config, where the flag says nothing
+    assert policy.effect(48) is XidEffect.UNHEALTHY  # the catalog
+    assert warnings == []
+
+
+def test_config_override_wins_over_nvidias_variables_and_is_reported():
+    policy, warnings = health_policy(config_overrides={13: XidEffect.IGNORE}, nvidia_enabled="13")
+    assert policy.effect(13) is XidEffect.IGNORE
+    assert warnings == ["XID 13: the config's health.xids (ignore) wins over DP_ENABLE_HEALTHCHECKS"]
+
+
+def test_a_config_reload_replaces_the_config_overrides_and_keeps_the_flags():
+    policy, _ = health_policy(overrides="94=unhealthy", config_overrides={13: XidEffect.UNHEALTHY})
+    reloaded = policy.with_config_overrides({31: XidEffect.UNHEALTHY})
+    assert reloaded.effect(94) is XidEffect.UNHEALTHY
+    assert reloaded.effect(13) is XidEffect.APPLICATION and reloaded.effect(31) is XidEffect.UNHEALTHY
+    assert policy.effect(13) is XidEffect.UNHEALTHY  # the old policy is untouched
+
+
+def test_bad_flag_entries_become_warnings_naming_their_source():
+    _, warnings = health_policy(ignored="x", overrides="94=fatal", nvidia_disabled="y", nvidia_enabled="z")
+    assert warnings == [
+        "--ignored-xids: ignored entries that are not XIDs: x",
+        "DP_DISABLE_HEALTHCHECKS: ignored entries that are not XIDs: y",
+        "DP_ENABLE_HEALTHCHECKS: ignored entries that are not XIDs: z",
+        "--xid-overrides: ignored entries 94=fatal; write XID=EFFECT or LOW-HIGH=EFFECT, comma separated; "
+        "EFFECT is one of ignore, application, unhealthy, lost",
+    ]
+
+
+def test_policy_overrides_are_immutable_and_the_policy_hashable():
+    source = {94: "unhealthy"}
+    policy = HealthPolicy(overrides=source)
+    source[13] = "unhealthy"
+    assert policy.effect(13) is XidEffect.APPLICATION
+    with pytest.raises(TypeError):
+        policy.overrides[13] = XidEffect.UNHEALTHY  # type: ignore[index]
+    assert hash(policy) == hash(HealthPolicy(overrides={94: XidEffect.UNHEALTHY}))
+    assert policy == HealthPolicy(overrides={94: XidEffect.UNHEALTHY})
+
+
+# ----- the reason a fault carries ------------------------------------------------------------------
+
+
+def test_a_verdict_names_the_xid_its_catalog_entry_and_the_effect():
+    verdict = HealthPolicy().verdict(48)
+    assert verdict.reason == "XID 48 (Double Bit ECC Error, WORKFLOW_XID_48)"
+    assert (verdict.action, verdict.effect, verdict.marks_unhealthy, verdict.lost) == (
+        XidAction.WORKFLOW_XID_48,
+        XidEffect.UNHEALTHY,
+        True,
+        False,
+    )
+    assert HealthPolicy().verdict(999).reason == "XID 999 (XID unknown to NVML, UNKNOWN)"
+    assert HealthPolicy().verdict(79).reason == "XID 79 (GPU has fallen off the bus, RESTART_BM)"
+
+
+def test_recording_an_xid_carries_its_reason_into_the_fault():
+    state = record_xid(HealthState(), [gpu_uuid(2)], HealthPolicy().verdict(95), 5.0, ecc_baseline=3)
+    fault = state.faults[gpu_uuid(2)]
+    assert (fault.reason, fault.xid, fault.action, fault.effect, fault.lost, fault.ecc_baseline) == (
+        "XID 95 (Uncontained memory error, RESET_GPU)",
+        95,
+        XidAction.RESET_GPU,
+        XidEffect.UNHEALTHY,
+        False,
+        3,
+    )
+
+
+def test_recording_an_application_xid_changes_nothing():
+    state = HealthState()
+    assert record_xid(state, [gpu_uuid(2)], HealthPolicy().verdict(94), 5.0) is state
+
+
+def test_recording_a_reboot_class_xid_marks_the_gpu_lost():
+    state = record_xid(HealthState(), [gpu_uuid(2)], HealthPolicy().verdict(79), 5.0)
+    assert state.faults[gpu_uuid(2)].lost
+    assert not state.is_healthy(GPU2)
+
+
+def test_a_mig_xid_names_its_parent_gpu():
+    units = units_for_event(INVENTORY, gpu_uuid(1), 7 + 2, 0)
+    state = record_xid(HealthState(), units, HealthPolicy().verdict(48), 1.0, gpu_uuid=gpu_uuid(1))
+    assert state.faults[mig_uuid(1, 2)].gpu_uuid == gpu_uuid(1)
 
 
 # ----- which units an event hits -------------------------------------------------------------------
@@ -383,6 +611,25 @@ def test_a_probe_failure_postpones_the_next_probe_by_a_quiet_period():
     assert GPU2.id not in healthy_ids(state)
 
 
+def test_a_failed_recovery_check_remembers_what_blocked_it_and_the_new_ecc_baseline():
+    state = record_fault(HealthState(), [gpu_uuid(2)], "XID 48", now=0.0, ecc_baseline=3)
+    state = probe_failed(state, gpu_uuid(2), now=60.0, blockers=["uncorrected ECC grew 3 -> 5"], ecc_baseline=5)
+    fault = state.faults[gpu_uuid(2)]
+    assert (fault.blockers, fault.ecc_baseline, fault.last_event) == (("uncorrected ECC grew 3 -> 5",), 5, 60.0)
+    state = probe_failed(state, gpu_uuid(2), now=120.0, blockers=["recovery action GPU_RESET"])
+    assert state.faults[gpu_uuid(2)].ecc_baseline == 5  # no new count read: the baseline stays
+    assert state.faults[gpu_uuid(2)].blockers == ("recovery action GPU_RESET",)
+
+
+def test_a_new_fault_keeps_the_first_ecc_baseline_and_clears_old_blockers():
+    state = record_fault(HealthState(), [gpu_uuid(2)], "XID 48", now=0.0, ecc_baseline=3)
+    state = probe_failed(state, gpu_uuid(2), now=60.0, blockers=["row remap pending"])
+    state = record_fault(state, [gpu_uuid(2)], "XID 48", now=70.0, ecc_baseline=9)
+    assert state.faults[gpu_uuid(2)].ecc_baseline == 3
+    assert state.faults[gpu_uuid(2)].blockers == ()
+    assert record_fault(HealthState(), [gpu_uuid(2)], "x", 0.0).faults[gpu_uuid(2)].ecc_baseline is None
+
+
 def test_a_probe_failure_keeps_a_lost_gpu_lost():
     state = record_fault(HealthState(), [gpu_uuid(2)], "GPU is lost", now=0.0, lost=True)
     assert probe_failed(state, gpu_uuid(2), now=60.0).faults[gpu_uuid(2)].lost
@@ -418,3 +665,56 @@ def test_a_mig_device_fault_spoils_the_whole_gpu_device_under_strategy_none() ->
         "MIG-1": False,
         "MIG-2": True,
     }
+
+
+# ----- the sharing config's health section -----------------------------------------------------------
+
+
+def test_the_config_health_section_carries_overrides_to_the_policy():
+    from agent.config.effective import FlagOverrides, effective
+    from agent.config.model import parse_config
+
+    model, warnings = parse_config(
+        {"version": "v1", "health": {"xids": {94: "Unhealthy", "13": "ignore", "144-145": "application"}}}
+    )
+    assert warnings == []
+    carried = effective(model, FlagOverrides()).health_overrides
+    assert dict(carried) == {
+        94: XidEffect.UNHEALTHY,
+        13: XidEffect.IGNORE,
+        144: XidEffect.APPLICATION,
+        145: XidEffect.APPLICATION,
+    }
+    policy, _ = health_policy(overrides="13=unhealthy", config_overrides=carried)
+    assert policy.effect(94) is XidEffect.UNHEALTHY and policy.effect(13) is XidEffect.UNHEALTHY
+    assert dict(effective(parse_config({})[0], FlagOverrides()).health_overrides) == {}
+
+
+@pytest.mark.parametrize(
+    ("health", "message"),
+    [
+        (
+            {"xids": {"x": "ignore"}},
+            "health.xids: key 'x' is not an XID; write a number such as 94 or a range such as 144-150",
+        ),
+        (
+            {"xids": {"94": "fatal"}},
+            "health.xids: XID 94: 'fatal' is not an XID effect; use one of ignore, application, unhealthy, lost",
+        ),
+        ({"xids": ["94"]}, 'health.xids: must be a map of XID to effect, e.g. {"94": unhealthy, "13": ignore}'),
+        ({"xids": {"0-5000": "ignore"}}, "health.xids: key '0-5000' is out of range"),
+    ],
+)
+def test_a_bad_config_health_section_is_rejected_naming_the_field_and_the_allowed_values(health, message):
+    from agent.config.model import ConfigError, parse_config
+
+    with pytest.raises(ConfigError) as error:
+        parse_config({"version": "v1", "health": health})
+    assert error.value.problems[0].startswith(message)
+
+
+def test_a_misspelt_health_key_is_a_warning_like_any_unknown_key():
+    from agent.config.model import parse_config
+
+    _, warnings = parse_config({"health": {"xid": {"94": "ignore"}}})
+    assert warnings == ["config: unknown key health.xid is ignored; did you mean health.xids?"]

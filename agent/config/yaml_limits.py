@@ -1,0 +1,348 @@
+"""Reading YAML (or JSON) that comes from outside the agent, within limits.
+
+Everything the agent reads from a file someone else wrote — a sharing config, a MIG layout file, a node
+spec — goes through :func:`read_bounded` (the bytes) and :func:`load_yaml` (the document). Either raises
+``ConfigError(origin, [problem])`` whose problem names the limit that was broken and the fix; nothing else
+escapes, whatever the input: no ``RecursionError``, no ``MemoryError``, no parser exception of another kind.
+
+The limits, far above any real document (the catalogue's deepest config nests 7 levels and holds 35
+values; the shipped layouts file 5 levels and 60 values):
+
+- ``MAX_BYTES`` (1 MiB): a ConfigMap holds at most 1 MiB in all. A bigger file is refused from its size,
+  without being read; a FIFO, a socket or a device other than ``/dev/null`` is refused without being opened.
+- text only: UTF-8 (a UTF-8 byte-order mark is allowed), no control characters (YAML forbids them).
+- ``MAX_DEPTH`` (64): collections inside collections. PyYAML composes recursively, so 500 ``[`` raise
+  ``RecursionError``; the depth is counted before a level is composed, so nothing deeper is ever built.
+- ``MAX_NODES`` (20,000): values, with every alias counted as the size of what it repeats. PyYAML shares
+  an aliased value instead of copying it, but anything that walks the result (validation, a dump) sees
+  each repetition: nine aliases of nine aliases of ... ("billion laughs") is 9^n values from a few hundred
+  bytes, and is refused as soon as the count passes the limit.
+- ``MAX_ALIASES`` (1,000) alias references; an alias to the collection it is in (a cycle) is refused.
+- one document: a second non-empty document (after ``---``) is an error. NVIDIA's plugin silently reads
+  only the first one, so a second config in the same file would be ignored without a word.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import yaml
+from yaml.composer import Composer
+from yaml.constructor import SafeConstructor
+from yaml.events import AliasEvent, CollectionEndEvent, CollectionStartEvent, StreamEndEvent
+from yaml.nodes import Node, ScalarNode
+from yaml.resolver import Resolver
+
+from agent.config.model import ConfigError
+
+MAX_BYTES = 1 << 20  # 1 MiB: the most a ConfigMap can hold
+MAX_DEPTH = 64
+MAX_NODES = 20_000
+MAX_ALIASES = 1_000
+_DEPTH_SCAN_EVENTS = 10_000  # after the depth limit, how far to read on to say how deep it really goes
+
+_NULL_TAG = "tag:yaml.org,2002:null"
+_NON_PRINTABLE = yaml.reader.Reader.NON_PRINTABLE  # what YAML forbids in a stream: NUL, other C0/C1 controls...
+
+
+class _LimitBroken(Exception):
+    """Raised inside the loader; load_yaml turns it into a ConfigError."""
+
+
+def read_bounded(path: Path | str, origin: str | None = None, max_bytes: int = MAX_BYTES) -> bytes:
+    """The bytes of the regular file at ``path`` (symlinks followed), at most ``max_bytes`` of them.
+
+    A directory, FIFO, socket or device (``/dev/null`` excepted: it reads as nothing) is refused without
+    opening it, so a FIFO cannot block the caller; a file larger than ``max_bytes`` is refused from its
+    size, and a file that grows while it is read is refused after ``max_bytes + 1`` bytes.
+    """
+    path = Path(path)
+    where = str(path) if origin is None else origin
+    try:
+        info = path.stat()
+        if _is_dev_null(info):
+            return b""
+        _require_regular(info, where, max_bytes)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            _require_regular(os.fstat(fd), where, max_bytes)  # the file opened is the file checked
+            chunks: list[bytes] = []
+            size = 0
+            while size <= max_bytes:
+                chunk = os.read(fd, max_bytes + 1 - size)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+        finally:
+            os.close(fd)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as error:  # ValueError: a path with a NUL byte
+        reason = getattr(error, "strerror", None) or str(error)
+        raise ConfigError(where, [f"cannot read: {reason}; check the mount and the path"]) from error
+    if size > max_bytes:
+        raise ConfigError(where, [_too_big(size, max_bytes, grew=True)])
+    return b"".join(chunks)
+
+
+def _is_dev_null(info: os.stat_result) -> bool:
+    if not stat.S_ISCHR(info.st_mode):
+        return False
+    try:
+        null = Path(os.devnull).stat()
+    except OSError:
+        return False
+    return stat.S_ISCHR(null.st_mode) and info.st_rdev == null.st_rdev
+
+
+def _require_regular(info: os.stat_result, where: str, max_bytes: int) -> None:
+    mode = info.st_mode
+    if stat.S_ISDIR(mode):
+        raise ConfigError(where, ["is a directory, not a file; give the path of the file itself"])
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a FIFO (named pipe)"
+            if stat.S_ISFIFO(mode)
+            else "a socket"
+            if stat.S_ISSOCK(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file"
+        )
+        raise ConfigError(where, [f"is {kind}, not a regular file; give the path of a file"])
+    if info.st_size > max_bytes:
+        raise ConfigError(where, [_too_big(info.st_size, max_bytes)])
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _too_big(size: int, max_bytes: int, *, grew: bool = False) -> str:
+    got = f"more than {_size(max_bytes)}" if grew else f"{_size(size)} ({size} bytes)"
+    return (
+        f"larger than the {_size(max_bytes)} limit: {got}; a ConfigMap holds at most 1 MiB, so this is not a "
+        "config or layout: check the path"
+    )
+
+
+def decode_text(data: bytes | str, origin: str, *, kind: str = "a config") -> str:
+    """UTF-8 text (a leading byte-order mark dropped), or ConfigError naming the first bad byte."""
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            origin, [f"not UTF-8 text (byte {error.start}); {kind} is UTF-8 text: is this a binary file?"]
+        ) from error
+
+
+def load_yaml(
+    data: bytes | str,
+    origin: str,
+    *,
+    kind: str = "a config",
+    max_bytes: int = MAX_BYTES,
+    max_depth: int = MAX_DEPTH,
+    max_nodes: int = MAX_NODES,
+    max_aliases: int = MAX_ALIASES,
+) -> Any:
+    """The one YAML (or JSON) document in ``data``, built with PyYAML's safe constructors.
+
+    An empty document (or one holding only comments) is ``None``. Raises ``ConfigError(origin, [problem])``
+    and nothing else; ``kind`` ("a sharing config", "a MIG layout file"...) names the document in messages.
+    """
+    if len(data) > max_bytes:
+        raise ConfigError(origin, [_too_big(len(data), max_bytes)])
+    text = decode_text(data, origin, kind=kind)
+    bad = _NON_PRINTABLE.search(text)
+    if bad:
+        line = text.count("\n", 0, bad.start()) + 1
+        column = bad.start() - (text.rfind("\n", 0, bad.start()) + 1) + 1
+        raise ConfigError(
+            origin,
+            [
+                f"not text: character U+{ord(bad.group()):04X} (not allowed in YAML) at line {line}, column {column}; "
+                f"{kind} is YAML or JSON text: is this a binary file?"
+            ],
+        )
+    if isinstance(data, str) and len(text.encode("utf-8")) > max_bytes:
+        raise ConfigError(origin, [_too_big(len(text.encode("utf-8")), max_bytes)])
+    loader = _BoundedLoader(text, kind=kind, max_depth=max_depth, max_nodes=max_nodes, max_aliases=max_aliases)
+    try:
+        return loader.load_one()
+    except _LimitBroken as error:
+        raise ConfigError(origin, [str(error)]) from None
+    except yaml.MarkedYAMLError as error:
+        raise ConfigError(origin, [f"not valid YAML or JSON: {_describe(error)}"]) from None
+    except yaml.YAMLError as error:
+        raise ConfigError(origin, [f"not valid YAML or JSON: {_one_line(str(error))}"]) from None
+    except RecursionError:
+        raise ConfigError(
+            origin, [f"nested too deeply to read; {kind} nests at most {max_depth} levels: flatten it"]
+        ) from None
+    except Exception as error:  # a value PyYAML cannot build (a 5,000-digit int, 2024-13-45...): still bad input
+        raise ConfigError(
+            origin, [f"not valid YAML or JSON: a value cannot be read: {type(error).__name__}: {_one_line(str(error))}"]
+        ) from None
+    finally:
+        loader.dispose()
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:300]
+
+
+def _where(mark: yaml.Mark | None) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "an unknown place"
+
+
+def _describe(error: yaml.MarkedYAMLError) -> str:
+    parts = []
+    if error.problem:
+        parts.append(f"{error.problem} at {_where(error.problem_mark)}")
+    if error.context:
+        parts.append(f"({error.context} at {_where(error.context_mark)})")
+    return _one_line(" ".join(parts) or str(error))
+
+
+try:  # libyaml's parser (bundled with PyYAML's wheels): the same events, a hundred times faster on a bomb
+    from yaml._yaml import CParser
+
+    _PARSER: tuple[type, ...] = (CParser,)
+
+    def _init_parser(loader: Any, text: str) -> None:
+        CParser.__init__(loader, text)
+
+except ImportError:  # pragma: no cover - PyYAML built without libyaml
+    from yaml.parser import Parser
+    from yaml.reader import Reader
+    from yaml.scanner import Scanner
+
+    _PARSER = (Reader, Scanner, Parser)
+
+    def _init_parser(loader: Any, text: str) -> None:
+        Reader.__init__(loader, text)
+        Scanner.__init__(loader)
+        Parser.__init__(loader)
+
+
+class _BoundedLoader(Composer, *_PARSER, SafeConstructor, Resolver):  # type: ignore[misc]
+    """PyYAML's safe loader whose (Python) composer counts depth, values and aliases, before anything is built.
+
+    The events come from libyaml when PyYAML has it (from PyYAML's pure-Python parser otherwise); the
+    composer is always PyYAML's own, so that the depth is counted before a level is composed.
+    """
+
+    def __init__(self, text: str, *, kind: str, max_depth: int, max_nodes: int, max_aliases: int) -> None:
+        _init_parser(self, text)
+        Composer.__init__(self)
+        SafeConstructor.__init__(self)
+        Resolver.__init__(self)
+        self._kind = kind
+        self._max_depth, self._max_nodes, self._max_aliases = max_depth, max_nodes, max_aliases
+        self._depth = 0
+        self._count = 0  # values composed, each alias counted as the size of what it repeats
+        self._aliases = 0
+        self._sizes: dict[int, int] = {}  # id(anchored node) -> its size, once it is complete
+        self._keep: list[Node] = []  # the anchored nodes, so that their ids stay theirs
+
+    def load_one(self) -> Any:
+        self.get_event()  # STREAM-START
+        document: Node | None = None
+        while not self.check_event(StreamEndEvent):
+            start = self.peek_event().start_mark
+            node = self.compose_document()
+            if isinstance(node, ScalarNode) and node.tag == _NULL_TAG:
+                continue  # an empty document (only comments, or a bare '---'): nothing in it
+            if document is not None:
+                raise _LimitBroken(
+                    f"holds more than one YAML document (another starts at {_where(start)}); {self._kind} is "
+                    "one document: remove the '---' line, or put each config under its own ConfigMap key"
+                )
+            document = node
+        self.get_event()  # STREAM-END
+        return None if document is None else self.construct_document(document)
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node:
+        if self.check_event(AliasEvent):
+            return self._alias(parent, index)
+        event = self.peek_event()
+        collection = isinstance(event, CollectionStartEvent)
+        if collection and self._depth >= self._max_depth:
+            self._too_deep(event.start_mark)
+        before = self._count
+        self._count += 1
+        if self._count > self._max_nodes:
+            raise _LimitBroken(
+                f"more than {self._max_nodes:,} values (at {_where(event.start_mark)}); {self._kind} has a few "
+                "hundred at most: this is not a config, or it repeats itself: shorten it"
+            )
+        self._depth += collection
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= collection
+        if event.anchor is not None:
+            self._sizes[id(node)] = self._count - before
+            self._keep.append(node)
+        return node
+
+    def _alias(self, parent: Node | None, index: Any) -> Node:
+        event = self.peek_event()
+        target = self.anchors.get(event.anchor)
+        if target is not None:  # an undefined alias is PyYAML's error, below
+            self._aliases += 1
+            if self._aliases > self._max_aliases:
+                raise _LimitBroken(
+                    f"more than {self._max_aliases:,} aliases (*{event.anchor} at {_where(event.start_mark)}); "
+                    f"{self._kind} may use at most {self._max_aliases:,}: write the values out"
+                )
+            size = self._sizes.get(id(target))
+            if size is None:
+                raise _LimitBroken(
+                    f"alias *{event.anchor} at {_where(event.start_mark)} is inside the value it repeats (a "
+                    "cycle); remove the alias"
+                )
+            self._count += size
+            if self._count > self._max_nodes:
+                raise _LimitBroken(
+                    f"aliases expand to more than {self._max_nodes:,} values (*{event.anchor} at "
+                    f'{_where(event.start_mark)}): an alias bomb ("billion laughs"); {self._kind} may expand '
+                    f"to at most {self._max_nodes:,}: write the values out or use fewer aliases"
+                )
+        return super().compose_node(parent, index)
+
+    def _too_deep(self, mark: yaml.Mark) -> None:
+        """Read on (a bounded number of events, without building anything) to say how deep it goes."""
+        depth = deepest = self._depth
+        exact = False
+        try:
+            for _ in range(_DEPTH_SCAN_EVENTS):
+                event = self.get_event()
+                if event is None or isinstance(event, StreamEndEvent):
+                    break
+                if isinstance(event, CollectionStartEvent):
+                    depth += 1
+                    deepest = max(deepest, depth)
+                elif isinstance(event, CollectionEndEvent):
+                    depth -= 1
+                    if depth <= self._depth:
+                        exact = True
+                        break
+        except Exception:  # noqa: S110 - a syntax error further on: the depth so far is the answer
+            pass
+        how_deep = f"{deepest}" if exact else f"at least {deepest}"
+        raise _LimitBroken(
+            f"nested {how_deep} levels deep (level {self._max_depth + 1} at {_where(mark)}); {self._kind} nests "
+            f"at most {self._max_depth} levels: flatten it"
+        )
