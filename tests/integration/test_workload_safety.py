@@ -227,3 +227,52 @@ def _stop_daemons(root: Path) -> None:
         with contextlib.suppress(ValueError, OSError):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
     shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_mig_manager_checks_again_right_before_acting(sim_node, tmp_path: Path) -> None:
+    """A process that starts between the check and the change stops the change: nothing is destroyed."""
+    import queue
+
+    from agent.gpu.discovery import discover
+    from agent.mig.layout_file import layouts_for_node, parse_layout_file
+    from agent.mig.manager import MigApplied, MigBusyChecked, MigManager
+    from agent.sim.kubelet import KubeletEmulator
+
+    driver = sim_node(PLAIN_A100)
+    kubelet = KubeletEmulator(tmp_path / "dp", tmp_path / "pr.sock")  # PodResources: nothing allocated
+    kubelet.start()
+    events: queue.Queue[object] = queue.Queue()
+    manager = MigManager(events.put, tmp_path / "pr.sock")
+    try:
+        inventory = discover()
+        layouts = parse_layout_file(
+            {"version": "v1", "mig-configs": {"all-1g": [{"devices": "all", "mig-enabled": True, "mig-devices": {}}]}},
+            "t",
+        )
+        manager.desire(layouts_for_node(layouts, "all-1g", inventory.gpus), inventory, 0.0)
+        manager.tick(0.0)
+        checked = events.get(timeout=10)
+        assert isinstance(checked, MigBusyChecked) and not checked.busy  # free at the check
+        driver.add_process(0, 5150, 100)  # ... and then a job starts
+        manager.on_busy_checked(checked, 0.0)
+        applied = events.get(timeout=10)
+        assert isinstance(applied, MigApplied) and "runs 1 process(es) (pid 5150)" in " ".join(applied.busy)
+        assert not driver.destructive_calls and not driver.gpus[0].mig_pending
+        manager.on_applied(applied, 0.0)
+        assert manager.state == "pending"
+    finally:
+        manager.shutdown()
+        kubelet.stop()
+
+
+def test_without_the_kubelet_s_word_nothing_is_destroyed(sim_node) -> None:
+    driver = sim_node(PLAIN_A100)
+    with running_node(
+        driver, _mig_config("all-disabled"), pod_resources_socket=Path("/nonexistent/kubelet.sock")
+    ) as node:
+        node.wait(lambda: node.agent.status.mig_state == "success", "MIG off in place")
+        node.agent.post(NodeLabelChanged(MIG_CONFIG_LABEL, "all-1g.10gb"))
+        node.wait(
+            lambda: "cannot tell whether pods hold the devices" in node.waiting_for("mig"), "waits for the kubelet"
+        )
+        assert not driver.gpus[0].mig_pending and not driver.destructive_calls
