@@ -55,19 +55,19 @@ from agent.gpu.health import (
     read_ecc_uncorrected,
     recovery_evidence,
 )
-from agent.mig.layout_file import LayoutFileError, layouts_for_node, parse_layout_file, read_layout_file
 from agent.mig.manager import MigApplied, MigBusyChecked, MigManager
+from agent.mps.exits import ProcessExited
 from agent.mps.manager import MpsDaemonFailed, MpsDaemonReady, MpsDaemonStopped, MpsDrainChecked, MpsManager
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
-from agent.plugin.registration import KUBELET_SOCKET, RegistrationError, register
+from agent.plugin.registration import KUBELET_SOCKET, RegistrationError, register_all
 from agent.plugin.server import ResourceServer
-from agent.plugin.watch import KubeletSocketChanged, KubeletWatcher
+from agent.plugin.watch import KubeletSocketChanged, PluginDirChanged, PluginDirWatcher, PluginSocketRemoved
 from agent.supervise import Backoff, WorkerCrashed, submit
 from agent.telemetry.service import Telemetry, TelemetrySettings
 
 log = logging.getLogger(__name__)
 
-TICK_SECONDS = 0.1
+SAFETY_SECONDS = 30.0  # the loop wakes at least this often with nothing to do: a missed event cannot strand it
 STREAM_RETRY_DELAY = 0.2  # after a closed stream, give a restarting kubelet a moment to clean up
 MAX_BACKOFF = 30.0
 SERVE_RETRY_SECONDS = 1.0  # a socket that could not be served is tried again this often
@@ -92,8 +92,9 @@ class AgentOptions:
     mig_config_name: str | None = None  # which layout (else the node label nvidia.com/mig.config, else the config's)
     kubeconfig: str | None = None  # outside a pod: how to reach the Kubernetes API
     health: HealthPolicy = field(default_factory=HealthPolicy)
-    liveness_probe_seconds: float = 5.0
+    liveness_probe_seconds: float = SAFETY_SECONDS  # the slow re-check for a GPU lost without an event
     lock_wait_seconds: float = 15.0  # how long a predecessor on this plugin directory gets to let go
+    thread_join_seconds: float | None = None  # on stop, wait this long for threads in the driver (None: all)
     telemetry: TelemetrySettings | None = None  # None: no metrics endpoint, no node labels
 
     @property
@@ -118,6 +119,13 @@ class Stop:
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Answered by the loop: proof that it turns (``/healthz``), without waking it when nobody asks."""
+
+    answered: threading.Event
+
+
 @dataclass
 class _Registration:
     """Where one resource stands with the kubelet."""
@@ -127,6 +135,7 @@ class _Registration:
     attempts: int = 0  # consecutive failures
     registered: bool = False
     last_error: str | None = None
+    unless_watched: bool = False  # due only because a stream closed: not needed if the kubelet watches again
 
 
 @dataclass
@@ -187,10 +196,12 @@ class Agent:
         self._serve_errors: dict[str, str] = {}  # resource -> why its socket could not be served
         self._serve_retry_at: dict[str, float] = {}
         self._event_watcher: NvmlEventWatcher | None = None
-        self._kubelet_watcher: KubeletWatcher | None = None
+        self._kubelet_watcher: PluginDirWatcher | None = None  # kubelet.sock, plugin sockets, the directory
         self._config_errors = 0
         self._xid_counts: dict[tuple[str, str, str], int] = {}
         self._telemetry: Telemetry | None = None
+        self._telemetry_pending = False
+        self._kubelet_known = False  # the watcher has said whether kubelet.sock is there
         self._lock: PluginDirLock | None = None
         self._internal_errors: dict[str, int] = {}
         self._said_errors: set[tuple[str, str]] = set()
@@ -217,6 +228,12 @@ class Agent:
     def stop(self) -> None:
         self.post(Stop())
 
+    def responsive(self, timeout: float = 2.0) -> bool:
+        """Does the reconcile loop answer within ``timeout``? (It is idle, not stuck, when it does.)"""
+        ping = Ping(threading.Event())
+        self.post(ping)
+        return ping.answered.wait(timeout)
+
     # ----- the loop -------------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -231,7 +248,7 @@ class Agent:
             self.started.set()
             while True:
                 try:
-                    event = self._events.get(timeout=TICK_SECONDS)
+                    event = self._events.get(timeout=self._seconds_to_next_deadline())
                 except queue.Empty:
                     event = None
                 if isinstance(event, Stop):
@@ -242,6 +259,21 @@ class Agent:
                 self.heartbeat = self._clock()
         finally:
             self._shutdown()
+
+    def _seconds_to_next_deadline(self) -> float:
+        """How long the loop may sleep: until the nearest real deadline (a retry, a backoff, a health quiet
+        period, a MIG or MPS drain re-check), at most ``SAFETY_SECONDS``. Nothing else wakes it but events."""
+        now = self._clock()
+        deadlines = [self._next_liveness, self._resync_at, self._rediscover_at, self._mps.next_deadline(),
+                     self._mig.next_deadline()]  # fmt: skip
+        quiet = self._policy.quiet_seconds
+        if quiet is not None:
+            deadlines += [fault.last_event + quiet for fault in self._health.faults.values()]
+        if self._kubelet_present:
+            deadlines += [r.due_at for r in self._registrations.values() if not r.in_flight]
+        deadlines += [self._serve_retry_at.get(n, now) for n, server in self._servers.items() if not server.serving]
+        nearest = min((d for d in deadlines if d is not None), default=now + SAFETY_SECONDS)
+        return min(SAFETY_SECONDS, max(0.0, nearest - now))
 
     def _guarded(self, where: str, step: Callable[..., None], *args: object) -> None:
         try:
@@ -295,31 +327,37 @@ class Agent:
             self._config_watcher.start()
         self._event_watcher = NvmlEventWatcher([g.uuid for g in self._inventory.gpus], self.post)
         self._event_watcher.start()
-        self._kubelet_watcher = KubeletWatcher(self.options.kubelet_socket, self.post)
+        self._kubelet_watcher = PluginDirWatcher(self.options.device_plugin_dir, self.post)
         self._kubelet_watcher.start()
-        if self.options.telemetry is not None:
-            try:
-                self._telemetry = Telemetry(self.options.telemetry, self)
-            except (OSError, ValueError) as error:  # metrics are not worth failing the node's GPUs for
-                log.error("no metrics endpoint address=%s error=%r", self.options.telemetry.metrics_address, str(error))
-            else:
-                self._telemetry.start()
+        self._telemetry_pending = self.options.telemetry is not None  # started once registration is under way
+
+    def _start_telemetry(self) -> None:
+        """Metrics come second: started once every resource was offered to the kubelet (or there is none)."""
+        settings = self.options.telemetry
+        self._telemetry_pending = False
+        assert settings is not None
+        try:
+            self._telemetry = Telemetry(settings, self)
+        except (OSError, ValueError) as error:  # metrics are not worth failing the node's GPUs for
+            log.error("no metrics endpoint address=%s error=%r", settings.metrics_address, str(error))
+        else:
+            self._telemetry.start()
 
     def _shutdown(self) -> None:
+        """What the kubelet sees goes first (every socket removed, ListAndWatch streams ended), then the
+        threads are told to stop. ``thread_join_seconds`` bounds the wait for threads blocked in the driver
+        (``tessera run`` exits right after, so it does not wait for them); MPS daemons keep serving."""
         self.started.set()  # a caller waiting for the start learns that it is over
-        for watcher in (
-            self._telemetry,
-            self._kubelet_watcher,
-            self._event_watcher,
-            self._config_watcher,
-            self._label_watcher,
-        ):
+        for server in self._servers.values():
+            server.stop(grace=0)
+        self._servers.clear()
+        join = self.options.thread_join_seconds
+        if self._event_watcher is not None:
+            self._event_watcher.stop(timeout=join)
+        for watcher in (self._telemetry, self._kubelet_watcher, self._config_watcher, self._label_watcher):
             if watcher is not None:
                 watcher.stop()
-        for server in self._servers.values():
-            server.stop()
-        self._servers.clear()
-        self._registrar.shutdown(wait=True, cancel_futures=True)
+        self._registrar.shutdown(wait=join is None, cancel_futures=True)
         self._mps.shutdown()
         self._mig.shutdown()
         if self._lock is not None:
@@ -345,6 +383,8 @@ class Agent:
 
     def _handle(self, event: object) -> None:
         match event:
+            case Ping(answered=answered):
+                answered.set()
             case XidEvent():
                 self._on_xid(event)
             case WatchFailed(gpu_uuid=uuid, error=error):
@@ -361,10 +401,12 @@ class Agent:
                 self._on_watch_restored(uuid)
             case WorkerCrashed():
                 self._on_worker_crashed(event)
+            case PluginSocketRemoved() | PluginDirChanged():
+                pass  # the tick that follows every event serves missing sockets again and takes the lock
             case KubeletSocketChanged(present=present):
                 self._on_kubelet(present)
             case StreamClosed(resource=resource):
-                self._want_registration(resource, delay=STREAM_RETRY_DELAY)
+                self._want_registration(resource, delay=STREAM_RETRY_DELAY, unless_watched=True)
             case RegistrationDone():
                 self._on_registered(event)
             case ConfigSourceChanged():
@@ -374,6 +416,9 @@ class Agent:
                     self._publish()
             case MpsDaemonFailed():
                 if self._mps.on_failed(event, self._clock()):
+                    self._publish()
+            case ProcessExited():
+                if self._mps.on_exited(event, self._clock()):
                     self._publish()
             case MpsDaemonStopped():
                 if self._mps.on_stopped(event):
@@ -421,6 +466,8 @@ class Agent:
             self._check_liveness(now)
         self._supervise_watchers(now)
         if not self._plugin_dir_ready():
+            if self._telemetry_pending:
+                self._start_telemetry()  # nothing to register with: metrics and health say why
             return
         for name, server in list(self._servers.items()):
             if not server.socket_present():
@@ -428,10 +475,19 @@ class Agent:
                     log.warning(
                         "plugin socket removed resource=%s socket=%s; serving it again", name, server.socket_path
                     )
+                    if server.restore_socket():  # the same server under its name again: no restart needed
+                        self._want_registration(name)
+                        continue
                 elif now < self._serve_retry_at.get(name, 0.0):
                     continue  # it could not be served a moment ago: do not retry (and fail) every tick
                 self._restart_server(name)
         self._start_due_registrations(now)
+        if (
+            self._telemetry_pending
+            and self._kubelet_known
+            and (not self._kubelet_present or all(r.registered or r.attempts for r in self._registrations.values()))
+        ):
+            self._start_telemetry()
 
     def _plugin_dir_ready(self) -> bool:
         """The device-plugin directory exists; said once when it does not, and once when it appears."""
@@ -534,26 +590,31 @@ class Agent:
         """The layout per GPU: from --mig-config or the config's migLayout, named by flag, label or config."""
         assert self._inventory is not None
         section = self._loaded.model.mig_layout if self._loaded else None
-        if self.options.mig_config is not None:
-            origin, data = str(self.options.mig_config), read_layout_file(self.options.mig_config)
-        elif section is not None and section.layouts is not None:
-            origin, data = "migLayout.layouts", section.layouts
-        else:
-            return None
-        layout_file = parse_layout_file(data, origin)
-        name = self.options.mig_config_name or self._mig_label or (section.config if section else None)
-        if name is None and len(layout_file.mig_configs) == 1:
-            name = next(iter(layout_file.mig_configs))
-        if name is None:
-            return None  # no layout selected for this node: MIG is left as it is (as NVIDIA's mig-manager waits)
-        return layouts_for_node(layout_file, name, self._inventory.gpus)
+        if self.options.mig_config is None and (section is None or section.layouts is None):
+            return None  # no layout configured: the layout-file parser (pydantic, yaml) is not even imported
+        from agent.mig.layout_file import LayoutFileError, layouts_for_node, parse_layout_file, read_layout_file
+
+        try:
+            if self.options.mig_config is not None:
+                origin, data = str(self.options.mig_config), read_layout_file(self.options.mig_config)
+            else:
+                origin, data = "migLayout.layouts", section.layouts
+            layout_file = parse_layout_file(data, origin)
+            name = self.options.mig_config_name or self._mig_label or (section.config if section else None)
+            if name is None and len(layout_file.mig_configs) == 1:
+                name = next(iter(layout_file.mig_configs))
+            if name is None:
+                return None  # no layout selected for this node: MIG is left as it is (as NVIDIA's mig-manager waits)
+            return layouts_for_node(layout_file, name, self._inventory.gpus)
+        except LayoutFileError as error:  # one error type for _update_mig, which then needs no import
+            raise LayoutError(str(error), error.problems) from error
 
     def _update_mig(self, *, publish: bool = True) -> None:
         assert self._inventory is not None
         before = self._mig.withdrawn
         try:
             layouts = self._desired_layouts()
-        except (LayoutFileError, LayoutError) as error:
+        except LayoutError as error:  # a LayoutFileError too (see _desired_layouts)
             self._mig.fail(str(error))
         else:
             self._mig.desire(layouts, self._inventory, self._clock())
@@ -773,7 +834,7 @@ class Agent:
     # ----- registration ---------------------------------------------------------------------------
 
     def _on_kubelet(self, present: bool) -> None:
-        self._kubelet_present = present
+        self._kubelet_present, self._kubelet_known = present, True
         if not present:
             log.warning("waiting for the kubelet socket=%s", self.options.kubelet_socket)
             for registration in self._registrations.values():
@@ -784,16 +845,22 @@ class Agent:
         for name in self._servers:
             self._want_registration(name, reset_backoff=True)
 
-    def _want_registration(self, name: str, *, delay: float = 0.0, reset_backoff: bool = False) -> None:
+    def _want_registration(
+        self, name: str, *, delay: float = 0.0, reset_backoff: bool = False, unless_watched: bool = False
+    ) -> None:
         registration = self._registrations.setdefault(name, _Registration())
         if reset_backoff:
             registration.attempts = 0
+        if not unless_watched or registration.due_at is None:
+            registration.unless_watched = unless_watched
         due = self._clock() + delay
         registration.due_at = due if registration.due_at is None else min(registration.due_at, due)
 
     def _start_due_registrations(self, now: float) -> None:
+        """Every due registration in one job: the kubelet gets them concurrently over one connection."""
         if not self._kubelet_present:
             return
+        batch = []
         for name, registration in self._registrations.items():
             if registration.in_flight or registration.due_at is None or now < registration.due_at:
                 continue
@@ -801,19 +868,25 @@ class Agent:
             if not server.socket_present():
                 continue  # the tick serves it again first
             registration.due_at = None
+            if registration.unless_watched and registration.registered and server.open_streams:
+                registration.unless_watched = False  # the stream that closed was the old kubelet's
+                continue
+            registration.unless_watched = False
             registration.in_flight = registration.attempts + 1
-            args = (name, server.socket_path.name, registration.in_flight)
-            if submit(self._registrar, self.post, "register", name, self._register, *args) is None:
-                registration.in_flight = 0  # shutting down
+            batch.append((name, server.socket_path.name, registration.in_flight))
+        if batch and submit(self._registrar, self.post, "register", ",".join(n for n, _, _ in batch),
+                            self._register, tuple(batch)) is None:  # fmt: skip
+            for name, _, _ in batch:
+                self._registrations[name].in_flight = 0  # shutting down
 
-    def _register(self, name: str, endpoint: str, attempt: int) -> None:
+    def _register(self, batch: tuple[tuple[str, str, int], ...]) -> None:
         """Runs on the registrar thread: the kubelet dials back inside Register, which can take seconds."""
         try:
-            register(self.options.kubelet_socket, endpoint, name)
+            answers = register_all(self.options.kubelet_socket, [(endpoint, name) for name, endpoint, _ in batch])
         except RegistrationError as error:
-            self.post(RegistrationDone(name, attempt, str(error)))
-        else:
-            self.post(RegistrationDone(name, attempt, None))
+            answers = {name: str(error) for name, _, _ in batch}
+        for name, _, attempt in batch:
+            self.post(RegistrationDone(name, attempt, answers.get(name, "no answer from the kubelet")))
 
     def _on_worker_crashed(self, event: WorkerCrashed) -> None:
         """A worker job raised past its own guard: counted, and its owner treats it as a failed attempt."""
@@ -826,9 +899,10 @@ class Agent:
             if self._mps.on_crashed(event, now):
                 self._publish()
         elif event.owner == "register":
-            registration = self._registrations.get(event.key)
-            if registration is not None and registration.in_flight:
-                self._on_registered(RegistrationDone(event.key, registration.in_flight, event.error))
+            for name in event.key.split(","):
+                registration = self._registrations.get(name)
+                if registration is not None and registration.in_flight:
+                    self._on_registered(RegistrationDone(name, registration.in_flight, event.error))
 
     def _supervise_watchers(self, now: float) -> None:
         """A watcher thread that died is noticed here and started again (counted, said once per death)."""
@@ -839,12 +913,12 @@ class Agent:
             self._internal_error("thread", RuntimeError(f"{name.strip('_')} thread died"), context=name.strip("_"))
             setattr(self, name, self._new_watcher(name))
 
-    def _new_watcher(self, name: str) -> NvmlEventWatcher | KubeletWatcher | ConfigWatcher:
-        watcher: NvmlEventWatcher | KubeletWatcher | ConfigWatcher
+    def _new_watcher(self, name: str) -> NvmlEventWatcher | PluginDirWatcher | ConfigWatcher:
+        watcher: NvmlEventWatcher | PluginDirWatcher | ConfigWatcher
         if name == "_event_watcher":
             watcher = NvmlEventWatcher([g.uuid for g in self._gpus()], self.post)
         elif name == "_kubelet_watcher":
-            watcher = KubeletWatcher(self.options.kubelet_socket, self.post)
+            watcher = PluginDirWatcher(self.options.device_plugin_dir, self.post)
         else:
             assert self.options.config_path is not None
             watcher = ConfigWatcher(self.options.config_path, self.post)

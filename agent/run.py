@@ -75,6 +75,7 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> AgentOpt
         node_name=node_name,
         kubeconfig=args.kubeconfig,
         health=policy,
+        thread_join_seconds=0.0,  # the process exits right after stopping: daemon threads end with it
     )
 
 
@@ -112,8 +113,12 @@ def run_agent(options: AgentOptions, simulate: str | None, sim_control: str | No
     with ExitStack() as stack:
         if simulate:
             from agent.sim.install import simulated_node
+            from agent.sim.spec import SimSpecError
 
-            driver = stack.enter_context(simulated_node(simulate))
+            try:
+                driver = stack.enter_context(simulated_node(simulate))
+            except SimSpecError as error:
+                raise OptionsError(str(error)) from None
             log.warning("using a SIMULATED GPU driver spec=%s", simulate)
             if sim_control:
                 from agent.sim.control import SimControlServer

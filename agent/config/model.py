@@ -13,34 +13,25 @@ Compatibility rules (facts: nvidia-device-plugin.md §1):
 Tessera's extensions are additions NVIDIA's plugin ignores: top-level ``match`` (which GPU products this
 config is for), ``migLayout``, ``health`` (per-XID overrides of the Xid-catalog defaults), and honouring
 ``rename``, ``devices`` and ``resources`` where NVIDIA discards them.
+
+This module holds the config as plain frozen dataclasses and imports no pydantic: the agent builds
+``ConfigModel()`` (every default) when no config is given, at no cost. :func:`parse_config` validates a
+document with the pydantic models of :mod:`agent.config.schema`, imported (and built) only then.
 """
 
 from __future__ import annotations
 
-import difflib
 import re
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictInt,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
-
-from agent.core.health import XidEffect, parse_effect, parse_xid_key
+from agent.core.health import XidEffect, parse_xid_key
 from agent.plugin.names import resource_name_problem
 
 RESOURCE_PREFIX = "nvidia.com/"
 MAX_REPLICAS = 1024  # per device; more would flood the kubelet's device list (NVIDIA sets no limit)
-_UUID = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
-_DEVICE_REF = re.compile(rf"^(\d+|\d+:\d+|GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/\d+/\d+)$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# Patterns as text, compiled (and cached by re) when first used: a start without a config uses none of them.
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
 class ConfigError(ValueError):
@@ -52,16 +43,14 @@ class ConfigError(ValueError):
         self.problems = problems
 
 
-def _go_string(value: object) -> object:
-    """sigs.k8s.io/yaml turns a YAML scalar into text for a text field; we do the same."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return str(value)
-    return value
+def parse_config(data: object, origin: str = "config") -> tuple[ConfigModel, list[str]]:
+    """A validated config and its warnings (unknown keys with the closest known one, overridden sections).
 
+    Raises ``ConfigError`` whose problems name each field path.
+    """
+    from agent.config.schema import parse_config as validate
 
-GoString = Annotated[str, BeforeValidator(_go_string)]
+    return validate(data, origin)
 
 
 def safe_host_path(value: str) -> str:
@@ -79,7 +68,7 @@ def normalise_resource_name(value: str) -> str:
     short = name[len(RESOURCE_PREFIX) :]
     if len(name) > 63:
         raise ValueError(f"fully-qualified resource name must be 63 characters or less: {name!r}")
-    if not _DNS_SUBDOMAIN.match(short):
+    if not re.match(_DNS_SUBDOMAIN, short):
         raise ValueError(
             f"incorrect format for resource name {name!r}: after 'nvidia.com/' use lower-case letters, digits, "
             "'-' and '.', starting and ending with a letter or digit"
@@ -90,174 +79,7 @@ def normalise_resource_name(value: str) -> str:
     return name
 
 
-class _Section(BaseModel):
-    """An ordinary section: keys match their field names case-insensitively, unknown keys are kept aside."""
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True, frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _case_insensitive_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        known = {(f.alias or n).lower(): (f.alias or n) for n, f in cls.model_fields.items()}
-        return _without_nulls(
-            cls, {known.get(str(k).lower(), k) if isinstance(k, str) else k: v for k, v in data.items()}
-        )
-
-
-class _Exact(BaseModel):
-    """A section NVIDIA reads with exact map lookups: keys are case-sensitive."""
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True, frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls(cls, data: Any) -> Any:
-        return _without_nulls(cls, data) if isinstance(data, dict) else data
-
-
-def _without_nulls(cls: type[BaseModel], data: dict[Any, Any]) -> dict[Any, Any]:
-    """Go's decoder leaves a field alone for an explicit null, so ``flags:`` with every line commented out
-    means the defaults, not an error. A required field keeps its null and is reported."""
-    optional = {f.alias or n for n, f in cls.model_fields.items() if not f.is_required()}
-    return {k: v for k, v in data.items() if not (v is None and k in optional)}
-
-
-# ----- flags ----------------------------------------------------------------------------------------
-
-DeviceListStrategyName = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"]
-
-
-class PluginFlags(_Section):
-    pass_device_specs: StrictBool | None = Field(None, alias="passDeviceSpecs")
-    device_list_strategy: list[DeviceListStrategyName] | None = Field(None, alias="deviceListStrategy")
-    device_id_strategy: Literal["uuid", "index"] | None = Field(None, alias="deviceIDStrategy")
-    cdi_annotation_prefix: GoString | None = Field(None, alias="cdiAnnotationPrefix")
-    nvidia_ctk_path: GoString | None = Field(None, alias="nvidiaCTKPath")
-    container_driver_root: GoString | None = Field(None, alias="containerDriverRoot")
-    shared_devices_allocation_policy: Literal["distributed", "packed"] | None = Field(
-        None, alias="sharedDevicesAllocationPolicy"
-    )
-
-    @field_validator("device_list_strategy", mode="before")
-    @classmethod
-    def _string_or_list(cls, value: object) -> object:
-        return [value] if isinstance(value, str) else value
-
-
-class GfdFlags(_Section):
-    oneshot: StrictBool | None = None
-    no_timestamp: StrictBool | None = Field(None, alias="noTimestamp")
-    sleep_interval: GoString | None = Field(None, alias="sleepInterval")
-    output_file: GoString | None = Field(None, alias="outputFile")
-    machine_type_file: GoString | None = Field(None, alias="machineTypeFile")
-
-
-class Flags(_Section):
-    mig_strategy: Literal["none", "single", "mixed"] | None = Field(None, alias="migStrategy")
-    fail_on_init_error: StrictBool | None = Field(None, alias="failOnInitError")
-    mps_root: GoString | None = Field(None, alias="mpsRoot")
-    nvidia_driver_root: GoString | None = Field(None, alias="nvidiaDriverRoot")
-    nvidia_dev_root: GoString | None = Field(None, alias="nvidiaDevRoot")
-    gdrcopy_enabled: StrictBool | None = Field(None, alias="gdrcopyEnabled")
-    gds_enabled: StrictBool | None = Field(None, alias="gdsEnabled")
-    mofed_enabled: StrictBool | None = Field(None, alias="mofedEnabled")
-    use_node_feature_api: StrictBool | None = Field(None, alias="useNodeFeatureAPI")
-    device_discovery_strategy: Literal["auto", "nvml", "tegra", "vfio"] | None = Field(
-        None, alias="deviceDiscoveryStrategy"
-    )
-
-    @field_validator("mps_root", "nvidia_driver_root", "nvidia_dev_root")
-    @classmethod
-    def _host_path(cls, value: str | None) -> str | None:
-        return None if value is None else safe_host_path(value)
-
-    plugin: PluginFlags | None = None
-    gfd: GfdFlags | None = None
-
-
-# ----- resources ------------------------------------------------------------------------------------
-
-
-class NamingRuleModel(_Exact):
-    pattern: GoString = Field(min_length=1)
-    name: GoString = Field(min_length=1)
-
-    @field_validator("name")
-    @classmethod
-    def _normalise(cls, value: str) -> str:
-        return normalise_resource_name(value)
-
-
-class ResourcesModel(_Section):
-    gpus: list[NamingRuleModel] = Field(default_factory=list)
-    mig: list[NamingRuleModel] = Field(default_factory=list)
-
-
-# ----- sharing --------------------------------------------------------------------------------------
-
-
-class ReplicatedResource(_Exact):
-    name: GoString = Field(min_length=1)
-    rename: GoString | None = None
-    replicas: StrictInt
-    devices: Literal["all"] | StrictInt | list[StrictInt | GoString] = "all"
-    # Tessera's MPS extensions (sharing.mps only):
-    memory_limit: GoString | None = Field(None, alias="memoryLimit")  # a quantity: 10Gi, 512Mi, 20G
-    active_thread_percentage: StrictInt | None = Field(None, alias="activeThreadPercentage", ge=1, le=100)
-    oversubscribe: StrictBool | None = None
-
-    @field_validator("memory_limit")
-    @classmethod
-    def _quantity(cls, value: str | None) -> str | None:
-        if value is not None:
-            quantity_mib(value)
-        return value
-
-    @field_validator("name")
-    @classmethod
-    def _normalise_name(cls, value: str) -> str:
-        return normalise_resource_name(value)
-
-    @field_validator("rename")
-    @classmethod
-    def _normalise_rename(cls, value: str | None) -> str | None:
-        return normalise_resource_name(value) if value else None
-
-    @field_validator("replicas")
-    @classmethod
-    def _at_least_two(cls, value: int) -> int:
-        if value < 2:
-            raise ValueError(f"number of replicas must be >= 2 (got {value}); use 2 or more, or remove the entry")
-        if value > MAX_REPLICAS:
-            raise ValueError(
-                f"{value} replicas is more than {MAX_REPLICAS}; every replica is a device the kubelet tracks, "
-                "so use at most that many"
-            )
-        return value
-
-    @field_validator("devices", mode="before")
-    @classmethod
-    def _devices(cls, value: object) -> object:
-        if isinstance(value, str) and value != "all":
-            raise ValueError(f"devices set as {value!r} but the only valid string input is 'all'")
-        if isinstance(value, bool):
-            raise ValueError("devices must be 'all', a count or a list")
-        if isinstance(value, int) and value <= 0:
-            raise ValueError(f"a count of devices must be > 0 (got {value})")
-        if isinstance(value, list):
-            for item in value:
-                text = str(item) if isinstance(item, int) and not isinstance(item, bool) else item
-                if not isinstance(text, str) or not _DEVICE_REF.match(text) or text.startswith("-"):
-                    raise ValueError(
-                        f"unsupported device {item!r} in devices list: use a GPU index (0), a MIG index (0:1), "
-                        "a GPU-<uuid>, a MIG-<uuid> or a MIG-GPU-<uuid>/<gi>/<ci>"
-                    )
-        return value
-
-
-_QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_QUANTITY = r"^(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?$"
 _QUANTITY_BYTES = {
     None: 1,
     "Ki": 1 << 10,
@@ -273,7 +95,7 @@ _QUANTITY_BYTES = {
 
 def quantity_mib(text: str) -> int:
     """A Kubernetes quantity (``10Gi``, ``512Mi``, ``20G``, bytes) in whole MiB, at least 1."""
-    match = _QUANTITY.match(text.strip())
+    match = re.match(_QUANTITY, text.strip())
     if match is None:
         raise ValueError(f"{text!r} is not a memory quantity; write e.g. 10Gi, 512Mi or 20G")
     mib = int(match[1]) * _QUANTITY_BYTES[match[2]] // (1 << 20)
@@ -282,61 +104,100 @@ def quantity_mib(text: str) -> int:
     return mib
 
 
-class ReplicatedResources(_Exact):
-    rename_by_default: StrictBool = Field(False, alias="renameByDefault")
-    fail_requests_greater_than_one: StrictBool | None = Field(None, alias="failRequestsGreaterThanOne")
+# ----- the config, as validated by agent.config.schema (field names and defaults are the models') -------
+
+DeviceListStrategyName = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PluginFlags:
+    pass_device_specs: bool | None = None
+    device_list_strategy: list[DeviceListStrategyName] | None = None
+    device_id_strategy: Literal["uuid", "index"] | None = None
+    cdi_annotation_prefix: str | None = None
+    nvidia_ctk_path: str | None = None
+    container_driver_root: str | None = None
+    shared_devices_allocation_policy: Literal["distributed", "packed"] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GfdFlags:
+    oneshot: bool | None = None
+    no_timestamp: bool | None = None
+    sleep_interval: str | None = None
+    output_file: str | None = None
+    machine_type_file: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Flags:
+    mig_strategy: Literal["none", "single", "mixed"] | None = None
+    fail_on_init_error: bool | None = None
+    mps_root: str | None = None
+    nvidia_driver_root: str | None = None
+    nvidia_dev_root: str | None = None
+    gdrcopy_enabled: bool | None = None
+    gds_enabled: bool | None = None
+    mofed_enabled: bool | None = None
+    use_node_feature_api: bool | None = None
+    device_discovery_strategy: Literal["auto", "nvml", "tegra", "vfio"] | None = None
+    plugin: PluginFlags | None = None
+    gfd: GfdFlags | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class NamingRuleModel:
+    pattern: str
+    name: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourcesModel:
+    gpus: list[NamingRuleModel] = field(default_factory=list)
+    mig: list[NamingRuleModel] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicatedResource:
+    name: str
+    rename: str | None = None
+    replicas: int
+    devices: Literal["all"] | int | list[int | str] = "all"
+    # Tessera's MPS extensions (sharing.mps only):
+    memory_limit: str | None = None  # a quantity: 10Gi, 512Mi, 20G
+    active_thread_percentage: int | None = None
+    oversubscribe: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicatedResources:
+    rename_by_default: bool = False
+    fail_requests_greater_than_one: bool | None = None
     resources: list[ReplicatedResource]
 
-    @field_validator("resources")
-    @classmethod
-    def _not_empty(cls, value: list[ReplicatedResource]) -> list[ReplicatedResource]:
-        if not value:
-            raise ValueError("no resources specified; list at least one resource to share")
-        return value
 
-
-class SharingModel(_Section):
-    time_slicing: ReplicatedResources | None = Field(None, alias="timeSlicing")
+@dataclass(frozen=True, kw_only=True)
+class SharingModel:
+    time_slicing: ReplicatedResources | None = None
     mps: ReplicatedResources | None = None
 
-    @field_validator("time_slicing")
-    @classmethod
-    def _mps_keys_only_for_mps(cls, value: ReplicatedResources | None) -> ReplicatedResources | None:
-        for position, entry in enumerate(value.resources if value else ()):
-            used = [k for k in ("memoryLimit", "activeThreadPercentage", "oversubscribe") if _given(entry, k)]
-            if used:
-                raise ValueError(
-                    f"resources[{position}]: {', '.join(used)} only apply to sharing.mps; "
-                    "time-slicing cannot limit a client's memory or threads"
-                )
-        return value
+
+@dataclass(frozen=True, kw_only=True)
+class ImexModel:
+    channel_ids: list[int] = field(default_factory=list)
+    required: bool = False
 
 
-def _given(entry: ReplicatedResource, alias: str) -> bool:
-    name = next(n for n, f in type(entry).model_fields.items() if (f.alias or n) == alias)
-    return getattr(entry, name) is not None
-
-
-class ImexModel(_Section):
-    channel_ids: list[StrictInt] = Field(default_factory=list, alias="channelIDs")
-    required: StrictBool = False
-
-    @field_validator("channel_ids")
-    @classmethod
-    def _zero_only(cls, value: list[int]) -> list[int]:
-        if value not in ([], [0]):
-            raise ValueError(f"invalid IMEX config: channelIDs must be [] or [0]; found {value}")
-        return value
-
-
-class MigLayoutSection(_Section):
+@dataclass(frozen=True, kw_only=True)
+class MigLayoutSection:
     """Tessera: the MIG layout this config wants, in mig-parted's format (``layouts``), and which one."""
 
-    config: GoString | None = None  # the mig-config to apply (a node label nvidia.com/mig.config wins)
+    config: str | None = None  # the mig-config to apply (a node label nvidia.com/mig.config wins)
     layouts: dict[str, Any] | None = None  # {version: v1, mig-configs: {...}}, validated by agent.mig.layout_file
 
 
-class HealthSection(_Section):
+@dataclass(frozen=True, kw_only=True)
+class HealthSection:
     """Tessera: what an XID does to a device, overriding the Xid-catalog default (docs/health.md).
 
     ``xids`` maps an XID (``"94"``) or an inclusive range (``"144-150"``) to ``ignore``, ``application``,
@@ -344,28 +205,6 @@ class HealthSection(_Section):
     """
 
     xids: dict[str, XidEffect] | None = None
-
-    @field_validator("xids", mode="before")
-    @classmethod
-    def _xids(cls, value: object) -> object:
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise ValueError('must be a map of XID to effect, e.g. {"94": unhealthy, "13": ignore}')
-        problems, out = [], {}
-        for key, effect in value.items():
-            try:
-                parse_xid_key(key)
-            except ValueError as error:
-                problems.append(f"key {error}")
-                continue
-            try:
-                out[str(key).strip()] = parse_effect(effect)
-            except ValueError as error:
-                problems.append(f"XID {str(key).strip()}: {error}")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return out
 
     def overrides(self) -> dict[int, XidEffect]:
         """The XID -> effect map, ranges expanded (later keys win where ranges overlap)."""
@@ -375,30 +214,18 @@ class HealthSection(_Section):
         return result
 
 
-# ----- the document ---------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ConfigModel:
+    """A whole config; ``ConfigModel()`` is every default (no config given)."""
 
-
-class ConfigModel(_Section):
-    version: GoString | None = None
-    flags: Flags = Field(default_factory=Flags)
+    version: str | None = None
+    flags: Flags = field(default_factory=Flags)
     resources: ResourcesModel | None = None
     sharing: SharingModel | None = None
     imex: ImexModel | None = None
-    match: list[GoString] | None = None  # Tessera: the GPU products this config is for (globs)
-    mig_layout: MigLayoutSection | None = Field(None, alias="migLayout")  # Tessera: the MIG layout manager
+    match: list[str] | None = None  # Tessera: the GPU products this config is for (globs)
+    mig_layout: MigLayoutSection | None = None  # Tessera: the MIG layout manager
     health: HealthSection | None = None  # Tessera: per-XID health overrides
-
-    @field_validator("version")
-    @classmethod
-    def _v1(cls, value: str | None) -> str:
-        if value in (None, "", "v1"):
-            return "v1"
-        raise ValueError(f"unknown version: {value}; this is a version v1 config (NVIDIA's format): set version: v1")
-
-    @field_validator("match", mode="before")
-    @classmethod
-    def _one_or_many(cls, value: object) -> object:
-        return [value] if isinstance(value, str) else value
 
     @property
     def replicated(self) -> tuple[str, ReplicatedResources] | None:
@@ -410,57 +237,3 @@ class ConfigModel(_Section):
         if self.sharing.time_slicing is not None:
             return "timeSlicing", self.sharing.time_slicing
         return None
-
-
-def parse_config(data: object, origin: str = "config") -> tuple[ConfigModel, list[str]]:
-    """A validated config and its warnings (unknown keys with the closest known one, overridden sections).
-
-    Raises ``ConfigError`` whose problems name each field path.
-    """
-    try:
-        model = ConfigModel.model_validate({} if data is None else data)
-    except ValidationError as error:
-        raise ConfigError(origin, [_problem(e) for e in error.errors()]) from error
-    warnings = [f"{origin}: {w}" for w in unknown_key_warnings(model)]
-    if model.sharing and model.sharing.mps is not None and model.sharing.time_slicing is not None:
-        warnings.append(f"{origin}: sharing has both timeSlicing and mps; mps is used and timeSlicing is ignored")
-    return model, warnings
-
-
-def unknown_key_warnings(model: BaseModel, path: str = "") -> list[str]:
-    warnings = []
-    known = [f.alias or n for n, f in type(model).model_fields.items()]
-    for key in model.model_extra or {}:
-        where = f"{path}{key}"
-        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-        hint = f"; did you mean {path}{close[0]}?" if close else f"; known keys here: {', '.join(known)}"
-        warnings.append(f"unknown key {where} is ignored{hint}")
-    for name, field in type(model).model_fields.items():
-        value = getattr(model, name)
-        key = field.alias or name
-        if isinstance(value, BaseModel):
-            warnings += unknown_key_warnings(value, f"{path}{key}.")
-        elif isinstance(value, list):
-            for position, item in enumerate(value):
-                if isinstance(item, BaseModel):
-                    warnings += unknown_key_warnings(item, f"{path}{key}[{position}].")
-    return warnings
-
-
-def _problem(error: Any) -> str:
-    path = ""
-    for part in error["loc"]:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part not in ("function-after[_normalise_name(), constrained-str]",) and not str(part).startswith(
-            ("function-", "literal[", "int", "str", "list[", "constrained-")
-        ):
-            path += f".{part}" if path else str(part)
-    message = error["msg"].removeprefix("Value error, ")
-    if error["type"] == "missing":
-        message = "required field is missing; add it"
-    elif error["type"] in ("int_type", "bool_type") and isinstance(error.get("input"), str):
-        message += f" (got the text {error['input']!r}: write it without quotes)"
-    elif error["type"] == "literal_error":
-        message = f"{message} (got {error.get('input')!r})"
-    return f"{path or '(top level)'}: {message}"

@@ -18,16 +18,16 @@ Every file is read within the limits of :mod:`agent.config.yaml_limits` (size, n
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.config.model import ConfigError, ConfigModel, parse_config
-from agent.config.yaml_limits import MAX_BYTES, decode_text, load_yaml, read_bounded
 from agent.core.plan import glob_matches
 
-MAX_CONFIG_BYTES = MAX_BYTES  # a ConfigMap holds at most 1 MiB; anything bigger is not a config
+# A ConfigMap holds at most 1 MiB; anything bigger is not a config. (yaml_limits.MAX_BYTES: that module,
+# and yaml with it, is imported only when a config is read, so an agent without --config never loads yaml.)
+MAX_CONFIG_BYTES = 1 << 20
 DEFAULT_NAME = "default"
 KIND = "a sharing config"
 
@@ -64,10 +64,14 @@ def read_config_set(path: Path) -> ConfigSet:
 
 def _read(path: Path) -> str:
     """The text of one config: a regular file of at most 1 MiB of UTF-8 (a FIFO or a device is refused)."""
+    from agent.config.yaml_limits import decode_text, read_bounded
+
     return decode_text(read_bounded(path, str(path), MAX_CONFIG_BYTES), str(path), kind=KIND)
 
 
 def parse_document(text: str, origin: str, *, strict: bool = False) -> tuple[ConfigModel, list[str]]:
+    from agent.config.yaml_limits import load_yaml
+
     data = load_yaml(text, origin, kind=KIND)
     model, warnings = parse_config(data, origin)
     if strict and warnings:
@@ -183,6 +187,8 @@ def _match_of(text: str) -> tuple[tuple[str, ...] | None, str | None]:
     number or bool becoming text. A config that cannot be read has no match here: it is reported when
     chosen. A match that is not a glob or a list of globs selects nothing (it never widens), with a warning.
     """
+    from agent.config.yaml_limits import load_yaml
+
     try:
         data = load_yaml(text, "config", kind=KIND)
     except ConfigError:
@@ -210,4 +216,6 @@ def _go_text(item: object) -> str | None:
 
 
 def _digest(text: str) -> str:
+    import hashlib  # ~4 ms, only once a config is read
+
     return hashlib.sha256(text.encode()).hexdigest()

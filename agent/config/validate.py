@@ -11,8 +11,6 @@ from pathlib import Path
 
 from agent.config.model import ConfigError
 from agent.config.source import parse_document, read_config_set
-from agent.core.mig_catalog import canonical_profile_name, mig_catalogs
-from agent.mig.layout_file import LayoutFileError, parse_layout_file
 
 EXIT_VALID = 0
 EXIT_INVALID = 1
@@ -58,6 +56,9 @@ def _check_mig_layout(layouts: object, selected: str | None, origin: str) -> Non
 
     Whether a layout fits a particular GPU is checked on the node (and by ``tessera mig apply --dry-run``).
     """
+    from agent.core.mig_catalog import canonical_profile_name, mig_catalogs
+    from agent.mig.layout_file import LayoutFileError, parse_layout_file
+
     if layouts is None:
         if selected is not None:
             raise ConfigError(origin, ["migLayout.config: names a layout but migLayout.layouts is missing"])

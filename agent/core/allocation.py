@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 
 from agent.core.mps import CONTAINER_MPS_ROOT, daemon_key
 from agent.core.resources import Device, MpsLimits
@@ -103,50 +104,139 @@ def container_allocation(
 
     An MPS client also gets the daemon's pipe directory, the shared-memory mount and its own limits as
     environment (a client can only lower them, so they are a second line of defence behind the daemon's).
+    A server answering many requests builds an ``Allocator`` once instead.
     """
     devices = list(devices)
-    physical = list(dict.fromkeys(d.physical_id for d in devices))
-    chosen = set(strategies)
-    envs: dict[str, str] = {}
-    mounts: list[Mount] = []
-    annotations: dict[str, str] = {}
-    cdi_names = tuple(f"{cdi_kind}={i}" for i in physical)
-    if DeviceListStrategy.ENVVAR in chosen:
-        envs[VISIBLE_DEVICES_ENV] = ",".join(physical)
-    if DeviceListStrategy.VOLUME_MOUNTS in chosen:
-        envs[VISIBLE_DEVICES_ENV] = VOLUME_MOUNT_ROOT
-        mounts += [Mount(f"{VOLUME_MOUNT_ROOT}/{i}", "/dev/null", read_only=True) for i in physical]
-    if DeviceListStrategy.CDI_ANNOTATIONS in chosen:
-        annotations[f"{CDI_ANNOTATION_PREFIX}tessera_{_annotation_safe(resource)}"] = ",".join(cdi_names)
-    if mps is not None:
-        _mps_client(resource, devices, mps, envs, mounts)
-    return ContainerAllocation(
-        envs=envs,
-        mounts=tuple(mounts),
-        cdi_devices=cdi_names if DeviceListStrategy.CDI_CRI in chosen else (),
-        annotations=annotations,
-    )
+    allocator = Allocator.of(resource, devices, {}, strategies, cdi_kind=cdi_kind, mps=mps)
+    return allocator.container([d.id for d in devices])
 
 
-def _mps_client(
-    resource: str, devices: list[Device], mps: MpsClient, envs: dict[str, str], mounts: list[Mount]
-) -> None:
-    keys = sorted({daemon_key(resource, d) for d in devices})
-    if len(keys) > 1:
-        raise AllocationError(
-            f'invalid allocation request for "{resource}": these replicas belong to {len(keys)} MPS daemons '
-            f"({', '.join(keys)}) and a container can use one; request one MIG device's replicas"
+@dataclass(frozen=True, slots=True)
+class Allocator:
+    """``allocate`` for one snapshot of a resource: everything an Allocate request needs that depends only on
+    the snapshot (healthy IDs, physical IDs, CDI names, mounts, MPS daemons and limits) is derived once, here,
+    so a request costs a few dictionary lookups and one join."""
+
+    resource: str
+    devices: Mapping[str, Device]
+    health: Mapping[str, bool]
+    fail_requests_greater_than_one: bool
+    healthy: frozenset[str]
+    physical: Mapping[str, str]  # device ID -> GPU or MIG UUID
+    envvar: bool
+    volume_mounts: Mapping[str, Mount]  # physical ID -> its /dev/null mount; empty unless that strategy is on
+    cdi_names: Mapping[str, str]  # physical ID -> "<kind>=<uuid>"
+    cdi_cri: bool
+    annotation_key: str | None  # set when CDI names also go in an annotation
+    daemons: Mapping[str, str]  # device ID -> its MPS daemon key; empty without MPS
+    mps_envs: Mapping[str, Mapping[str, str]]  # daemon key -> its pipe directory and thread percentage
+    mps_mounts: Mapping[str, tuple[Mount, ...]]  # daemon key -> pipe and shared-memory mounts
+    mps_memory: Mapping[str, str]  # physical ID -> "<uuid>=<MiB>M", its pinned-memory limit
+
+    @classmethod
+    def of(
+        cls,
+        resource: str,
+        devices: Iterable[Device],
+        health: Mapping[str, bool],
+        strategies: Iterable[DeviceListStrategy],
+        *,
+        cdi_kind: str = DEFAULT_CDI_KIND,
+        mps: MpsClient | None = None,
+        fail_requests_greater_than_one: bool = False,
+    ) -> Allocator:
+        by_id = {d.id: d for d in devices}
+        chosen = set(strategies)
+        physical = {i: d.physical_id for i, d in by_id.items()}
+        units = dict.fromkeys(physical.values())  # every physical ID once, in plan order
+        daemons: dict[str, str] = {}
+        mps_envs: dict[str, Mapping[str, str]] = {}
+        mps_mounts: dict[str, tuple[Mount, ...]] = {}
+        mps_memory: dict[str, str] = {}
+        if mps is not None:
+            daemons = {i: daemon_key(resource, d) for i, d in by_id.items()}
+            for key in dict.fromkeys(daemons.values()):
+                pipe = f"{CONTAINER_MPS_ROOT}/{key}/pipe"
+                mps_envs[key] = {
+                    "CUDA_MPS_PIPE_DIRECTORY": pipe,
+                    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(mps.limits.active_thread_percentage),
+                }
+                mps_mounts[key] = (
+                    Mount(pipe, f"{mps.host_root}/{key}/pipe"),
+                    Mount("/dev/shm", f"{mps.host_root}/shm"),  # noqa: S108 - the container's shm, by design
+                )
+            for d in by_id.values():
+                if d.physical_id not in mps_memory:
+                    limit = mps.limits.memory_for(d.memory_mib, mps.replicas)
+                    mps_memory[d.physical_id] = f"{d.physical_id}={limit}M"
+        annotate = DeviceListStrategy.CDI_ANNOTATIONS in chosen
+        return cls(
+            resource=resource,
+            devices=MappingProxyType(by_id),
+            health=health,
+            fail_requests_greater_than_one=fail_requests_greater_than_one,
+            healthy=frozenset(i for i in by_id if health.get(i, False)),
+            physical=physical,
+            envvar=DeviceListStrategy.ENVVAR in chosen,
+            volume_mounts={
+                u: Mount(f"{VOLUME_MOUNT_ROOT}/{u}", "/dev/null", read_only=True)
+                for u in (units if DeviceListStrategy.VOLUME_MOUNTS in chosen else ())
+            },
+            cdi_names={u: f"{cdi_kind}={u}" for u in units},
+            cdi_cri=DeviceListStrategy.CDI_CRI in chosen,
+            annotation_key=f"{CDI_ANNOTATION_PREFIX}tessera_{_annotation_safe(resource)}" if annotate else None,
+            daemons=daemons,
+            mps_envs=mps_envs,
+            mps_mounts=mps_mounts,
+            mps_memory=mps_memory,
         )
-    pipe = f"{CONTAINER_MPS_ROOT}/{keys[0]}/pipe"
-    envs["CUDA_MPS_PIPE_DIRECTORY"] = pipe
-    envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(mps.limits.active_thread_percentage)
-    limits = dict.fromkeys(d.physical_id for d in devices)
-    envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
-        f"{uuid}={mps.limits.memory_for(next(d.memory_mib for d in devices if d.physical_id == uuid), mps.replicas)}M"
-        for uuid in limits
-    )
-    mounts.append(Mount(pipe, f"{mps.host_root}/{keys[0]}/pipe"))
-    mounts.append(Mount("/dev/shm", f"{mps.host_root}/shm"))  # noqa: S108 - the container's shm, by design
+
+    def allocate(self, requested: Sequence[str]) -> ContainerAllocation:
+        """Validate one container's request and answer it; ``AllocationError`` names every bad ID."""
+        valid = 0 < len(requested) == len(set(requested)) and self.healthy.issuperset(requested)
+        if not valid or (self.fail_requests_greater_than_one and len(requested) > 1):
+            # the rare path: validate_request says precisely what is wrong (or that nothing is)
+            validate_request(
+                self.resource,
+                requested,
+                self.devices,
+                self.health,
+                fail_requests_greater_than_one=self.fail_requests_greater_than_one,
+            )
+        return self.container(requested)
+
+    def container(self, ids: Sequence[str]) -> ContainerAllocation:
+        """The runtime's view of devices already validated: physical IDs de-duplicated in request order."""
+        physical = [self.physical[i] for i in ids]
+        if len(physical) > 1:
+            physical = list(dict.fromkeys(physical))
+        envs: dict[str, str] = {}
+        mounts: tuple[Mount, ...] = ()
+        annotations: dict[str, str] = {}
+        if self.envvar:
+            envs[VISIBLE_DEVICES_ENV] = ",".join(physical)
+        if self.volume_mounts:
+            envs[VISIBLE_DEVICES_ENV] = VOLUME_MOUNT_ROOT
+            mounts = tuple(self.volume_mounts[u] for u in physical)
+        cdi_names = tuple(self.cdi_names[u] for u in physical) if self.cdi_cri or self.annotation_key else ()
+        if self.annotation_key is not None:
+            annotations[self.annotation_key] = ",".join(cdi_names)
+        if self.daemons:
+            keys = sorted({self.daemons[i] for i in ids})
+            if len(keys) > 1:
+                raise AllocationError(
+                    f'invalid allocation request for "{self.resource}": these replicas belong to {len(keys)} MPS '
+                    f"daemons ({', '.join(keys)}) and a container can use one; request one MIG device's replicas"
+                )
+            envs.update(self.mps_envs[keys[0]])
+            envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(self.mps_memory[u] for u in physical)
+            mounts += self.mps_mounts[keys[0]]
+        return ContainerAllocation(
+            envs=envs,
+            mounts=mounts,
+            cdi_devices=cdi_names if self.cdi_cri else (),
+            annotations=annotations,
+        )
 
 
 def _annotation_safe(resource: str) -> str:

@@ -30,19 +30,30 @@ class PreferenceError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class DeviceLayout:
-    """What ``preferred`` needs to know about all of a resource's devices, counted once per snapshot
+    """What ``preferred`` needs to know about all of a resource's devices, worked out once per snapshot
     instead of on every GetPreferredAllocation call."""
 
     position: Mapping[str, int]  # device ID -> its place in plan order
     per_gpu: Mapping[str, int]  # GPU UUID -> devices (replicas) of the resource on it
     per_device: Mapping[str, int]  # physical ID -> its replicas
+    has_replicas: bool  # any device is a replica: requests may need _replicas
+    all_whole: bool  # every device is a whole GPU (no replica, no MIG device): connectivity decides
+    nvlink_peers: Mapping[int, frozenset[int]] | None  # what ``pair_scores`` was scored with
+    pair_scores: Mapping[tuple[str, str], int]  # (ID, ID) -> link score, both orders, for whole GPUs
 
     @classmethod
-    def of(cls, devices: Mapping[str, Device]) -> DeviceLayout:
+    def of(
+        cls, devices: Mapping[str, Device], nvlink_peers: Mapping[int, frozenset[int]] | None = None
+    ) -> DeviceLayout:
+        whole = [d for d in devices.values() if d.replica is None and d.mig_uuid is None]
         return cls(
             position={device_id: n for n, device_id in enumerate(devices)},
             per_gpu=Counter(d.gpu_uuid for d in devices.values()),
             per_device=Counter(d.physical_id for d in devices.values()),
+            has_replicas=any(d.replica is not None for d in devices.values()),
+            all_whole=len(whole) == len(devices),
+            nvlink_peers=nvlink_peers,
+            pair_scores=_pair_scores(whole, nvlink_peers) if nvlink_peers is not None else {},
         )
 
 
@@ -57,32 +68,41 @@ def preferred(
 ) -> list[str]:
     """``size`` IDs from ``available`` that include ``must_include``, best connected first.
 
-    ``layout`` is ``DeviceLayout.of(devices)``, computed once by the caller that serves many requests.
+    ``layout`` is ``DeviceLayout.of(devices, nvlink_peers)``, computed once by the caller that serves many
+    requests.
 
     Unknown IDs in ``available`` are ignored (the kubelet may hold a stale view); unknown IDs in
     ``must_include``, a size below ``len(must_include)`` or above what is available are errors.
     """
-    unknown = [i for i in must_include if i not in devices]
+    required = list(dict.fromkeys(must_include))
+    unknown = [i for i in required if i not in devices]
     if unknown:
         raise PreferenceError(f"unknown device IDs in must_include: {', '.join(unknown)}")
-    if size < max(1, len(set(must_include))):
-        raise PreferenceError(f"allocation size {size} is smaller than the {len(set(must_include))} required devices")
-    candidates = list(dict.fromkeys(i for i in available if i in devices and i not in must_include))
-    required = list(dict.fromkeys(must_include))
+    if size < max(1, len(required)):
+        raise PreferenceError(f"allocation size {size} is smaller than the {len(required)} required devices")
+    chosen = set(required)
+    candidates = [i for i in dict.fromkeys(available) if i in devices and i not in chosen]
     needed = size - len(required)
     if needed > len(candidates):
         raise PreferenceError(
             f"not enough available devices: {size} requested, {len(required) + len(candidates)} available"
         )
-    layout = layout or DeviceLayout.of(devices)
-    candidates.sort(key=layout.position.__getitem__)
+    if layout is None:
+        layout = DeviceLayout.of(devices, nvlink_peers)
     if needed == 0:
         return required
-    if any(devices[i].replica is not None for i in (*required, *candidates)):
+    candidates.sort(key=layout.position.__getitem__)
+    if layout.has_replicas and any(devices[i].replica is not None for i in (*required, *candidates)):
         return required + _replicas(required, candidates, needed, devices, policy, layout)
-    if not all(devices[i].mig_uuid is None for i in (*required, *candidates)):
+    if not layout.all_whole and not all(devices[i].mig_uuid is None for i in (*required, *candidates)):
         return required + candidates[:needed]
-    return required + _best_connected(required, candidates, needed, devices, nvlink_peers)
+    if needed == len(candidates) or len(required) + needed < 2:
+        return required + candidates[:needed]  # no choice, or no pair to score: plan order
+    if layout.nvlink_peers is nvlink_peers and layout.all_whole:
+        scores = layout.pair_scores
+    else:
+        scores = _pair_scores([devices[i] for i in (*required, *candidates)], nvlink_peers)
+    return required + _best_connected(required, candidates, needed, scores)
 
 
 def _pair_score(a: Device, b: Device, nvlink_peers: Mapping[int, frozenset[int]]) -> int:
@@ -95,27 +115,32 @@ def _pair_score(a: Device, b: Device, nvlink_peers: Mapping[int, frozenset[int]]
     return CROSS_NUMA_SCORE
 
 
-def _set_score(ids: Sequence[str], devices: Mapping[str, Device], nvlink_peers: Mapping[int, frozenset[int]]) -> int:
-    return sum(_pair_score(devices[a], devices[b], nvlink_peers) for a, b in combinations(ids, 2))
+def _pair_scores(devices: Sequence[Device], nvlink_peers: Mapping[int, frozenset[int]]) -> dict[tuple[str, str], int]:
+    scores = {}
+    for a, b in combinations(devices, 2):
+        scores[a.id, b.id] = scores[b.id, a.id] = _pair_score(a, b, nvlink_peers)
+    return scores
 
 
 def _best_connected(
-    required: list[str],
-    candidates: list[str],
-    needed: int,
-    devices: Mapping[str, Device],
-    nvlink_peers: Mapping[int, frozenset[int]],
+    required: list[str], candidates: list[str], needed: int, scores: Mapping[tuple[str, str], int]
 ) -> list[str]:
+    """The candidates that, added to ``required``, give the highest total pair score."""
+    # a candidate's links to the required devices are the same in every set it is part of
+    cross = {c: sum(scores[r, c] for r in required) for c in candidates}
+    pair = scores.__getitem__
     if comb(len(candidates), needed) <= EXHAUSTIVE_LIMIT:
+
+        def score(picked: tuple[str, ...]) -> int:
+            return sum(map(cross.__getitem__, picked)) + sum(map(pair, combinations(picked, 2)))
+
         # combinations() yields in plan order and max() keeps the first best: ties go to the lowest indices.
-        best = max(
-            combinations(candidates, needed), key=lambda picked: _set_score([*required, *picked], devices, nvlink_peers)
-        )
-        return list(best)
+        return list(max(combinations(candidates, needed), key=score))
     picked: list[str] = []  # greedy: add the device that raises the score most, ties to plan order
     for _ in range(needed):
         remaining = [c for c in candidates if c not in picked]
-        picked.append(max(remaining, key=lambda c: _set_score([*required, *picked, c], devices, nvlink_peers)))
+        best = max(remaining, key=lambda c: cross[c] + sum(scores[x, c] for x in picked))
+        picked.append(best)
     return picked
 
 

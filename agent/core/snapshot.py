@@ -38,15 +38,19 @@ class ResourceSnapshot:
     mps: MpsLimits | None = None
     by_id: Mapping[str, Device] = field(init=False)
     layout: DeviceLayout = field(init=False)  # counted once here, not on every GetPreferredAllocation
+    _listing: tuple[tuple[str, bool, int | None], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        health = MappingProxyType(dict(self.health))
         object.__setattr__(self, "by_id", MappingProxyType({d.id: d for d in self.devices}))
-        object.__setattr__(self, "layout", DeviceLayout.of(self.by_id))
-        object.__setattr__(self, "health", MappingProxyType(dict(self.health)))
+        object.__setattr__(self, "layout", DeviceLayout.of(self.by_id, self.nvlink_peers))
+        object.__setattr__(self, "health", health)
+        object.__setattr__(self, "_listing", tuple((d.id, health.get(d.id, False), d.numa_node) for d in self.devices))
 
     def listing(self) -> tuple[tuple[str, bool, int | None], ...]:
-        """What ListAndWatch sends: (ID, healthy, NUMA node) per device. Equal listings need no update."""
-        return tuple((d.id, self.health[d.id], d.numa_node) for d in self.devices)
+        """What ListAndWatch sends: (ID, healthy, NUMA node) per device. Equal listings need no update.
+        Computed once with the snapshot: the reconcile loop compares listings on every publish."""
+        return self._listing
 
     @property
     def healthy_count(self) -> int:

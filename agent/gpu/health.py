@@ -159,11 +159,13 @@ class NvmlEventWatcher:
             self._thread.start()
         self._ready.wait(timeout)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop; wait for the thread up to ``timeout`` (default: one event wait and then some). The thread
+        may sit in ``nvmlEventSetWait`` until its timeout: a process about to exit need not wait for it."""
         self._stop.set()
         thread = self._thread
         if thread is not None:
-            thread.join(timeout=self._wait_ms / 1000 + 2)
+            thread.join(timeout=self._wait_ms / 1000 + 2 if timeout is None else timeout)
 
     def alive(self) -> bool:
         """Is the watcher thread running? False after ``stop()`` and if it ever died."""

@@ -136,6 +136,16 @@ class MigManager:
         """Physical device IDs not to advertise while a change is pending or applying."""
         return self.drain.withdrawn
 
+    def next_deadline(self) -> float | None:
+        """When ``tick`` has something to do next (None: nothing until an event)."""
+        if self._in_flight:
+            return None
+        if self.state in (MigState.PENDING, MigState.RESET_REQUIRED) or (
+            self.state is MigState.FAILED and self._operations
+        ):
+            return self._next_check
+        return None
+
     def tick(self, now: float) -> bool:
         """Start due work; True when the agent should re-read the inventory (a reset may have happened)."""
         if self._in_flight or now < self._next_check:

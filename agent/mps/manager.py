@@ -8,9 +8,10 @@ a small worker pool whose results come back as events (``MpsDaemonReady``, ``Mps
 - Start: compute mode EXCLUSIVE_PROCESS on the daemon's devices, then ``-d`` with the limits already in
   its environment, then the limits again as daemon defaults, then a readiness command that must answer.
   Only then is the resource advertised; so no client can connect before its limits are in place.
-- Supervision: a dead daemon (its PID gone) is noticed at the next tick (0.1 s); its devices turn
-  Unhealthy; it is restarted with backoff (0.5 s doubling to 30 s), and a daemon that keeps failing is
-  reported with the last lines of its control log once per streak, not in a hot loop.
+- Supervision: a dead daemon is noticed the moment it exits (a pidfd per daemon, ``agent.mps.exits``; a
+  slow safety re-check where pidfds are not available); its devices turn Unhealthy; it is restarted with
+  backoff (0.5 s doubling to 30 s), and a daemon that keeps failing is reported with the last lines of its
+  control log once per streak, not in a hot loop.
 - An agent restart adopts a daemon that still answers on its pipe instead of killing its clients' server;
   stopping the agent leaves daemons running.
 - Retiring a daemon (its resource went away, or its spec changed) never pulls the server from under a
@@ -34,6 +35,7 @@ from agent.core.mps import MpsDaemonSpec
 from agent.drain import why_busy
 from agent.gpu.compute_mode import DEFAULT, EXCLUSIVE_PROCESS, ComputeModeError, set_compute_mode
 from agent.mps.control import MpsControl, MpsError, pinned_limit_command, thread_percentage_command
+from agent.mps.exits import ProcessExited, ProcessExitWatcher
 from agent.supervise import WorkerCrashed, submit
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ BINARY = "nvidia-cuda-mps-control"
 READINESS_COMMAND = "get_default_active_thread_percentage"
 MAX_BACKOFF = 30.0
 DRAIN_CHECK_INTERVAL = 1.0  # how often a retiring daemon looks again whether its clients are gone
+SAFETY_CHECK_INTERVAL = 30.0  # a missed exit (no pidfd) is found by this slow re-check
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,7 @@ class _Daemon:
     next_attempt: float = 0.0
     last_error: str | None = None
     restarts: int = 0
+    pid: int | None = None  # the daemon's PID once ready
 
 
 @dataclass
@@ -108,6 +112,8 @@ class MpsManager:
         # One worker: jobs run in the order they were asked for, so a daemon's tear-down (compute mode back
         # to DEFAULT) never overtakes the start of its successor on the same devices.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mps")
+        self._exits: ProcessExitWatcher | None = None  # started with the first daemon
+        self._next_safety_check = 0.0
 
     # ----- the loop's view ------------------------------------------------------------------------
 
@@ -126,18 +132,39 @@ class MpsManager:
         if wanted:
             (root / "shm").mkdir(parents=True, exist_ok=True)
 
+    def next_deadline(self) -> float | None:
+        """When ``tick`` has something to do next (None: nothing until an event)."""
+        daemons = self._daemons.values()
+        due = [d.next_attempt for d in daemons if d.state in ("pending", "down") and not self._blocked(d)]
+        due += [r.next_check for r in self._retiring.values() if not r.in_flight]
+        if any(d.state == "ready" for d in self._daemons.values()):
+            due.append(self._next_safety_check)
+        return min(due, default=None)
+
+    def on_exited(self, event: ProcessExited, now: float) -> bool:
+        """A daemon's process ended: its devices turn Unhealthy and it is started again."""
+        daemon = self._daemons.get(event.key)
+        if daemon is None or daemon.state != "ready" or daemon.pid != event.pid:
+            return False
+        self._died(event.key, daemon, now)
+        return True
+
+    def _died(self, key: str, daemon: _Daemon, now: float) -> None:
+        daemon.state, daemon.restarts, daemon.pid = "down", daemon.restarts + 1, None
+        daemon.next_attempt = now  # the first restart is immediate; repeated failures back off
+        tail = " | ".join(daemon.control.log_tail(3)) if daemon.control else ""
+        log.warning("MPS daemon died key=%s restarts=%d control_log=%r", key, daemon.restarts, tail)
+
     def tick(self, now: float) -> bool:
-        """Notice dead daemons, start due ones; True when some device's availability changed."""
+        """Start due daemons and retirements; True when some device's availability changed."""
         changed = False
+        if now >= self._next_safety_check:  # the slow re-check for an exit no pidfd reported
+            self._next_safety_check = now + SAFETY_CHECK_INTERVAL
+            for key, daemon in self._daemons.items():
+                if daemon.state == "ready" and daemon.control is not None and daemon.control.pid() is None:
+                    self._died(key, daemon, now)
+                    changed = True
         for key, daemon in self._daemons.items():
-            if daemon.state == "ready" and daemon.control is not None and daemon.control.pid() is None:
-                daemon.state, daemon.restarts = "down", daemon.restarts + 1
-                daemon.next_attempt = now  # the first restart is immediate; repeated failures back off
-                log.warning(
-                    "MPS daemon died key=%s restarts=%d control_log=%r",
-                    key, daemon.restarts, " | ".join(daemon.control.log_tail(3)),
-                )  # fmt: skip
-                changed = True
             if daemon.state in ("pending", "down") and now >= daemon.next_attempt and not self._blocked(daemon):
                 self._start(key, daemon)
         for key, retiring in self._retiring.items():
@@ -197,7 +224,12 @@ class MpsManager:
         if daemon is None or event.generation != daemon.generation:
             return False
         daemon.state, daemon.ready_once, daemon.attempts, daemon.last_error = "ready", True, 0, None
+        daemon.pid = event.pid
         log.info("MPS daemon ready key=%s pid=%s adopted=%s", event.key, event.pid, event.adopted)
+        if event.pid is not None:
+            if self._exits is None:
+                self._exits = ProcessExitWatcher(self._post)
+            self._exits.watch(event.key, event.pid)
         return True
 
     def on_failed(self, event: MpsDaemonFailed, now: float) -> bool:
@@ -245,6 +277,8 @@ class MpsManager:
     def shutdown(self) -> None:
         """The agent stops; daemons keep serving their clients and are adopted by the next agent."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._exits is not None:
+            self._exits.stop()
 
     # ----- the work -------------------------------------------------------------------------------
 
@@ -296,6 +330,8 @@ class MpsManager:
 
     def _retire(self, key: str, now: float) -> None:
         daemon = self._daemons.pop(key)
+        if self._exits is not None:
+            self._exits.forget(key)  # its quit is not a death to restart from
         previous = self._retiring.get(key)
         if previous is not None:  # still retiring an older one under this key: that one goes first
             return

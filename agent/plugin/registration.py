@@ -1,17 +1,29 @@
-"""Registering a resource with the kubelet (``v1beta1.Registration/Register`` on ``kubelet.sock``)."""
+"""Registering resources with the kubelet (``v1beta1.Registration/Register`` on ``kubelet.sock``).
+
+A registration costs one connection to ``kubelet.sock`` and one Register call; inside that call the kubelet
+dials the plugin back and asks ``GetDevicePluginOptions``. ``register_all`` sends every resource's Register
+at once over one connection (the kubelet handles each call on its own), so registering several resources
+after a kubelet restart takes about as long as registering one.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import grpc
 
-from agent.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.api.deviceplugin.v1beta1 import api_pb2
 from agent.plugin.server import plugin_options
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 REGISTER_TIMEOUT = 15.0  # the kubelet dials the plugin back within Register, with its own 10 s limit
+REGISTER_METHOD = "/v1beta1.Registration/Register"
+# A unix socket needs no proxy lookup; a refused Register is answered by the caller's backoff, not retried;
+# and every registration connects afresh (a shared connection could still be backing off from a kubelet
+# that was down a moment ago).
+CHANNEL_OPTIONS = (("grpc.enable_http_proxy", 0), ("grpc.enable_retries", 0), ("grpc.use_local_subchannel_pool", 1))
 
 
 class RegistrationError(RuntimeError):
@@ -24,14 +36,42 @@ def register(kubelet_socket: Path, endpoint: str, resource: str) -> None:
     The options go in the request too: kubelets before 1.26 read them from there, newer ones ask
     ``GetDevicePluginOptions``; both get the same answer.
     """
-    with grpc.insecure_channel(f"unix://{kubelet_socket}") as channel:
-        # No wait-for-ready: a socket nobody answers on fails at once (UNAVAILABLE) and is retried with backoff.
-        request = api_pb2.RegisterRequest(
-            version=API_VERSION, endpoint=endpoint, resource_name=resource, options=plugin_options()
+    error = register_all(kubelet_socket, [(endpoint, resource)])[resource]
+    if error is not None:
+        raise RegistrationError(error)
+
+
+def register_all(kubelet_socket: Path, endpoints: Iterable[tuple[str, str]]) -> dict[str, str | None]:
+    """Register every ``(endpoint, resource)`` concurrently over one connection.
+
+    Returns, per resource, ``None`` when the kubelet accepted it, else why not (the kubelet's own text).
+    """
+    # No wait-for-ready: a socket nobody answers on fails at once (UNAVAILABLE) and is retried with backoff.
+    with grpc.insecure_channel(f"unix://{kubelet_socket}", options=CHANNEL_OPTIONS) as channel:
+        call = channel.unary_unary(
+            REGISTER_METHOD,
+            request_serializer=api_pb2.RegisterRequest.SerializeToString,
+            response_deserializer=None,  # Empty: nothing to read
+            _registered_method=True,
         )
-        try:
-            api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=REGISTER_TIMEOUT)
-        except grpc.RpcError as error:
-            raise RegistrationError(
-                f"kubelet refused the registration: {error.code().name}: {error.details()}"
-            ) from error
+        pending = [
+            (
+                resource,
+                call.future(
+                    api_pb2.RegisterRequest(
+                        version=API_VERSION, endpoint=endpoint, resource_name=resource, options=plugin_options()
+                    ),
+                    timeout=REGISTER_TIMEOUT,
+                ),
+            )
+            for endpoint, resource in endpoints
+        ]
+        results: dict[str, str | None] = {}
+        for resource, future in pending:
+            try:
+                future.result()
+            except grpc.RpcError as error:
+                results[resource] = f"kubelet refused the registration: {error.code().name}: {error.details()}"
+            else:
+                results[resource] = None
+        return results

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
+import selectors
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
-from agent.telemetry.collector import LastCollection
+if TYPE_CHECKING:
+    from agent.telemetry.collector import LastCollection
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,8 @@ class TelemetryServer:
         healthy: Callable[[], tuple[bool, str]],
         ready: Callable[[], tuple[bool, str]],
     ) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # not for parse_address's callers
+
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
@@ -56,12 +61,29 @@ class TelemetryServer:
         self._server = ThreadingHTTPServer(parse_address(address), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
         log.info("serving metrics port=%d paths=/metrics,/healthz,/readyz", self.port)
 
     def stop(self) -> None:
-        self._server.shutdown()
+        os.write(self._wake_write, b"x")
+        if self._thread.ident is not None:
+            self._thread.join(timeout=2)
         self._server.server_close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def _serve(self) -> None:
+        """Block until a connection or ``stop`` arrives (``serve_forever`` would wake twice a second to look
+        for a shutdown request, and make ``stop`` wait for that)."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._server, selectors.EVENT_READ)
+            selector.register(self._wake_read, selectors.EVENT_READ)
+            while True:
+                ready = {key.fileobj for key, _ in selector.select()}
+                if self._wake_read in ready:
+                    return
+                self._server.handle_request()  # the listening socket is readable: this does not block

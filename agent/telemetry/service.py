@@ -8,10 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.plugin.podresources import allocated_devices
-from agent.telemetry.collector import TelemetryCollector, TelemetryOptions
-from agent.telemetry.server import TelemetryServer
-
 if TYPE_CHECKING:
     from agent.agent import Agent
 
@@ -19,7 +15,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_ADDRESS = ":9479"  # not 9400, which dcgm-exporter uses on the same nodes
 FEATURE_FILE = "tessera"
-STALE_LOOP_SECONDS = 10.0
+LOOP_ANSWER_SECONDS = 2.0  # /healthz asks the loop; an idle loop answers at once, a stuck one not
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +31,12 @@ class TelemetrySettings:
 
 class Telemetry:
     def __init__(self, settings: TelemetrySettings, agent: Agent) -> None:
+        # Imported here, not with this module: an agent without metrics never loads prometheus_client,
+        # http.server or the PodResources stubs (``tessera run`` imports TelemetrySettings either way).
+        from agent.plugin.podresources import allocated_devices
+        from agent.telemetry.collector import TelemetryCollector, TelemetryOptions
+        from agent.telemetry.server import TelemetryServer
+
         self.settings = settings
         self._agent = agent
         options = TelemetryOptions(
@@ -63,10 +65,10 @@ class Telemetry:
         self.collector.stop()
 
     def healthy(self) -> tuple[bool, str]:
-        """The reconcile loop turns and metrics are collected."""
-        loop_age = time.monotonic() - self._agent.heartbeat
-        if loop_age > STALE_LOOP_SECONDS:
-            return False, f"the reconcile loop has not turned for {loop_age:.0f} s"
+        """The reconcile loop answers and metrics are collected."""
+        if not self._agent.responsive(LOOP_ANSWER_SECONDS):
+            loop_age = time.monotonic() - self._agent.heartbeat
+            return False, f"the reconcile loop does not answer (last turn {loop_age:.0f} s ago)"
         collected = self.collector.last.collected_at
         if collected is not None and time.time() - collected > 3 * self.settings.interval + 10:
             return False, f"metrics were last collected {time.time() - collected:.0f} s ago"

@@ -62,6 +62,7 @@ def test_nvml_failing_to_initialise_never_stops_the_loop(sim_node) -> None:
         driver.fail_init(Return.ERROR_DRIVER_NOT_LOADED)
         beat = agent.heartbeat
         kubelet.wait_for(lambda: agent.heartbeat > beat + 0.2, 10, "the loop keeps turning with NVML down")
+        assert agent.responsive(5), "the loop does not answer"
         assert node.thread.is_alive()
         driver.fail_init(None)
         driver.inject_xid(0, 48)  # the loop still reacts to the driver
@@ -81,7 +82,8 @@ def test_a_second_agent_on_the_same_plugin_directory_exits_naming_the_first(sim_
 
 def test_a_dead_health_watcher_is_noticed_restarted_and_sees_xids_again(sim_node) -> None:
     driver = sim_node(TWO_GPUS)
-    with running_node(driver, "version: v1\n") as node:
+    # the safety re-check (30 s by default) is where a dead thread is noticed: shortened here
+    with running_node(driver, "version: v1\n", liveness_probe_seconds=0.2) as node:
         node.wait(lambda: _healthy(node) == 2, "2 GPUs")
         node.agent._event_watcher.stop()  # its thread ends, as if it had died
         node.wait(lambda: node.agent.status.internal_errors.get("thread"), "the dead thread noticed")

@@ -122,8 +122,9 @@ class TelemetryNode:
         self.thread = threading.Thread(target=self.agent.run, name="agent-under-test")
         self.thread.start()
         assert self.agent.started.wait(20)
-        assert self.agent._telemetry is not None, "the metrics endpoint did not start"
-        return self.agent
+        agent = self.agent
+        wait_until(lambda: agent.metrics_port is not None, 15, "the metrics endpoint (started after registration)")
+        return agent
 
     def wait_registered(self, timeout: float = 15, resources: tuple[str, ...] = (GPU, SMALL, LARGE)) -> None:
         """Until ``resources`` are advertised, and everything advertised is registered with the kubelet."""

@@ -9,18 +9,22 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent.core.allocation import (
     AllocationError,
+    Allocator,
     ContainerAllocation,
     DeviceListStrategy,
     Mount,
+    MpsClient,
     container_allocation,
     validate_request,
 )
 from agent.core.health import HealthState, record_fault
 from agent.core.inventory import Gpu, Inventory
-from agent.core.resources import Device, MigStrategy, Resource, ResourcePlan
+from agent.core.resources import Device, MigStrategy, MpsLimits, Resource, ResourcePlan
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
 from tests.unit.builders import a100
 
@@ -295,3 +299,70 @@ def test_snapshot_cannot_be_changed_by_its_readers():
         snapshot.health[gpu_uuid(0)] = False  # type: ignore[index]
     with pytest.raises(TypeError):
         snapshot.by_id["GPU-new"] = GPUS[0]  # type: ignore[index]
+
+
+# ----- Allocator: one snapshot's answers, derived once -----------------------------------------------
+
+ALL_STRATEGIES = (ENVVAR, VOLUME_MOUNTS, CDI_CRI, CDI_ANNOTATIONS)
+NODE = (*GPUS, *(replica(i, n) for i in range(2) for n in range(3)), *(mig_device(2, m) for m in range(3)))
+
+
+def outcome(fn, *args, **kwargs) -> ContainerAllocation | str:
+    try:
+        return fn(*args, **kwargs)
+    except AllocationError as error:
+        return f"AllocationError: {error}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    requested=st.lists(st.sampled_from([d.id for d in NODE] + ["GPU-bogus", f"{gpu_uuid(9)}::0"]), max_size=5),
+    unhealthy=st.sets(st.sampled_from([d.id for d in NODE]), max_size=3),
+    strategies=st.sets(st.sampled_from(ALL_STRATEGIES), min_size=1),
+    fail_requests_greater_than_one=st.booleans(),
+)
+def test_property_allocator_answers_as_validate_then_build(
+    requested: list[str], unhealthy: set[str], strategies: set[DeviceListStrategy], fail_requests_greater_than_one: bool
+) -> None:
+    """The allocator's quick check and precomputed answers change nothing: the same allocation, or the same
+    refusal with the same text, as validate_request followed by container_allocation."""
+    health = {d.id: d.id not in unhealthy for d in NODE}
+    by_id = {d.id: d for d in NODE}
+    flag = {"fail_requests_greater_than_one": fail_requests_greater_than_one}
+    allocator = Allocator.of(GPU, NODE, health, sorted(strategies), cdi_kind="example.com/gpu", **flag)
+
+    def expected() -> ContainerAllocation:
+        devices = validate_request(GPU, requested, by_id, health, **flag)
+        return container_allocation(GPU, devices, strategies, cdi_kind="example.com/gpu")
+
+    assert outcome(allocator.allocate, requested) == outcome(expected)
+
+
+def test_allocator_for_mps_clients_matches_the_single_request_answer() -> None:
+    limits = MpsLimits(active_thread_percentage=25)
+    client = MpsClient("/run/nvidia/mps", limits, replicas=4)
+    devices = [replica(0, n) for n in range(4)] + [replica(1, n) for n in range(4)]
+    health = dict.fromkeys((d.id for d in devices), True)
+    allocator = Allocator.of(GPU, devices, health, [ENVVAR], mps=client)
+    for requested in ([devices[1]], [devices[0], devices[5]], [devices[6], devices[7]]):
+        ids = [d.id for d in requested]
+        assert allocator.allocate(ids) == container_allocation(GPU, requested, [ENVVAR], mps=client)
+
+
+def test_allocator_keeps_the_snapshot_it_was_built_for() -> None:
+    healthy = Allocator.of(GPU, GPUS, ALL_HEALTHY, [ENVVAR])
+    sick = Allocator.of(GPU, GPUS, {**ALL_HEALTHY, gpu_uuid(1): False}, [ENVVAR])
+    assert healthy.allocate([gpu_uuid(1)]).envs == {"NVIDIA_VISIBLE_DEVICES": gpu_uuid(1)}
+    with pytest.raises(AllocationError, match="Unhealthy"):
+        sick.allocate([gpu_uuid(1)])
+
+
+def test_snapshot_listing_is_what_list_and_watch_sends_and_a_missing_health_entry_is_unhealthy() -> None:
+    snapshot = ResourceSnapshot(GPU, tuple(GPUS), {gpu_uuid(0): True, gpu_uuid(1): False, gpu_uuid(2): True})
+    assert snapshot.listing() == (
+        (gpu_uuid(0), True, 0),
+        (gpu_uuid(1), False, 0),
+        (gpu_uuid(2), True, 0),
+        (gpu_uuid(3), False, 0),
+    )
+    assert snapshot.listing() is snapshot.listing()  # computed once, with the snapshot

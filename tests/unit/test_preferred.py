@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.core.preferred import EXHAUSTIVE_LIMIT, PreferenceError, preferred
+from agent.core.preferred import EXHAUSTIVE_LIMIT, DeviceLayout, PreferenceError, preferred
 from agent.core.resources import Device
 
 
@@ -350,3 +350,43 @@ def test_property_asking_for_more_than_available_is_always_an_error(
     available, must, _ = request
     with pytest.raises(PreferenceError):
         nvlink_node().pick(available, len(available) + extra, must_include=must)
+
+
+def link_score(a: Device, b: Device, nvlink_peers: dict[int, frozenset[int]]) -> int:
+    """The scoring rule, written out independently: same GPU, NVLink, same NUMA node, else across sockets."""
+    if a.gpu_index == b.gpu_index:
+        return 200
+    if b.gpu_index in nvlink_peers.get(a.gpu_index, frozenset()):
+        return 100
+    return 20 if a.numa_node is not None and a.numa_node == b.numa_node else 10
+
+
+@settings(max_examples=150, deadline=None)
+@given(gpus=st.integers(1, 10), data=st.data())
+def test_property_answer_is_the_best_connected_set_with_ties_to_plan_order(gpus: int, data: st.DataObject):
+    """The per-snapshot score table and the shortcuts give what scoring every candidate set by hand gives."""
+    numa = data.draw(st.lists(st.one_of(st.none(), st.integers(0, 2)), min_size=gpus, max_size=gpus))
+    pairs = list(combinations(range(gpus), 2))
+    links = data.draw(st.lists(st.sampled_from(pairs), unique=True)) if pairs else []
+    node = Node([gpu_device(i, numa[i]) for i in range(gpus)], extra_links=links)
+    available, must, size = data.draw(requests(gpus))
+    layout = DeviceLayout.of(node.devices, node.nvlink_peers)
+    picked = preferred(available, must, size, node.devices, node.nvlink_peers, layout=layout)
+
+    plan_order = [i for i in node.devices if i in available and i not in must]
+    if comb(len(plan_order), size - len(must)) > EXHAUSTIVE_LIMIT:
+        return
+
+    def total(chosen: Sequence[str]) -> int:
+        return sum(link_score(node.devices[a], node.devices[b], node.nvlink_peers) for a, b in combinations(chosen, 2))
+
+    best = max(combinations(plan_order, size - len(must)), key=lambda rest: total([*must, *rest]))
+    assert picked == [*must, *best]
+
+
+def test_a_layout_scored_for_other_links_is_not_used_for_these():
+    node = Node([gpu_device(i, i // 4) for i in range(8)], extra_links=[(0, 4)])
+    stale = DeviceLayout.of(node.devices, pcie_node().nvlink_peers)  # scored without the 0-4 NVLink
+    assert indices(preferred(ids(0, 1, 4), [], 2, node.devices, pcie_node().nvlink_peers, layout=stale)) == [0, 1]
+    picked = preferred(ids(0, 1, 4), [], 2, node.devices, node.nvlink_peers, layout=stale)
+    assert indices(picked) == [0, 4]  # the NVLink pair, as the links passed in say

@@ -1,0 +1,159 @@
+"""What each command loads: only what its configured features need (issue 13, "Fast start").
+
+Each check imports a command's modules in a fresh interpreter and looks at ``sys.modules``: which
+modules are loaded, not how long they took, so it holds on a loaded machine. A module named here is one
+that costs tens to hundreds of milliseconds at start (pydantic and the config schema it builds, the
+Kubernetes client, prometheus_client, grpc) or belongs to another command.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import MISSING, fields
+
+import pytest
+
+from agent.config import model
+from agent.config.model import ConfigModel, parse_config
+
+
+def loaded_after(code: str) -> set[str]:
+    """The modules loaded in a fresh interpreter after running ``code``."""
+    script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    return set(json.loads(result.stdout.splitlines()[-1]))
+
+
+def packages(modules: set[str], *names: str) -> set[str]:
+    """Which of ``names`` (packages or modules) are loaded, themselves or any module inside them."""
+    return {name for name in names if any(m == name or m.startswith(name + ".") for m in modules)}
+
+
+# `tessera run`: the entry point, the option parsing and the agent with everything it imports at module level
+RUN_PATH = "import agent.cli, agent.run"
+
+
+def test_run_loads_no_kubernetes_client_no_metrics_and_no_other_command():
+    loaded = loaded_after(RUN_PATH)
+    assert "agent.agent" in loaded  # the check sees the whole run path
+    assert not packages(
+        loaded,
+        "kubernetes",  # only with a node name, for the node label (agent.config.node_label)
+        "urllib3",
+        "agent.config.node_label",
+        "prometheus_client",  # only with metrics on, when the agent starts them
+        "agent.telemetry.collector",
+        "http.server",
+        "agent.config.schema",  # only when a config document is parsed
+        "agent.sim",  # only with --simulate
+        "agent.demo",
+        "agent.render",
+        "agent.mig.commands",
+        "agent.config.validate",
+    )
+
+
+def test_run_without_a_config_loads_no_pydantic_and_no_yaml():
+    assert not packages(loaded_after(RUN_PATH), "pydantic", "pydantic_core", "yaml")
+
+
+def test_the_config_modules_load_no_pydantic_and_no_yaml_until_a_config_is_read():
+    code = (
+        "import agent.config.model, agent.config.effective, agent.config.source, agent.config.labels\n"
+        "from agent.config.effective import FlagOverrides, effective\n"
+        "from agent.config.model import ConfigModel\n"
+        "effective(ConfigModel(), FlagOverrides())"
+    )
+    assert not packages(loaded_after(code), "pydantic", "pydantic_core", "yaml", "agent.config.schema")
+    parsed = loaded_after(code + "\nfrom agent.config.source import parse_document\nparse_document('{}', 'x')")
+    assert packages(parsed, "pydantic", "yaml", "agent.config.schema") == {"pydantic", "yaml", "agent.config.schema"}
+
+
+def test_the_telemetry_settings_load_no_metrics_library():
+    code = "from agent.telemetry.service import TelemetrySettings\nfrom agent.telemetry.server import parse_address"
+    assert not packages(loaded_after(code), "prometheus_client", "http.server", "grpc", "agent.telemetry.collector")
+
+
+OTHER_COMMANDS = {
+    "validate": "agent.config.validate",
+    "plan": "agent.backend, agent.gpu.discovery, agent.config.effective, agent.config.source, agent.render",
+    "inventory": "agent.backend, agent.gpu.discovery, agent.render",
+    "mig": "agent.backend, agent.mig.commands",
+}
+
+
+@pytest.mark.parametrize("command", sorted(OTHER_COMMANDS))
+def test_other_commands_load_nothing_of_run(command: str):
+    loaded = loaded_after(f"import agent.cli, {OTHER_COMMANDS[command]}")
+    assert not packages(
+        loaded, "agent.run", "agent.agent", "agent.plugin.server", "grpc", "prometheus_client", "kubernetes"
+    )
+    if command == "validate":
+        assert not packages(loaded, "pynvml", "agent.gpu")
+
+
+def test_the_cli_alone_loads_no_command():
+    loaded = loaded_after("import agent.cli")
+    assert not packages(loaded, "agent.run", "agent.agent", "agent.config", "grpc", "pydantic", "yaml", "pynvml")
+
+
+# ----- the config is held in plain dataclasses; pydantic (agent.config.schema) only validates ------------
+
+
+def test_the_config_dataclasses_mirror_the_schema_field_by_field():
+    from pydantic import BaseModel
+
+    from agent.config import schema
+
+    models = [v for v in vars(schema).values() if isinstance(v, type) and issubclass(v, BaseModel)]
+    models = [m for m in models if m.__module__ == schema.__name__ and not m.__name__.startswith("_")]
+    assert {m.__name__ for m in models} >= {"ConfigModel", "Flags", "ReplicatedResource", "HealthSection"}
+    for schema_class in models:
+        value_class = getattr(model, schema_class.__name__)
+        value_fields = {f.name: f for f in fields(value_class)}
+        assert list(value_fields) == list(schema_class.model_fields), schema_class.__name__
+        for name, info in schema_class.model_fields.items():
+            held = value_fields[name]
+            if info.is_required():
+                assert held.default is MISSING and held.default_factory is MISSING, (schema_class.__name__, name)
+                continue
+            default = held.default_factory() if held.default_factory is not MISSING else held.default
+            assert default == schema.as_value(info.get_default(call_default_factory=True)), (
+                schema_class.__name__,
+                name,
+            )
+
+
+def test_an_empty_document_is_the_default_config():
+    parsed, warnings = parse_config({})
+    assert parsed == ConfigModel()
+    assert warnings == []
+
+
+def test_a_parsed_config_is_held_in_the_dataclasses():
+    parsed, _ = parse_config(
+        {
+            "flags": {"migStrategy": "mixed", "plugin": {"deviceListStrategy": "cdi-cri"}},
+            "sharing": {"mps": {"resources": [{"name": "gpu", "replicas": 4, "memoryLimit": "10Gi"}]}},
+            "health": {"xids": {"94": "ignore"}},
+        }
+    )
+    assert type(parsed) is ConfigModel
+    assert parsed.flags == model.Flags(mig_strategy="mixed", plugin=model.PluginFlags(device_list_strategy=["cdi-cri"]))
+    assert parsed.replicated == (
+        "mps",
+        model.ReplicatedResources(
+            resources=[model.ReplicatedResource(name="nvidia.com/gpu", replicas=4, memory_limit="10Gi")]
+        ),
+    )
+    assert parsed.health is not None and set(parsed.health.overrides()) == {94}
+
+
+def test_the_source_limit_is_the_yaml_limit():
+    from agent.config.source import MAX_CONFIG_BYTES
+    from agent.config.yaml_limits import MAX_BYTES
+
+    assert MAX_CONFIG_BYTES == MAX_BYTES
