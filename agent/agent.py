@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,6 +27,7 @@ from agent.config.source import LoadedConfig, load_config, read_config_set
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
 from agent.core.health import (
     GPU_LOST_REASON,
+    Fault,
     HealthPolicy,
     HealthState,
     XidEffect,
@@ -36,6 +37,7 @@ from agent.core.health import (
     record_fault,
     record_xid,
     units_for_event,
+    with_ecc_baseline,
 )
 from agent.core.inventory import Inventory
 from agent.core.mig_layout import DesiredLayout, LayoutError
@@ -159,6 +161,7 @@ class AgentStatus:
     waiting_for: dict[str, tuple[str, ...]] = field(default_factory=dict)  # operation -> what it waits for
     stale_gpus: frozenset[str] = frozenset()  # GPUs withdrawn until the inventory is read again
     discovery_error: str | None = None  # why the last inventory read failed (the previous one is in force)
+    faults: Mapping[str, Fault] = field(default_factory=dict)  # GPU or MIG UUID -> why it is Unhealthy
 
 
 class Stoppable(Protocol):
@@ -710,13 +713,13 @@ class Agent:
             return
         assert self._inventory is not None
         units = units_for_event(self._inventory, event.gpu_uuid, event.gi_id, event.ci_id)
-        baseline = None if verdict.lost else read_ecc_uncorrected(event.gpu_uuid)
-        self._health = record_xid(
-            self._health, units, verdict, self._clock(), gpu_uuid=event.gpu_uuid, ecc_baseline=baseline
-        )
+        self._health = record_xid(self._health, units, verdict, self._clock(), gpu_uuid=event.gpu_uuid)
+        self._publish()  # the kubelet first; then what recovery will be judged against (an NVML read)
         log.warning("critical XID gpu=%s xid=%d reason=%r effect=%s unhealthy=%s",
                     event.gpu_uuid, event.xid, verdict.reason, verdict.effect, ",".join(units))  # fmt: skip
-        self._publish()
+        if not verdict.lost:
+            self._health = with_ecc_baseline(self._health, units, read_ecc_uncorrected(event.gpu_uuid))
+            self._refresh_status()
 
     def _on_watch_restored(self, gpu_uuid: str) -> None:
         """The GPU is watched again: a fault that only said "cannot watch" goes; XID and lost faults stay
@@ -733,7 +736,8 @@ class Agent:
         action, pending remaps and retirements, ECC growth, the device answering) are they Healthy again."""
         changed = False
         came_back: set[str] = set()
-        for unit in due_for_probe(self._health, self._policy, now):
+        checked = due_for_probe(self._health, self._policy, now)
+        for unit in checked:
             fault = self._health.faults[unit]
             evidence = self._evidence(unit, fault.ecc_baseline)
             if evidence is None or evidence.ok:
@@ -755,6 +759,8 @@ class Agent:
             self._rediscover("GPU back", stale=frozenset(came_back))
         elif changed:
             self._publish()
+        elif checked:
+            self._refresh_status()  # what still blocks recovery is in the status
 
     def _evidence(self, unit: str, ecc_baseline: int | None) -> Evidence | None:
         """The recovery evidence for a unit; None when the unit (a MIG device) no longer exists."""
@@ -969,6 +975,7 @@ class Agent:
             waiting_for=self._waiting_for(),
             stale_gpus=self._stale_gpus,
             discovery_error=self._discovery_error,
+            faults=self._health.faults,
         )
 
     def _waiting_for(self) -> dict[str, tuple[str, ...]]:

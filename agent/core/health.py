@@ -277,6 +277,18 @@ def record_xid(
     )
 
 
+def with_ecc_baseline(state: HealthState, units: Iterable[str], baseline: int | None) -> HealthState:
+    """Give faults that have none the uncorrected ECC count to judge their recovery against."""
+    if baseline is None:
+        return state
+    faults = dict(state.faults)
+    for unit in units:
+        fault = faults.get(unit)
+        if fault is not None and fault.ecc_baseline is None:
+            faults[unit] = replace(fault, ecc_baseline=baseline)
+    return HealthState(faults)
+
+
 def due_for_probe(state: HealthState, policy: HealthPolicy, now: float) -> list[str]:
     """Units quiet for long enough to be checked for recovery, in a stable order."""
     if policy.quiet_seconds is None:
