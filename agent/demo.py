@@ -155,7 +155,7 @@ class _Demo:
             what="device Healthy again",
         )
         print(
-            f"      no new errors for {RECOVERY_SECONDS:.0f} s and the GPU answers: Healthy again after "
+            f"      no new errors for {RECOVERY_SECONDS:.0f} s and the driver shows it recovered: Healthy again after "
             f"{time.perf_counter() - started:.1f} s (NVIDIA's plugin would keep it Unhealthy until restarted)"
         )
 
