@@ -704,12 +704,12 @@ class Agent:
         gpu = self._inventory.gpu_by_uuid(event.gpu_uuid) if self._inventory else None
         key = (str(gpu.index) if gpu else "", event.gpu_uuid, str(event.xid))
         self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
-        self._refresh_status()
         verdict = self._policy.verdict(event.xid)
         if not verdict.marks_unhealthy:
             kind = "application XID" if verdict.effect is XidEffect.APPLICATION else "ignored XID"
             log.info("%s gpu=%s xid=%d reason=%r; the device stays Healthy", kind, event.gpu_uuid, event.xid,
                      verdict.reason)  # fmt: skip
+            self._refresh_status()  # the count
             return
         assert self._inventory is not None
         units = units_for_event(self._inventory, event.gpu_uuid, event.gi_id, event.ci_id)
