@@ -8,9 +8,12 @@ gives each process the cgroup of its pod. Every assertion reads the Prometheus t
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -142,6 +145,9 @@ class TelemetryNode:
             self.agent.stop()
             self.thread.join(timeout=20)
         self.kubelet.stop()
+        for pid_file in self.base.glob("mps/**/nvidia-cuda-mps-control.pid"):  # MPS daemons outlive agents
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
         shutil.rmtree(self.base, ignore_errors=True)
 
     # ----- HTTP -----------------------------------------------------------------------------------------
