@@ -70,6 +70,7 @@ from agent.telemetry.service import Telemetry, TelemetrySettings
 log = logging.getLogger(__name__)
 
 SAFETY_SECONDS = 30.0  # the loop wakes at least this often with nothing to do: a missed event cannot strand it
+TELEMETRY_WAIT_SECONDS = 2.0  # metrics start once the kubelet watches every resource, or after this at the latest
 STREAM_RETRY_DELAY = 0.2  # after a closed stream, give a restarting kubelet a moment to clean up
 MAX_BACKOFF = 30.0
 SERVE_RETRY_SECONDS = 1.0  # a socket that could not be served is tried again this often
@@ -106,6 +107,13 @@ class AgentOptions:
 
 @dataclass(frozen=True, slots=True)
 class StreamClosed:
+    resource: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOpened:
+    """The kubelet watches a resource: posted only while metrics wait for the first ListAndWatch of each."""
+
     resource: str
 
 
@@ -204,6 +212,7 @@ class Agent:
         self._xid_counts: dict[tuple[str, str, str], int] = {}
         self._telemetry: Telemetry | None = None
         self._telemetry_pending = False
+        self._telemetry_due = 0.0  # metrics start by then even if the kubelet has not watched every resource
         self._kubelet_known = False  # the watcher has said whether kubelet.sock is there
         self._lock: PluginDirLock | None = None
         self._internal_errors: dict[str, int] = {}
@@ -272,6 +281,8 @@ class Agent:
         quiet = self._policy.quiet_seconds
         if quiet is not None:
             deadlines += [fault.last_event + quiet for fault in self._health.faults.values()]
+        if self._telemetry_pending:
+            deadlines.append(self._telemetry_due)
         if self._kubelet_present:
             deadlines += [r.due_at for r in self._registrations.values() if not r.in_flight]
         deadlines += [self._serve_retry_at.get(n, now) for n, server in self._servers.items() if not server.serving]
@@ -332,7 +343,8 @@ class Agent:
         self._event_watcher.start()
         self._kubelet_watcher = PluginDirWatcher(self.options.device_plugin_dir, self.post)
         self._kubelet_watcher.start()
-        self._telemetry_pending = self.options.telemetry is not None  # started once registration is under way
+        self._telemetry_pending = self.options.telemetry is not None  # started once the kubelet is served
+        self._telemetry_due = self._clock() + TELEMETRY_WAIT_SECONDS
 
     def _start_telemetry(self) -> None:
         """Metrics come second: started once every resource was offered to the kubelet (or there is none)."""
@@ -404,8 +416,8 @@ class Agent:
                 self._on_watch_restored(uuid)
             case WorkerCrashed():
                 self._on_worker_crashed(event)
-            case PluginSocketRemoved() | PluginDirChanged():
-                pass  # the tick that follows every event serves missing sockets again and takes the lock
+            case PluginSocketRemoved() | PluginDirChanged() | StreamOpened():
+                pass  # the tick that follows every event serves missing sockets, takes the lock, starts metrics
             case KubeletSocketChanged(present=present):
                 self._on_kubelet(present)
             case StreamClosed(resource=resource):
@@ -485,12 +497,26 @@ class Agent:
                     continue  # it could not be served a moment ago: do not retry (and fail) every tick
                 self._restart_server(name)
         self._start_due_registrations(now)
-        if (
-            self._telemetry_pending
-            and self._kubelet_known
-            and (not self._kubelet_present or all(r.registered or r.attempts for r in self._registrations.values()))
-        ):
+        if self._telemetry_pending and ((self._kubelet_known and self._kubelet_served()) or now >= self._telemetry_due):
             self._start_telemetry()
+
+    def _kubelet_served(self) -> bool:
+        """The kubelet has what it needs from us: every resource is watched (ListAndWatch open) or failed to
+        register. Metrics start only then, so importing and starting them does not hold the GIL while the
+        kubelet's first ListAndWatch is answered."""
+        if not self._kubelet_present:
+            return True
+        for name, registration in self._registrations.items():
+            server = self._servers.get(name)
+            watched = registration.registered and server is not None and server.open_streams > 0
+            if not (watched or registration.attempts):
+                return False
+        return True
+
+    def _on_stream_opened(self, resource: str) -> None:
+        """Called on a gRPC thread: wake the loop only while metrics wait for the kubelet."""
+        if self._telemetry_pending:
+            self.post(StreamOpened(resource))
 
     def _plugin_dir_ready(self) -> bool:
         """The device-plugin directory exists; said once when it does not, and once when it appears."""
@@ -818,6 +844,7 @@ class Agent:
             snapshot,
             self.options.device_plugin_dir,
             on_stream_closed=lambda resource: self.post(StreamClosed(resource)),
+            on_stream_opened=self._on_stream_opened,
         )
         if not self.options.device_plugin_dir.is_dir():
             return server  # served once the directory appears (the tick sees its socket missing)

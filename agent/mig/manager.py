@@ -35,7 +35,6 @@ from agent.core.mig_layout import (
     SetMigMode,
     diff_node,
 )
-from agent.drain import why_busy
 from agent.gpu.mig import create_instance, destroy_instance, set_mig_mode
 from agent.supervise import WorkerCrashed, submit
 
@@ -213,6 +212,8 @@ class MigManager:
         self._post(MigBusyChecked(generation, tuple(self._busy(drain))))
 
     def _busy(self, drain: Drain) -> list[str]:
+        from agent.drain import why_busy  # the PodResources stubs load with the first drain, not at start
+
         try:
             return why_busy(drain, self._socket)
         except Exception as error:  # whatever went wrong, nobody said the devices are free

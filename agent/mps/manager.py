@@ -32,7 +32,6 @@ from pathlib import Path
 
 from agent.core.drain import Drain
 from agent.core.mps import MpsDaemonSpec
-from agent.drain import why_busy
 from agent.gpu.compute_mode import DEFAULT, EXCLUSIVE_PROCESS, ComputeModeError, set_compute_mode
 from agent.mps.control import MpsControl, MpsError, pinned_limit_command, thread_percentage_command
 from agent.mps.exits import ProcessExited, ProcessExitWatcher
@@ -340,6 +339,8 @@ class MpsManager:
 
     def _drain_and_stop(self, key: str, retiring: _Retiring, keep_exclusive: frozenset[str]) -> None:
         """Worker: quit the daemon only when nothing uses its devices; else report what does."""
+        from agent.drain import why_busy  # the PodResources stubs load with the first drain, not at start
+
         drain = Drain(retiring.spec.physical_ids, retiring.spec.physical_ids)
         busy = why_busy(drain, self._socket)
         if busy:

@@ -109,6 +109,7 @@ class ResourceServer:
         socket_dir: Path,
         *,
         on_stream_closed: Callable[[str], None] = lambda resource: None,
+        on_stream_opened: Callable[[str], None] = lambda resource: None,
         max_workers: int = 8,
     ) -> None:
         self.resource = snapshot.name
@@ -119,6 +120,7 @@ class ResourceServer:
         self._stopping = False
         self._open_streams = 0
         self._on_stream_closed = on_stream_closed
+        self._on_stream_opened = on_stream_opened
         self._max_workers = max_workers
         self._server: grpc.Server | None = None
         self._executor: futures.ThreadPoolExecutor | None = None
@@ -261,8 +263,10 @@ class ResourceServer:
                         self._changed.wait()
                     if self._stopping or not context.is_active():
                         return
-                    sent, message = self._version, self._served.list_and_watch
-                yield message
+                    first, sent, message = sent == -1, self._version, self._served.list_and_watch
+                yield message  # resumed once gRPC has written it and wants the next
+                if first:
+                    self._on_stream_opened(self.resource)
         finally:
             with self._changed:
                 self._open_streams -= 1

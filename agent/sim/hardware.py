@@ -10,6 +10,11 @@ from typing import Any
 
 import yaml
 
+try:  # libyaml, in the wheels PyYAML publishes: the table parses in a fraction of the time
+    from yaml import CSafeLoader as _SafeLoader
+except ImportError:  # pragma: no cover - PyYAML built without libyaml
+    from yaml import SafeLoader as _SafeLoader  # type: ignore[assignment]
+
 # NVML_DEVICE_ARCH_* by the first word of the architecture in the table.
 _ARCHITECTURE_IDS = {"Volta": 5, "Turing": 6, "Ampere": 7, "Ada": 8, "Hopper": 9, "Blackwell": 10}
 
@@ -149,7 +154,7 @@ def _read_data(name: str) -> str:
 def hardware_table() -> dict[str, GpuModel]:
     """Every simulated GPU model by its key."""
     facts = json.loads(_read_data("mig-profiles.json"))
-    extra = yaml.safe_load(_read_data("models.yaml"))
+    extra = yaml.load(_read_data("models.yaml"), Loader=_SafeLoader)  # a safe loader, C or Python
     table: dict[str, GpuModel] = {}
     for key, raw in facts["gpus"].items():
         more = extra["mig_models"][key]

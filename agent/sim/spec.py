@@ -21,11 +21,10 @@ previous entry when it has room (as mig-parted does), otherwise to a new one.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from typing import Any, Literal
 
 from agent.config.model import ConfigError
 from agent.config.yaml_limits import load_yaml, read_bounded
@@ -42,46 +41,29 @@ class SimSpecError(ValueError):
     """The node spec is not valid; the message names the field and the fix."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+@dataclass(frozen=True, slots=True)
+class MigSpec:
+    instances: tuple[str, ...] = ()
 
 
-class MigSpec(_Strict):
-    instances: list[str] = Field(default_factory=list)
-
-
-class GpuGroupSpec(_Strict):
+@dataclass(frozen=True, slots=True)
+class GpuGroupSpec:
     model: str
-    count: int = Field(default=1, ge=1, le=64)
+    count: int = 1
     mig: MigSpec | None = None
     mig_pending: Literal["enabled", "disabled"] | None = None
     mig_needs_reset: bool = False
     compute_mode: Literal["DEFAULT", "PROHIBITED", "EXCLUSIVE_PROCESS"] = "DEFAULT"
 
-    @field_validator("model")
-    @classmethod
-    def _known_model(cls, value: str) -> str:
-        model = find_model(value)
-        if model is None:
-            raise ValueError(f"unknown GPU model {value!r}; known models: {', '.join(sorted(hardware_table()))}")
-        return model.key
 
-
-class NodeSpec(_Strict):
-    name: str = Field(default="sim-node", min_length=1, max_length=63)
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    name: str = "sim-node"
     driver_version: str = "580.95.05"
     cuda_driver_version: int = 13000
-    nvlink: Literal["none", "nvswitch"] | list[list[int]] = "none"
-    numa_nodes: int = Field(default=1, ge=1, le=8)
-    gpus: list[GpuGroupSpec] = Field(default_factory=list)
-
-    @field_validator("gpus")
-    @classmethod
-    def _at_most_max_gpus(cls, value: list[GpuGroupSpec]) -> list[GpuGroupSpec]:
-        total = sum(group.count for group in value)
-        if total > MAX_GPUS:
-            raise ValueError(f"{total} GPUs in all; a simulated node has at most {MAX_GPUS}: lower the counts")
-        return value
+    nvlink: Literal["none", "nvswitch"] | tuple[tuple[int, ...], ...] = "none"
+    numa_nodes: int = 1
+    gpus: tuple[GpuGroupSpec, ...] = field(default=())
 
 
 def preset_names() -> list[str]:
@@ -112,19 +94,142 @@ def load_node_spec(reference: str) -> NodeSpec:
 
 
 def parse_node_spec(data: object, origin: str = "node spec") -> NodeSpec:
-    try:
-        return NodeSpec.model_validate(data)
-    except ValidationError as error:
-        problems = "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in error.errors())
-        raise SimSpecError(f"{origin}: {problems}") from error
+    """A node spec from parsed YAML. Unknown fields, wrong types and values out of range are refused, every
+    problem named by its path (``gpus[0].count``) in one error."""
+    reader = _Reader()
+    spec = reader.node(data)
+    if reader.problems or spec is None:
+        raise SimSpecError(f"{origin}: {'; '.join(reader.problems) or '(top level): expected a mapping'}")
+    return spec
 
 
-def _field_path(location: tuple[int | str, ...]) -> str:
-    """pydantic's ('gpus', 0, 'model') as gpus[0].model, the form build errors use too."""
-    path = ""
-    for part in location:
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    return path or "(top level)"
+class _Reader:
+    """Reads the YAML shapes of the spec strictly, collecting every problem instead of stopping at the first
+    (a node spec is written by hand; one error listing all the fixes saves round trips)."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def node(self, data: object) -> NodeSpec | None:
+        fields = self._mapping(data, "(top level)", _NODE_FIELDS)
+        if fields is None:
+            return None
+        groups = tuple(self._groups(fields.get("gpus", []), "gpus"))
+        total = sum(group.count for group in groups)
+        if total > MAX_GPUS:
+            self.problems.append(
+                f"gpus: {total} GPUs in all; a simulated node has at most {MAX_GPUS}: lower the counts"
+            )
+        return NodeSpec(
+            name=self._string(fields.get("name", "sim-node"), "name", max_length=63),
+            driver_version=self._string(fields.get("driver_version", "580.95.05"), "driver_version"),
+            cuda_driver_version=self._integer(fields.get("cuda_driver_version", 13000), "cuda_driver_version"),
+            nvlink=self._nvlink(fields.get("nvlink", "none")),
+            numa_nodes=self._integer(fields.get("numa_nodes", 1), "numa_nodes", low=1, high=8),
+            gpus=groups,
+        )
+
+    def _groups(self, data: object, where: str) -> list[GpuGroupSpec]:
+        if not isinstance(data, list):
+            self.problems.append(f"{where}: expected a list of GPU groups")
+            return []
+        groups = []
+        for number, entry in enumerate(data):
+            group = self._group(entry, f"{where}[{number}]")
+            if group is not None:
+                groups.append(group)
+        return groups
+
+    def _group(self, data: object, where: str) -> GpuGroupSpec | None:
+        fields = self._mapping(data, where, _GROUP_FIELDS)
+        if fields is None:
+            return None
+        if "model" not in fields:
+            self.problems.append(f"{where}.model: missing; name a GPU model ({', '.join(sorted(hardware_table()))})")
+            return None
+        model = find_model(self._string(fields["model"], f"{where}.model"))
+        if model is None:
+            known = ", ".join(sorted(hardware_table()))
+            self.problems.append(f"{where}.model: unknown GPU model {fields['model']!r}; known models: {known}")
+            return None
+        mig = None
+        if fields.get("mig") is not None:
+            mig_fields = self._mapping(fields["mig"], f"{where}.mig", _MIG_FIELDS) or {}
+            instances = mig_fields.get("instances", [])
+            if not isinstance(instances, list) or not all(isinstance(i, str) for i in instances):
+                self.problems.append(f"{where}.mig.instances: expected a list of profile names such as 1g.10gb")
+                instances = []
+            mig = MigSpec(tuple(instances))
+        return GpuGroupSpec(
+            model=model.key,
+            count=self._integer(fields.get("count", 1), f"{where}.count", low=1, high=MAX_GPUS),
+            mig=mig,
+            mig_pending=self._choice(fields.get("mig_pending"), f"{where}.mig_pending", ("enabled", "disabled", None)),
+            mig_needs_reset=self._boolean(fields.get("mig_needs_reset", False), f"{where}.mig_needs_reset"),
+            compute_mode=self._choice(
+                fields.get("compute_mode", "DEFAULT"), f"{where}.compute_mode", tuple(_COMPUTE_MODES)
+            ),
+        )
+
+    def _nvlink(self, value: object) -> Literal["none", "nvswitch"] | tuple[tuple[int, ...], ...]:
+        if value in ("none", "nvswitch"):
+            return value  # type: ignore[return-value]
+        if isinstance(value, list) and all(
+            isinstance(group, list) and all(_is_integer(i) for i in group) for group in value
+        ):
+            return tuple(tuple(group) for group in value)
+        self.problems.append("nvlink: expected none, nvswitch or a list of linked GPU index groups such as [[0, 1]]")
+        return "none"
+
+    def _mapping(self, data: object, where: str, allowed: frozenset[str]) -> dict[str, object] | None:
+        if not isinstance(data, dict):
+            self.problems.append(f"{where}: expected a mapping, got {type(data).__name__}")
+            return None
+        unknown = sorted(str(key) for key in data if key not in allowed)
+        for key in unknown:
+            self.problems.append(f"{_join(where, key)}: unknown field; known: {', '.join(sorted(allowed))}")
+        return {key: value for key, value in data.items() if key in allowed}
+
+    def _string(self, value: object, where: str, max_length: int = 253) -> str:
+        if not isinstance(value, str) or not 1 <= len(value) <= max_length:
+            self.problems.append(f"{where}: expected a string of 1 to {max_length} characters")
+            return ""
+        return value
+
+    def _integer(self, value: object, where: str, low: int | None = None, high: int | None = None) -> int:
+        if not _is_integer(value):
+            self.problems.append(f"{where}: expected a whole number, got {value!r}")
+            return low or 0
+        number = int(value)  # type: ignore[call-overload]
+        if (low is not None and number < low) or (high is not None and number > high):
+            self.problems.append(f"{where}: {number} is out of range {low}..{high}")
+            return low or 0
+        return number
+
+    def _boolean(self, value: object, where: str) -> bool:
+        if not isinstance(value, bool):
+            self.problems.append(f"{where}: expected true or false, got {value!r}")
+            return False
+        return value
+
+    def _choice(self, value: object, where: str, choices: tuple[object, ...]) -> Any:
+        if value not in choices:
+            self.problems.append(f"{where}: {value!r} is not one of {', '.join(str(c) for c in choices if c)}")
+            return choices[0]
+        return value
+
+
+_NODE_FIELDS = frozenset({"name", "driver_version", "cuda_driver_version", "nvlink", "numa_nodes", "gpus"})
+_GROUP_FIELDS = frozenset({"model", "count", "mig", "mig_pending", "mig_needs_reset", "compute_mode"})
+_MIG_FIELDS = frozenset({"instances"})
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _join(where: str, key: object) -> str:
+    return str(key) if where == "(top level)" else f"{where}.{key}"
 
 
 def build_driver(spec: NodeSpec) -> SimDriver:
@@ -178,7 +283,7 @@ def _connect_nvlink(spec: NodeSpec, gpus: list[SimGpu]) -> None:
         for gpu in linked:
             gpu.nvswitch = True
             gpu.nvlink_peers = frozenset(other.index for other in linked if other is not gpu)
-    elif isinstance(spec.nvlink, list):
+    elif isinstance(spec.nvlink, tuple):
         for number, group in enumerate(spec.nvlink):
             for index in group:
                 if not 0 <= index < len(gpus) or gpus[index].model.nvlink_links == 0:
@@ -187,7 +292,7 @@ def _connect_nvlink(spec: NodeSpec, gpus: list[SimGpu]) -> None:
                 gpus[index].nvlink_peers = frozenset(peers)
 
 
-def _create_layout(driver: SimDriver, gpu: SimGpu, instances: list[str], where: str) -> None:
+def _create_layout(driver: SimDriver, gpu: SimGpu, instances: tuple[str, ...], where: str) -> None:
     previous: SimGpuInstance | None = None
     for position, entry in enumerate(instances):
         match = _CI_PREFIX.match(entry)

@@ -72,6 +72,16 @@ def test_the_config_modules_load_no_pydantic_and_no_yaml_until_a_config_is_read(
     assert packages(parsed, "pydantic", "yaml", "agent.config.schema") == {"pydantic", "yaml", "agent.config.schema"}
 
 
+def test_a_simulated_run_loads_no_pydantic_and_no_drain_machinery():
+    """``tessera run --simulate``: the node spec is read without pydantic, and the PodResources stubs that
+    drains use load with the first drain, not at start."""
+    loaded = loaded_after(
+        RUN_PATH + "\nfrom agent.sim.install import simulated_node\nsimulated_node('dgx-a100').__enter__()"
+    )
+    assert "agent.sim.driver" in loaded
+    assert not packages(loaded, "pydantic", "pydantic_core", "agent.drain", "agent.plugin.podresources")
+
+
 def test_the_telemetry_settings_load_no_metrics_library():
     code = "from agent.telemetry.service import TelemetrySettings\nfrom agent.telemetry.server import parse_address"
     assert not packages(loaded_after(code), "prometheus_client", "http.server", "grpc", "agent.telemetry.collector")
