@@ -21,10 +21,17 @@ from pathlib import Path
 from typing import Protocol
 
 from agent.config.effective import FlagOverrides, effective
-from agent.config.labels import CONFIG_LABEL, MIG_CONFIG_LABEL, NodeLabelChanged
+from agent.config.labels import (
+    CONFIG_LABEL,
+    CORDON_ANNOTATIONS,
+    MIG_CONFIG_LABEL,
+    NodeAnnotationChanged,
+    NodeLabelChanged,
+)
 from agent.config.model import ConfigError, ConfigModel
 from agent.config.source import LoadedConfig, load_config, read_config_set
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
+from agent.core.cordon import NO_CORDON, Cordon, parse_cordon
 from agent.core.health import (
     GPU_LOST_REASON,
     Fault,
@@ -170,6 +177,8 @@ class AgentStatus:
     stale_gpus: frozenset[str] = frozenset()  # GPUs withdrawn until the inventory is read again
     discovery_error: str | None = None  # why the last inventory read failed (the previous one is in force)
     faults: Mapping[str, Fault] = field(default_factory=dict)  # GPU or MIG UUID -> why it is Unhealthy
+    cordoned: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # GPU or MIG UUID -> annotation keys
+    cordon_problems: tuple[str, ...] = ()  # cordon entries that name nothing on this node
 
 
 class Stoppable(Protocol):
@@ -198,6 +207,8 @@ class Agent:
         self._mps = MpsManager(options.mps_control, self.post, options.pod_resources_socket)
         self._mig = MigManager(self.post, options.pod_resources_socket)
         self._mig_label: str | None = None
+        self._cordon_values: dict[str, str | None] = {}  # cordon annotation key -> value (None: absent)
+        self._cordon: Cordon = NO_CORDON
         self._health = HealthState()
         self._policy: HealthPolicy = options.health  # the flags' policy with the config's health.xids
         self._snapshots: dict[str, ResourceSnapshot] = {}
@@ -453,6 +464,10 @@ class Agent:
                     self._update_mig()
             case NodeLabelChanged():
                 pass
+            case NodeAnnotationChanged(key=key, value=value) if key in CORDON_ANNOTATIONS:
+                self._cordon_values[key] = value
+                if self._update_cordon():
+                    self._publish()
             case MigBusyChecked():
                 self._mig.on_busy_checked(event, self._clock())
                 self._refresh_status()
@@ -552,25 +567,54 @@ class Agent:
         return given
 
     def _start_label_watcher(self) -> None:
-        """Follow this node's config label, when there is a node name and a Kubernetes API to ask."""
-        if not (self.options.node_name and self.options.config_path and self.options.config_path.is_dir()):
+        """Follow this node's metadata, when there is a node name and a Kubernetes API to ask: its config
+        labels (when the configs come from a directory) and its per-GPU cordon annotations. Both are read
+        once before anything is advertised, so a cordoned GPU is never offered, not even for a moment."""
+        if not self.options.node_name:
             return
-        from agent.config.node_label import NodeLabelError, NodeLabelWatcher, load_kube_api, read_node_labels
+        from agent.config.node_label import NodeLabelError, NodeLabelWatcher, load_kube_api, read_node_metadata
 
         try:
             api = load_kube_api(self.options.kubeconfig)
         except Exception as error:  # no API is a degraded mode, not a failure: the other selectors still work
-            log.warning("cannot reach the Kubernetes API; node label selection is off error=%r", str(error))
+            log.warning("cannot reach the Kubernetes API; node labels and GPU cordons are off error=%r", str(error))
             return
         if api is None:
             return
+        follow_labels = bool(self.options.config_path and self.options.config_path.is_dir())
         try:
-            labels = read_node_labels(api, self.options.node_name)
-            self._config_label, self._mig_label = labels.get(CONFIG_LABEL), labels.get(MIG_CONFIG_LABEL)
+            labels, annotations = read_node_metadata(api, self.options.node_name)
         except NodeLabelError as error:
             log.warning("cannot read the node's labels; trying again in the background error=%r", str(error))
-        self._label_watcher = NodeLabelWatcher(api, self.options.node_name, [CONFIG_LABEL, MIG_CONFIG_LABEL], self.post)
+        else:
+            if follow_labels:
+                self._config_label, self._mig_label = labels.get(CONFIG_LABEL), labels.get(MIG_CONFIG_LABEL)
+            self._cordon_values = {key: annotations.get(key) for key in CORDON_ANNOTATIONS}
+            self._update_cordon()
+        self._label_watcher = NodeLabelWatcher(
+            api,
+            self.options.node_name,
+            [CONFIG_LABEL, MIG_CONFIG_LABEL] if follow_labels else [],
+            self.post,
+            annotation_keys=CORDON_ANNOTATIONS,
+        )
         self._label_watcher.start()
+
+    def _update_cordon(self) -> bool:
+        """What the cordon annotations name on the current inventory; True when that changed (to publish)."""
+        cordon = parse_cordon(self._cordon_values, self._inventory) if self._inventory else NO_CORDON
+        if cordon == self._cordon:
+            return False
+        for unit in sorted(cordon.units - self._cordon.units):
+            log.warning("GPU cordoned unit=%s by=%s; its devices are Unhealthy (reason cordoned) until the entry "
+                        "is removed, running pods are untouched", unit, ",".join(cordon.sources[unit]))  # fmt: skip
+        for unit in sorted(self._cordon.units - cordon.units):
+            log.info("GPU cordon lifted unit=%s", unit)
+        for problem in cordon.problems:
+            if problem not in self._cordon.problems:
+                log.warning("cordon entry ignored problem=%s", problem)
+        self._cordon = cordon
+        return True
 
     def _apply_config(self, *, force: bool = False) -> None:
         """Load the config for this node; apply it if it is valid here, else keep the last good one.
@@ -694,6 +738,7 @@ class Agent:
                 len(inventory.failures), inventory.driver_version,
             )  # fmt: skip
         self._health = _without_vanished_mig_faults(self._health, inventory)
+        self._update_cordon()  # indices and MIG UUIDs may name other devices now
         if inventory.failures:
             delay = self._rediscover_backoff.next_delay()
             self._rediscover_at = self._clock() + delay
@@ -818,7 +863,12 @@ class Agent:
         stale = {d.physical_id for r in self._plan.resources for d in r.devices if d.gpu_uuid in self._stale_gpus}
         visible = self._plan.without(self._mig.withdrawn | self._mps.withdrawn() | stale)
         snapshots = build_snapshots(
-            visible, self._health, self._inventory, self._effective.allocation, unavailable=self._mps.unavailable()
+            visible,
+            self._health,
+            self._inventory,
+            self._effective.allocation,
+            unavailable=self._mps.unavailable(),
+            cordoned=self._cordon.units,
         )
         snapshots = {
             name: snapshot
@@ -1003,6 +1053,8 @@ class Agent:
             stale_gpus=self._stale_gpus,
             discovery_error=self._discovery_error,
             faults=self._health.faults,
+            cordoned=self._cordon.sources,
+            cordon_problems=self._cordon.problems,
         )
 
     def _waiting_for(self) -> dict[str, tuple[str, ...]]:

@@ -1,4 +1,5 @@
-"""Node labels Tessera follows, and the event that says one changed (no Kubernetes client needed here)."""
+"""Node labels and annotations Tessera follows, and the events that say one changed (no Kubernetes client
+needed here)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from dataclasses import dataclass
 
 CONFIG_LABEL = "nvidia.com/device-plugin.config"
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
+# Per-GPU cordon (agent.core.cordon): Tessera's own key, and HAMi's, read the same way
+CORDON_ANNOTATION = "tessera.dev/gpu-cordon"
+HAMI_CORDON_ANNOTATION = "hami.io/device-cordon"
+CORDON_ANNOTATIONS = (CORDON_ANNOTATION, HAMI_CORDON_ANNOTATION)
 
 _DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
@@ -15,6 +20,12 @@ _DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z
 class NodeLabelChanged:
     key: str
     value: str | None  # None when the label is absent or the node cannot be read
+
+
+@dataclass(frozen=True, slots=True)
+class NodeAnnotationChanged:
+    key: str
+    value: str | None  # None when the annotation is absent or the node cannot be read
 
 
 def validate_node_name(node_name: object) -> str:

@@ -5,8 +5,9 @@ follows it with an informer on its own Node (facts §1.7). Tessera does the same
 GET of its own Node, then a WATCH of the Node list narrowed by ``fieldSelector=metadata.name=<node>``. Both
 need only ``get``, ``list`` and ``watch`` on ``nodes``.
 
-The watcher posts :class:`NodeLabelChanged` events to the reconcile loop: first the current value of every
-watched key, then one event each time a watched key's value actually changes. It never crashes and never
+The watcher posts :class:`NodeLabelChanged` (and :class:`NodeAnnotationChanged`, for the annotation keys it is
+given: the per-GPU cordon) to the reconcile loop: first the current value of every watched key, then one event
+each time a watched key's value actually changes. It never crashes and never
 busy-loops: an API or network failure is logged once per failure streak and retried with exponential backoff,
 and the last known values are kept meanwhile. Label values are passed through as they are: the consumer
 validates config names.
@@ -31,11 +32,18 @@ import kubernetes.watch
 import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
 
-from agent.config.labels import CONFIG_LABEL, MIG_CONFIG_LABEL, NodeLabelChanged, validate_node_name
+from agent.config.labels import (
+    CONFIG_LABEL,
+    MIG_CONFIG_LABEL,
+    NodeAnnotationChanged,
+    NodeLabelChanged,
+    validate_node_name,
+)
 
 __all__ = [
     "CONFIG_LABEL",
     "MIG_CONFIG_LABEL",
+    "NodeAnnotationChanged",
     "NodeLabelChanged",
     "NodeLabelError",
     "NodeLabelWatcher",
@@ -127,21 +135,26 @@ def describe_api_error(e: BaseException, node_name: str, verb: str) -> str:
     return f"{head}; {fix}"
 
 
-def _get_node(api: kubernetes.client.CoreV1Api, node_name: str) -> tuple[dict[str, str], str | None]:
-    """One GET of the node: its labels and resourceVersion."""
+def _get_node(api: kubernetes.client.CoreV1Api, node_name: str) -> tuple[dict[str, str], dict[str, str], str | None]:
+    """One GET of the node: its labels, annotations and resourceVersion."""
     try:
         node = api.read_node(node_name, _request_timeout=GET_TIMEOUT)
     except (ApiException, urllib3.exceptions.HTTPError, OSError) as e:
         raise NodeLabelError(describe_api_error(e, node_name, "get")) from e
     metadata = node.metadata
-    return dict(metadata.labels or {}), metadata.resource_version
+    return dict(metadata.labels or {}), dict(metadata.annotations or {}), metadata.resource_version
 
 
 def read_node_labels(api: kubernetes.client.CoreV1Api, node_name: str) -> dict[str, str]:
     """The node's labels from one GET; :class:`NodeLabelError` naming the node, status and fix if it fails."""
+    return read_node_metadata(api, node_name)[0]
+
+
+def read_node_metadata(api: kubernetes.client.CoreV1Api, node_name: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The node's labels and annotations from one GET (:class:`NodeLabelError` if it fails)."""
     validate_node_name(node_name)
-    labels, _ = _get_node(api, node_name)
-    return labels
+    labels, annotations, _ = _get_node(api, node_name)
+    return labels, annotations
 
 
 class _WatchFailed(Exception):
@@ -162,22 +175,28 @@ class NodeLabelWatcher:
         keys: Sequence[str],
         post: Callable[[object], None],
         *,
+        annotation_keys: Sequence[str] = (),
         timeout_seconds: int = 300,
         backoff_max: float = 30.0,
         backoff_initial: float = BACKOFF_INITIAL,
     ) -> None:
         self._node = validate_node_name(node_name)
-        if isinstance(keys, str) or not keys or not all(isinstance(k, str) and k for k in keys):
-            raise ValueError(f"keys must be a non-empty sequence of label keys, got {keys!r}")
+        for what, given in (("keys", keys), ("annotation_keys", annotation_keys)):
+            if isinstance(given, str) or not all(isinstance(k, str) and k for k in given):
+                raise ValueError(f"{what} must be a sequence of non-empty keys, got {given!r}")
+        if not keys and not annotation_keys:
+            raise ValueError("watch at least one label or annotation key")
         if timeout_seconds < 1 or backoff_max <= 0 or backoff_initial <= 0:
             raise ValueError("timeout_seconds must be >= 1 and the backoff bounds positive")
         self._api = api
         self._keys = tuple(dict.fromkeys(keys))
+        self._annotation_keys = tuple(dict.fromkeys(annotation_keys))
         self._post = post
         self._timeout = int(timeout_seconds)
         self._backoff_max = float(backoff_max)
         self._backoff_initial = min(float(backoff_initial), self._backoff_max)
         self._values: dict[str, str | None] | None = None  # None until the first values were posted
+        self._annotations: dict[str, str | None] | None = None
         self._failures = 0  # the current failure streak
         self._gone_streak = 0  # 410s in a row with no event between them
         self._stop = threading.Event()
@@ -212,10 +231,10 @@ class NodeLabelWatcher:
             verb = "get"
             try:
                 if resource_version is None:
-                    labels, resource_version = _get_node(self._api, self._node)
+                    labels, annotations, resource_version = _get_node(self._api, self._node)
                     if self._failures:
                         log.info("node label get ok node=%s after_failures=%d action=watch", self._node, self._failures)
-                    self._apply(labels)
+                    self._apply(labels, annotations)
                     if resource_version is None:
                         raise _WatchFailed(f"node {self._node} has no resourceVersion")
                 verb = "list and watch"
@@ -283,10 +302,10 @@ class NodeLabelWatcher:
                     continue
                 resource_version = str(metadata.get("resourceVersion") or resource_version)
                 if kind in ("ADDED", "MODIFIED"):
-                    self._apply(metadata.get("labels") or {})
+                    self._apply(metadata.get("labels") or {}, metadata.get("annotations") or {})
                 elif kind == "DELETED":
                     log.warning("node deleted node=%s", self._node)
-                    self._apply({})
+                    self._apply({}, {})
                 # BOOKMARK: only the resourceVersion moves
         finally:
             watch.stop()
@@ -302,21 +321,34 @@ class NodeLabelWatcher:
         log.debug("node label watch ended node=%s rv=%s events=%d action=rewatch", self._node, resource_version, events)
         return resource_version
 
-    def _apply(self, labels: Mapping[str, object]) -> None:
+    def _apply(self, labels: Mapping[str, object], annotations: Mapping[str, object]) -> None:
         """Post the watched keys whose value differs from what was last posted (all of them the first time)."""
-        initial = self._values is None
-        previous = self._values or {}
-        current = {key: _value(labels.get(key)) for key in self._keys}
-        self._values = current
-        for key in self._keys:
+        labels = labels if isinstance(labels, Mapping) else {}  # a malformed event reads as "no values"
+        annotations = annotations if isinstance(annotations, Mapping) else {}
+        self._values = self._changed("label", self._keys, labels, self._values, NodeLabelChanged)
+        self._annotations = self._changed(
+            "annotation", self._annotation_keys, annotations, self._annotations, NodeAnnotationChanged
+        )
+
+    def _changed(
+        self,
+        what: str,
+        keys: tuple[str, ...],
+        given: Mapping[str, object],
+        last: dict[str, str | None] | None,
+        event: type[NodeLabelChanged] | type[NodeAnnotationChanged],
+    ) -> dict[str, str | None]:
+        current = {key: _value(given.get(key)) for key in keys}
+        for key in keys:
             value = current[key]
-            if initial:
-                log.info("node label initial node=%s key=%s value=%s", self._node, key, value)
-            elif value != previous.get(key):
-                log.info("node label changed node=%s key=%s value=%s", self._node, key, value)
+            if last is None:
+                log.info("node %s initial node=%s key=%s value=%s", what, self._node, key, value)
+            elif value != last.get(key):
+                log.info("node %s changed node=%s key=%s value=%s", what, self._node, key, value)
             else:
                 continue
-            self._post(NodeLabelChanged(key=key, value=value))
+            self._post(event(key=key, value=value))
+        return current
 
     def _failed(self, error: str) -> None:
         """Log once per failure streak, post None for every key if nothing was ever read, then back off."""
@@ -342,7 +374,7 @@ class NodeLabelWatcher:
                 error,
             )
         if self._values is None:
-            self._apply({})  # the node cannot be read: the consumer falls back to its default, for now
+            self._apply({}, {})  # the node cannot be read: the consumer falls back to its default, for now
         self._stop.wait(delay)
 
     def _recovered(self) -> None:

@@ -64,9 +64,11 @@ def build_snapshots(
     options: AllocationOptions,
     *,
     unavailable: frozenset[str] = frozenset(),
+    cordoned: frozenset[str] = frozenset(),
 ) -> dict[str, ResourceSnapshot]:
-    """One snapshot per resource with devices; a device is healthy when its GPU (or MIG device) is and its
-    physical device is not ``unavailable`` (e.g. its MPS daemon is down)."""
+    """One snapshot per resource with devices; a device is healthy when its GPU (or MIG device) is, its
+    physical device is not ``unavailable`` (e.g. its MPS daemon is down) and neither its GPU nor its MIG
+    device is ``cordoned`` by the operator."""
     peers = {gpu.index: frozenset(gpu.nvlink_peers) for gpu in inventory.gpus}
     snapshots = {}
     for resource in plan.resources:
@@ -75,6 +77,11 @@ def build_snapshots(
         healthy = health.device_health(resource.devices)
         if unavailable:
             healthy = {d.id: healthy[d.id] and d.physical_id not in unavailable for d in resource.devices}
+        if cordoned:
+            healthy = {
+                d.id: healthy[d.id] and d.gpu_uuid not in cordoned and d.mig_uuid not in cordoned
+                for d in resource.devices
+            }
         snapshots[resource.name] = ResourceSnapshot(
             name=resource.name,
             devices=resource.devices,

@@ -8,19 +8,14 @@ event after N, and a compaction makes older resourceVersions answer ``410 Gone``
 
 from __future__ import annotations
 
-import functools
 import itertools
-import json
 import logging
 import queue
-import select
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -33,6 +28,7 @@ from agent.config.node_label import (
     load_kube_api,
     read_node_labels,
 )
+from tests.fake_kube import FakeKube, serving, write_kubeconfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,270 +41,15 @@ KEYS = (CONFIG_LABEL, MIG_CONFIG_LABEL)
 # ----- the fake API server ----------------------------------------------------------------------------
 
 
-def _status(code: int, reason: str, message: str) -> dict:
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    }
-
-
-_GO_TRUE = {"1", "t", "T", "TRUE", "true", "True"}  # what the API server's strconv.ParseBool takes as true
-_REASONS = {403: "Forbidden", 404: "NotFound", 410: "Expired", 500: "InternalError"}
-
-
-class FakeKube:
-    """One node, its label history and the knobs the tests turn; every method is thread-safe."""
-
-    def __init__(self, node_name: str, labels: dict[str, str]) -> None:
-        self.node_name = node_name
-        self.labels = dict(labels)
-        self.rv = 100
-        self.horizon = 0  # watches from a resourceVersion older than this get 410 Gone
-        self.history: list[tuple[int, dict]] = []  # (resourceVersion, watch event)
-        self.requests: list[tuple[float, str, int]] = []  # (time, "get" | "watch" | "other", status answered)
-        self.get_status: int | None = None  # answer GETs with this error status
-        self.watch_status: int | None = None  # answer watches with this error status
-        self.open_streams = 0
-        self.close_generation = 0  # bumped to end every open watch stream
-        self.closing = False
-        self.cond = threading.Condition()
-
-    # -- what the tests do
-
-    def node(self) -> dict:
-        return {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {
-                "name": self.node_name,
-                "uid": "6c1e8f0e-0000-4000-8000-000000000001",
-                "resourceVersion": str(self.rv),
-                "creationTimestamp": "2025-01-01T00:00:00Z",
-                "labels": dict(self.labels),
-            },
-            "spec": {},
-            "status": {},
-        }
-
-    def update(self, set_: dict[str, str] | None = None, remove: tuple[str, ...] = (), *, notify: bool = True) -> None:
-        """Change labels (a new resourceVersion); ``notify=False`` changes them without a watch event."""
-        with self.cond:
-            self.labels.update(set_ or {})
-            for key in remove:
-                self.labels.pop(key, None)
-            self.rv += 1
-            if notify:
-                self.history.append((self.rv, {"type": "MODIFIED", "object": self.node()}))
-            self.cond.notify_all()
-
-    def compact(self) -> None:
-        """Forget the history: a watch from any older resourceVersion now gets 410 Gone."""
-        with self.cond:
-            self.history.clear()
-            self.horizon = self.rv
-            self.cond.notify_all()
-
-    def close_streams(self) -> None:
-        """End every open watch stream, as the API server does at its timeout or on a restart."""
-        with self.cond:
-            self.close_generation += 1
-            self.cond.notify_all()
-
-    def count(self, kind: str, status: int | None = None) -> int:
-        with self.cond:
-            return sum(1 for _, k, s in self.requests if k == kind and (status is None or s == status))
-
-    def times(self, kind: str) -> list[float]:
-        with self.cond:
-            return [t for t, k, _ in self.requests if k == kind]
-
-    def wait_for(self, predicate, timeout: float = DEADLINE) -> None:
-        with self.cond:
-            if not self.cond.wait_for(predicate, timeout=timeout):
-                pytest.fail(f"fake API server: condition not met within {timeout}s; requests={self.requests}")
-
-    def wait_for_requests(self, kind: str, n: int, timeout: float = DEADLINE) -> None:
-        self.wait_for(lambda: sum(1 for _, k, _ in self.requests if k == kind) >= n, timeout)
-
-    # -- what the handler calls
-
-    def record(self, kind: str, status: int) -> None:
-        with self.cond:
-            self.requests.append((time.monotonic(), kind, status))
-            self.cond.notify_all()
-
-    def serve_get(self, handler: BaseHTTPRequestHandler, name: str) -> None:
-        with self.cond:
-            status = self.get_status
-            if status is None and name != self.node_name:
-                status = 404
-            body = self.node() if status is None else None
-        if status == 404:
-            body = _status(404, "NotFound", f'nodes "{name}" not found')
-        elif status == 403:
-            body = _status(
-                403,
-                "Forbidden",
-                f'nodes "{name}" is forbidden: User "system:serviceaccount:tessera:agent" cannot get resource '
-                '"nodes" in API group "" at the cluster scope',
-            )
-        elif status is not None:
-            body = _status(status, _REASONS.get(status, "Unknown"), "the fake API server was told to fail")
-        self.record("get", status or 200)
-        _send_json(handler, status or 200, body)
-
-    def serve_watch(self, handler: BaseHTTPRequestHandler, query: dict[str, list[str]]) -> None:
-        if query.get("fieldSelector") != [f"metadata.name={self.node_name}"]:
-            self.record("watch", 400)
-            _send_json(handler, 400, _status(400, "BadRequest", f"unexpected fieldSelector {query}"))
-            return
-        since = int(query.get("resourceVersion", ["0"])[0] or 0)
-        timeout = float(query.get("timeoutSeconds", ["3600"])[0])
-        with self.cond:
-            status = self.watch_status
-            gone = status is None and since < self.horizon
-        if status is not None:
-            self.record("watch", status)
-            _send_json(handler, status, _status(status, _REASONS.get(status, "Unknown"), "told to fail"))
-            return
-        self.record("watch", 410 if gone else 200)
-        handler.close_connection = True
-        handler.send_response(200)
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Transfer-Encoding", "chunked")
-        handler.end_headers()
-        try:
-            if gone:  # what the API server sends for a resourceVersion it no longer has
-                message = f"too old resource version: {since} ({self.horizon})"
-                _send_chunk(handler, {"type": "ERROR", "object": _status(410, "Expired", message)})
-            else:
-                self._stream(handler, since, time.monotonic() + timeout)
-            handler.wfile.write(b"0\r\n\r\n")
-            handler.wfile.flush()
-        except OSError:
-            pass  # the client went away (the watcher stopped)
-
-    def _stream_ready(self, generation: int, since: int) -> bool:
-        """Called with the lock held: the stream has something to send or must end."""
-        return self.closing or self.close_generation != generation or any(rv > since for rv, _ in self.history)
-
-    def _stream(self, handler: BaseHTTPRequestHandler, since: int, end: float) -> None:
-        with self.cond:
-            generation = self.close_generation
-            self.open_streams += 1
-            self.cond.notify_all()
-        try:
-            while True:
-                with self.cond:
-                    self.cond.wait_for(
-                        functools.partial(self._stream_ready, generation, since),
-                        timeout=max(0.0, min(0.2, end - time.monotonic())),
-                    )
-                    pending = [(rv, event) for rv, event in self.history if rv > since]
-                    done = self.closing or self.close_generation != generation or time.monotonic() >= end
-                if _client_gone(handler):
-                    return
-                for rv, event in pending:
-                    _send_chunk(handler, event)
-                    since = rv
-                if done:
-                    return
-        finally:
-            with self.cond:
-                self.open_streams -= 1
-                self.cond.notify_all()
-
-
-def _client_gone(handler: BaseHTTPRequestHandler) -> bool:
-    """The client closed or cut its end of the connection (a watch sends no request body to read)."""
-    readable, _, _ = select.select([handler.connection], [], [], 0)
-    if not readable:
-        return False
-    try:
-        return handler.connection.recv(1, socket.MSG_PEEK) == b""
-    except OSError:
-        return True
-
-
-def _send_json(handler: BaseHTTPRequestHandler, status: int, body: object) -> None:
-    data = json.dumps(body).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
-
-
-def _send_chunk(handler: BaseHTTPRequestHandler, event: dict) -> None:
-    data = json.dumps(event).encode() + b"\n"
-    handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-    handler.wfile.flush()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        fake: FakeKube = self.server.fake  # type: ignore[attr-defined]
-        url = urlsplit(self.path)
-        query = parse_qs(url.query)
-        if url.path == "/api/v1/nodes" and query.get("watch", [""])[0] in _GO_TRUE:
-            fake.serve_watch(self, query)
-        elif url.path.startswith("/api/v1/nodes/") and url.path.count("/") == 4:
-            fake.serve_get(self, url.path.rsplit("/", 1)[1])
-        else:
-            fake.record("other", 404)
-            _send_json(self, 404, _status(404, "NotFound", f"the fake does not serve {self.path}"))
-
-
 @pytest.fixture
 def fake() -> Iterator[FakeKube]:
-    kube = FakeKube(NODE, {CONFIG_LABEL: "mps-4", "kubernetes.io/hostname": NODE})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.daemon_threads = True
-    server.fake = kube  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    kube.port = server.server_address[1]  # type: ignore[attr-defined]
-    yield kube
-    with kube.cond:
-        kube.closing = True
-        kube.cond.notify_all()
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with serving(FakeKube(NODE, {CONFIG_LABEL: "mps-4", "kubernetes.io/hostname": NODE})) as kube:
+        yield kube
 
 
 @pytest.fixture
 def api(fake: FakeKube, tmp_path: Path):
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        f"""apiVersion: v1
-kind: Config
-clusters:
-- name: fake
-  cluster:
-    server: http://127.0.0.1:{fake.port}
-users:
-- name: anonymous
-  user: {{}}
-contexts:
-- name: fake
-  context:
-    cluster: fake
-    user: anonymous
-current-context: fake
-"""
-    )
-    return load_kube_api(str(kubeconfig))
+    return load_kube_api(str(write_kubeconfig(tmp_path / "kubeconfig", fake.port)))
 
 
 @pytest.fixture

@@ -1,0 +1,117 @@
+"""Per-GPU cordon through the Node's annotations, end to end: a fake API server spoken to by the real
+Kubernetes client, the agent on a simulated node, the kubelet emulator. A cordoned GPU's devices go
+Unhealthy at once with the reason in the status, a pod already running on it keeps its devices, removing
+the entry restores them, and junk is reported without stopping anything."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.agent import Agent, AgentOptions
+from agent.config.labels import CORDON_ANNOTATION, HAMI_CORDON_ANNOTATION
+from agent.sim.kubelet import KubeletEmulator
+from tests.fake_kube import FakeKube, serving, write_kubeconfig
+
+pytestmark = pytest.mark.timeout(60)
+
+NODE = "gpu-node-1"
+GPU = "nvidia.com/gpu"
+
+
+class Node:
+    def __init__(self, kube: FakeKube, kubelet: KubeletEmulator, agent: Agent) -> None:
+        self.kube, self.kubelet, self.agent = kube, kubelet, agent
+
+    def wait(self, predicate: Callable[[], object], what: str, timeout: float = 15.0) -> None:
+        self.kubelet.wait_for(lambda: bool(predicate()), timeout=timeout, what=what)
+
+    def unhealthy(self) -> set[str]:
+        return {device for device, health in self.kubelet.devices(GPU).items() if health != "Healthy"}
+
+    def device_of(self, index: int) -> str:
+        uuid = self.agent.status.inventory.gpus[index].uuid
+        return next(d.id for d in self.agent.status.resources[GPU].devices if d.gpu_uuid == uuid)
+
+    def annotate(self, **values: str | None) -> None:
+        keys = {"tessera": CORDON_ANNOTATION, "hami": HAMI_CORDON_ANNOTATION}
+        self.kube.update(annotate={keys[name]: value for name, value in values.items()})
+
+
+@pytest.fixture
+def node(sim_node) -> Iterator[Callable[..., Node]]:
+    base = Path(tempfile.mkdtemp(prefix="gc", dir="/tmp"))  # short: unix socket paths are limited
+    started: list[tuple[Agent, threading.Thread, KubeletEmulator]] = []
+    with serving(FakeKube(NODE, {"kubernetes.io/hostname": NODE})) as kube:
+
+        def start(annotations: dict[str, str] | None = None) -> Node:
+            sim_node("dgx-a100")
+            kube.annotations.update(annotations or {})
+            kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock")
+            kubelet.start()
+            options = AgentOptions(
+                device_plugin_dir=base / "dp",
+                pod_resources_socket=base / "pr" / "kubelet.sock",
+                node_name=NODE,
+                kubeconfig=str(write_kubeconfig(base / "kubeconfig", kube.port)),
+            )
+            agent = Agent(options)
+            thread = threading.Thread(target=agent.run, name="agent-under-test")
+            thread.start()
+            started.append((agent, thread, kubelet))
+            result = Node(kube, kubelet, agent)
+            result.wait(lambda: kubelet.capacity(GPU) == 8, "8 GPUs registered")
+            return result
+
+        yield start
+        for agent, thread, kubelet in started:
+            agent.stop()
+            thread.join(timeout=20)
+            assert not thread.is_alive()
+            kubelet.stop()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_cordoned_gpu_goes_unhealthy_at_once_and_comes_back_when_the_entry_goes(node):
+    n = node()
+    pod = n.kubelet.create_pod("trainer", {"main": {GPU: 8}})  # every GPU is in use by a running pod
+    n.annotate(tessera="1")
+    n.wait(lambda: n.unhealthy() == {n.device_of(1)}, "GPU 1 Unhealthy at the kubelet")
+    assert n.kubelet.allocatable(GPU) == 7
+    status = n.agent.status
+    assert status.cordoned == {status.inventory.gpus[1].uuid: (CORDON_ANNOTATION,)}
+    assert n.kubelet.pod("trainer").containers == pod.containers  # the running pod keeps its devices
+
+    n.annotate(tessera=None)
+    n.wait(lambda: not n.unhealthy(), "GPU 1 Healthy again")
+    assert n.agent.status.cordoned == {}
+
+
+def test_hamis_annotation_cordons_by_uuid_too(node):
+    n = node()
+    uuid = n.agent.status.inventory.gpus[6].uuid
+    n.annotate(hami=uuid)
+    n.wait(lambda: n.unhealthy() == {n.device_of(6)}, "GPU 6 Unhealthy at the kubelet")
+    assert n.agent.status.cordoned == {uuid: (HAMI_CORDON_ANNOTATION,)}
+
+
+def test_a_gpu_cordoned_before_the_agent_starts_is_never_offered_healthy(node):
+    n = node({CORDON_ANNOTATION: "3"})
+    assert n.kubelet.allocatable(GPU) == 7  # from the first ListAndWatch on
+    assert n.unhealthy() == {n.device_of(3)}
+
+
+def test_junk_entries_are_reported_and_the_valid_ones_still_apply(node):
+    n = node()
+    n.annotate(tessera="GPU-nope, 42, 2, \x07")
+    n.wait(lambda: n.unhealthy() == {n.device_of(2)}, "GPU 2 Unhealthy at the kubelet")
+    problems = n.agent.status.cordon_problems
+    assert len(problems) == 3 and all("is not a GPU or MIG device of this node" in p for p in problems)
+    n.annotate(tessera="x" * 300_000)  # larger than the API server would ever store: still just junk
+    n.wait(lambda: not n.unhealthy(), "GPU 2 Healthy again after the annotation was replaced")
+    assert n.agent.responsive(5)
