@@ -1,4 +1,9 @@
-"""Shared pieces of the deployment tests: paths, the rendered variants, the supported Kubernetes versions."""
+"""Shared pieces of the deployment tests: paths, the rendered variants, the supported Kubernetes versions.
+
+The variants are rendered by the real kustomize, kubectl's (tests/deploy/kubectl.py). Without a kubectl
+that has kustomize v5 every test that needs a rendering fails (it does not skip) with the message
+"kubectl with kustomize is needed for the deployment tests: install kubectl >= 1.27".
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.kustomize import build
+from tests.deploy.kubectl import Kubectl, KubectlMissing, find
 
 ROOT = Path(__file__).resolve().parents[2]
 DAEMONSET = ROOT / "daemonset"
@@ -23,12 +28,24 @@ OLDEST_KUBERNETES = "1.31"
 NEWEST_KUBERNETES = "1.37"
 SUPPORTED_KUBERNETES = (OLDEST_KUBERNETES, NEWEST_KUBERNETES)
 
-VARIANTS = {
-    "base": DAEMONSET / "base",
-    "mig-manager": DAEMONSET / "overlays" / "mig-manager",
-    "mps": DAEMONSET / "overlays" / "mps",
-    "service-monitor": DAEMONSET / "overlays" / "service-monitor",
-}
+KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
+
+
+def kustomizations() -> dict[str, Path]:
+    """Every kustomization under daemonset/, by variant name: `base`, then each overlay by its directory's
+    name. Found, not listed, so that a new overlay is rendered and validated like the others."""
+    found = {
+        path.parent
+        for name in KUSTOMIZATION_FILES
+        for path in DAEMONSET.rglob(name)
+        if path.is_file()  # (a kustomization file, not a directory that happens to be called so)
+    }
+    variants = {("base" if d == DAEMONSET / "base" else d.name): d for d in sorted(found)}
+    assert len(variants) == len(found), f"two kustomizations share a directory name: {sorted(found)}"
+    return variants
+
+
+VARIANTS = kustomizations()
 
 
 def project() -> dict[str, Any]:
@@ -55,5 +72,16 @@ def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def rendered() -> dict[str, list[dict[str, Any]]]:
-    return {name: build(path) for name, path in VARIANTS.items()}
+def kubectl() -> Kubectl:
+    """kubectl with kustomize v5; fails every test that needs it when there is none."""
+    try:
+        return find()
+    except KubectlMissing as error:
+        message = str(error)
+    pytest.fail(message, pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def rendered(kubectl: Kubectl) -> dict[str, list[dict[str, Any]]]:
+    """`kubectl kustomize` of every variant: what `kubectl apply -k` would send."""
+    return {name: kubectl.kustomize(path) for name, path in VARIANTS.items()}

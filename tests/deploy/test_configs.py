@@ -25,7 +25,6 @@ import pytest
 import yaml
 
 from tests.deploy.conftest import CONFIGS, DAEMONSET, PODS, ROOT, config_files, has_mig_layout
-from tests.deploy.kustomize import build
 
 NODES = Path(__file__).parent / "nodes"
 H100_BALANCED = str(NODES / "dgx-h100-balanced.yaml")
@@ -180,19 +179,19 @@ def test_mig_manager_layouts_fit_a100_and_h100():
 # ----- the ConfigMaps as the agent sees them ------------------------------------------------------------
 
 
-def _mounted(tmp_path: Path, variant: str) -> str:
+def _mounted(tmp_path: Path, rendered: dict[str, list[dict[str, Any]]], variant: str) -> str:
     """The rendered tessera-config ConfigMap written out as the kubelet mounts it: one file per key."""
-    objects = build(DAEMONSET / variant)
+    objects = rendered[variant]
     (cm,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "tessera-config"]
-    directory = tmp_path / variant.replace("/", "-")
+    directory = tmp_path / variant
     directory.mkdir()
     for key, text in cm["data"].items():
         (directory / key).write_text(text, encoding="utf-8")
     return str(directory)
 
 
-def test_base_config_map_leaves_unlabelled_nodes_alone_except_by_model(tmp_path):
-    mounted = _mounted(tmp_path, "base")
+def test_base_config_map_leaves_unlabelled_nodes_alone_except_by_model(tmp_path, rendered):
+    mounted = _mounted(tmp_path, rendered, "base")
     for node in ("dgx-a100", "dgx-h100", "a100-mig"):
         planned = plan(node, "--config", mounted)
         assert planned["mig_strategy"] == "none" and set(counts(planned)) == {"nvidia.com/gpu"}, node
@@ -201,8 +200,8 @@ def test_base_config_map_leaves_unlabelled_nodes_alone_except_by_model(tmp_path)
     assert counts(labelled) == {"nvidia.com/gpu-10gb": 56}
 
 
-def test_mig_manager_config_map_selects_by_model_and_label(tmp_path):
-    mounted = _mounted(tmp_path, "overlays/mig-manager")
+def test_mig_manager_config_map_selects_by_model_and_label(tmp_path, rendered):
+    mounted = _mounted(tmp_path, rendered, "mig-manager")
     assert plan("dgx-h100", "--config", mounted)["mig_strategy"] == "mixed"  # h100-balanced's match
     assert counts(plan(H100_BALANCED, "--config", mounted))["nvidia.com/mig-3g.40gb"] == 8
     labelled = plan("a100-mig", "--config", mounted, "--node-label", "a100-80gb-mig-mixed")

@@ -1,14 +1,18 @@
-"""The kustomize manifests in daemonset/, rendered offline (tests/deploy/kustomize.py) and checked.
+"""The kustomize manifests in daemonset/, rendered by kubectl's kustomize (tests/deploy/kubectl.py) and checked.
+
+Every kustomization under daemonset/ is a variant (conftest.VARIANTS finds them): base and each overlay.
 
 Every rendered object is validated with kubernetes-validate (strict: unknown fields are errors) against
 the oldest and the newest supported Kubernetes version. Custom resources (the Prometheus operator's
 ServiceMonitor) have no schema there and are skipped by kind; their fields are checked by hand below.
 Then the fields that matter for security and operation: no privileged container, capabilities, the exact
-hostPath set, RBAC, probes, the downward API, the ConfigMap keys.
+hostPath set, RBAC (exactly the API access each variant grants), probes, the downward API, the ConfigMap
+keys.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -32,7 +36,7 @@ from tests.deploy.conftest import (
     has_mig_layout,
     project,
 )
-from tests.deploy.kustomize import KustomizeError, build, strategic_merge
+from tests.deploy.kubectl import MIN_KUBECTL, MIN_KUSTOMIZE, NEEDED, RenderError
 
 NAMESPACE = "tessera-system"
 # Custom resources: not in kubernetes-validate's schemas (it ships the built-in API only).
@@ -56,6 +60,16 @@ MIG_ENV = {
     "NVIDIA_MIG_CONFIG_DEVICES": "all",
     "NVIDIA_MIG_MONITOR_DEVICES": "all",
 }
+# The API access of every variant, exactly, as (API group, resource, verb); daemonset/base/rbac.yaml and
+# daemonset/overlays/node-labels/rbac.yaml say why each is there. Widening any of this is a security
+# decision: change these sets in the same commit, on purpose.
+NODE_READ = {("", "nodes", verb) for verb in ("get", "list", "watch")}  # its own Node's labels
+EVENTS = {(group, "events", verb) for group in ("events.k8s.io", "") for verb in ("create", "patch")}
+GRANTS = NODE_READ | EVENTS
+# What an opt-in overlay adds to GRANTS; every other variant (a new overlay too) grants GRANTS alone.
+EXTRA_GRANTS = {"node-labels": {("", "nodes", "patch")}}
+RBAC_KINDS = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
+READ_VERBS = {"get", "list", "watch"}
 
 
 def pod_spec(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -85,6 +99,18 @@ def config_map(objects: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 
 # ----- rendering and schema validation ---------------------------------------------------------------
+
+
+def test_every_kustomization_is_a_variant():
+    """conftest finds the variants; make sure it finds the ones the docs name (and the tests rely on)."""
+    assert {"base", "mig-manager", "mps", "service-monitor", "node-labels"} <= set(VARIANTS)
+
+
+def test_kubectl_has_kustomize_v5(kubectl):
+    """The tool users render the manifests with (`kubectl apply -k`), new enough for them."""
+    assert os.access(kubectl.path, os.X_OK)
+    assert int(re.match(r"v(\d+)", kubectl.kustomize_version).group(1)) >= MIN_KUSTOMIZE, kubectl
+    assert "kubectl >= {}.{}".format(*MIN_KUBECTL) in NEEDED  # the failure message asks for what is checked
 
 
 def test_every_variant_renders(rendered):
@@ -162,7 +188,8 @@ def test_no_variant_is_privileged(rendered, variant):
 
 
 def test_default_variants_add_no_capability_and_stay_in_their_pid_namespace(rendered):
-    for variant in ("base", "service-monitor"):
+    assert {"base", "service-monitor", "node-labels"} <= set(VARIANTS) - {"mig-manager", "mps"}
+    for variant in set(VARIANTS) - {"mig-manager", "mps"}:
         c = container(rendered[variant])
         assert "add" not in c["securityContext"]["capabilities"], variant
         assert not pod_spec(rendered[variant]).get("hostPID"), variant
@@ -209,42 +236,78 @@ def test_mps_overlay_adds_only_host_pid_sys_admin_and_memory(rendered):
     assert pod_spec(rendered["mps"])["volumes"] == pod_spec(rendered["base"])["volumes"]
 
 
-def test_mig_and_mps_together_as_docs_install_describes(tmp_path):
+def test_mig_and_mps_together_as_docs_install_describes(kubectl, rendered, tmp_path):
     """docs/install.md's recipe, taken from the document: mig-manager plus its inline hostPID patch."""
     install = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```yaml\n(.*?)```", install, flags=re.DOTALL)
     (recipe,) = [yaml.safe_load(b) for b in blocks if "hostPID: true" in b]
-    (tmp_path / "kustomization.yaml").write_text(
-        yaml.safe_dump({**recipe, "resources": [str(VARIANTS["mig-manager"])]}), encoding="utf-8"
-    )
-    objects = build(tmp_path)
+    # kustomize takes a resource directory only as a relative path, as the document's own overlay has it
+    variant = os.path.relpath(VARIANTS["mig-manager"], tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({**recipe, "resources": [variant]}), encoding="utf-8")
+    objects = kubectl.kustomize(tmp_path)
     c = container(objects)
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
     assert pod_spec(objects)["hostPID"] is True
-    assert c["resources"]["limits"]["memory"] == container(build(VARIANTS["mps"]))["resources"]["limits"]["memory"]
+    assert c["resources"]["limits"]["memory"] == container(rendered["mps"])["resources"]["limits"]["memory"]
     assert MIG_ENV.items() <= env(c).items()
     assert host_paths(objects) == HOST_PATHS
     for version in SUPPORTED_KUBERNETES:
         kubernetes_validate.validate(daemonset(objects), version, strict=True)
 
 
-def test_rbac_is_only_get_list_watch_on_nodes(rendered):
-    for name, objects in rendered.items():
-        roles = [o for o in objects if o["kind"] in ("Role", "ClusterRole")]
-        (role,) = roles
-        assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
-        bindings = [o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]
-        (binding,) = bindings
-        assert binding["roleRef"] == {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "ClusterRole",
-            "name": role["metadata"]["name"],
-        }
-        (sa,) = [o for o in objects if o["kind"] == "ServiceAccount"]
-        subject = {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
-        assert binding["subjects"] == [subject]
-        assert pod_spec(objects)["serviceAccountName"] == sa["metadata"]["name"], name
-        assert not [o for o in objects if o["kind"] == "Secret"]
+def rbac_grants(variant: str, objects: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """What the agent's ServiceAccount may do, as (API group, resource, verb), after checking that the
+    RBAC objects are plain: every role bound, only to that ServiceAccount, no wildcard, no aggregation, no
+    resourceNames or nonResourceURLs, no built-in role."""
+    (sa,) = [o for o in objects if o["kind"] == "ServiceAccount"]
+    subject = {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
+    assert pod_spec(objects)["serviceAccountName"] == sa["metadata"]["name"], variant
+    roles = {(o["kind"], o["metadata"]["name"]): o for o in objects if o["kind"] in ("Role", "ClusterRole")}
+    bindings = [o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    bound = set()
+    for binding in bindings:
+        name = binding["metadata"]["name"]
+        assert binding["subjects"] == [subject], (variant, name)
+        ref = binding["roleRef"]
+        assert ref["apiGroup"] == "rbac.authorization.k8s.io", (variant, name)
+        assert (ref["kind"], ref["name"]) in roles, f"{variant}: {name} binds a role the manifests do not define"
+        bound.add((ref["kind"], ref["name"]))
+    assert bound == set(roles), f"{variant}: roles bound by nothing: {set(roles) - bound}"
+    grants = set()
+    for (kind, name), role in roles.items():
+        assert "aggregationRule" not in role, (variant, name)
+        for rule in role["rules"]:
+            # resourceNames cannot follow a DaemonSet's pods to their nodes; nonResourceURLs are not needed
+            assert set(rule) == {"apiGroups", "resources", "verbs"}, (variant, name, rule)
+            for field in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[field], f"{variant}: a wildcard in {kind} {name}: {rule}"
+            grants |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    return grants
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rbac_grants_exactly_node_reads_and_events(rendered, variant):
+    objects = rendered[variant]
+    grants = rbac_grants(variant, objects)
+    assert not {g for g in grants if g[1] == "secrets"}, variant
+    assert not [o for o in objects if o["kind"] == "Secret"], variant
+    writes = {g for g in grants if g[2] not in READ_VERBS}
+    assert {g for g in writes if g[1] != "events"} <= EXTRA_GRANTS.get(variant, set()), f"{variant} writes {writes}"
+    assert grants == GRANTS | EXTRA_GRANTS.get(variant, set()), variant
+    # cluster-wide, since the Node and its Events are outside the agent's namespace; nothing namespaced
+    assert {o["kind"] for o in objects if o["kind"] in RBAC_KINDS} == {"ClusterRole", "ClusterRoleBinding"}
+
+
+def test_base_rbac_is_every_variants_and_node_patch_is_opt_in(rendered):
+    """Only overlays/node-labels may patch Nodes; it adds a role of its own and leaves base's as it is."""
+    base = [o for o in rendered["base"] if o["kind"] in RBAC_KINDS]
+    for variant, objects in rendered.items():
+        rbac = [o for o in objects if o["kind"] in RBAC_KINDS]
+        assert [o for o in base if o not in rbac] == [], variant
+        if variant not in EXTRA_GRANTS:
+            assert len(rbac) == len(base), variant
+    assert ("", "nodes", "patch") not in rbac_grants("base", rendered["base"])
+    assert set(EXTRA_GRANTS) <= set(VARIANTS)
 
 
 # ----- operation --------------------------------------------------------------------------------------
@@ -330,8 +393,8 @@ def test_config_map_keys_are_the_catalogue(rendered):
     Keys are the file names without .yaml (the value of nvidia.com/device-plugin.config)."""
     files = config_files()
     without_layout = {p.stem for p in files if not has_mig_layout(p)}
-    assert set(config_map(rendered["base"], "tessera-config")["data"]) == without_layout
-    assert set(config_map(rendered["mps"], "tessera-config")["data"]) == without_layout
+    for variant in set(VARIANTS) - {"mig-manager"}:
+        assert set(config_map(rendered[variant], "tessera-config")["data"]) == without_layout, variant
     assert set(config_map(rendered["mig-manager"], "tessera-config")["data"]) == {p.stem for p in files}
     for name, objects in rendered.items():
         for key, text in config_map(objects, "tessera-config")["data"].items():
@@ -368,10 +431,12 @@ def test_mig_layout_names_used_by_configs_exist_in_the_layouts_file(rendered):
             assert layouts["mig-configs"][section["config"]] == section["layouts"]["mig-configs"][section["config"]]
 
 
-# ----- the renderer itself -------------------------------------------------------------------------------
+# ----- the renderer: kubectl's kustomize, as `kubectl apply -k` runs it ------------------------------------
 
 
-def test_renderer_refuses_files_outside_the_kustomization(tmp_path):
+def test_renderer_refuses_files_outside_the_kustomization(kubectl, tmp_path):
+    """kustomize's default load restrictor, which is why daemonset/ holds copies of configs/: the tests
+    render with it, as users apply with it, so a manifest reading ../../configs fails here too."""
     (tmp_path / "outside.yaml").write_text("version: v1\n")
     inner = tmp_path / "k"
     inner.mkdir()
@@ -386,30 +451,11 @@ def test_renderer_refuses_files_outside_the_kustomization(tmp_path):
                 }
             )
         )
-        with pytest.raises(KustomizeError, match="security"):
-            build(inner)
+        with pytest.raises(RenderError, match="security"):
+            kubectl.kustomize(inner)
 
 
-def test_renderer_refuses_what_it_does_not_implement(tmp_path):
-    (tmp_path / "kustomization.yaml").write_text("commonLabels: {a: b}\n")
-    with pytest.raises(KustomizeError, match="commonLabels"):
-        build(tmp_path)
-
-
-def test_strategic_merge():
-    base = {
-        "containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["p"]}],
-        "volumes": [{"name": "v", "emptyDir": {}}],
-    }
-    patch = {
-        "containers": [{"name": "a", "env": [{"name": "Y", "value": "2"}], "args": ["q"]}, {"name": "b"}],
-        "volumes": [{"name": "v", "$patch": "delete"}],
-    }
-    assert strategic_merge(base, patch) == {
-        "containers": [
-            {"name": "a", "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}], "args": ["q"]},
-            {"name": "b"},
-        ],
-        "volumes": [],
-    }
-    assert strategic_merge({"a": 1, "b": 2}, {"a": None}) == {"b": 2}
+def test_renderer_reports_kustomizes_error(kubectl, tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resourcez: [a.yaml]\n")
+    with pytest.raises(RenderError, match=r"kubectl kustomize .* failed .*resourcez"):
+        kubectl.kustomize(tmp_path)
