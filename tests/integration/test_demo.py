@@ -20,7 +20,7 @@ def test_demo_runs_end_to_end() -> None:
     assert "pod trainer    nvidia.com/gpu × 1 -> NVIDIA_VISIBLE_DEVICES=GPU-" in out
     shared = [line.split("=")[-1] for line in out.splitlines() if "nvidia.com/gpu.shared × 1 ->" in line]
     assert len(shared) == 2 and shared[0] == shared[1]  # two pods time-slice one GPU
-    assert "refused by the kubelet: Allocate failed due to requested number of devices unavailable" in out
+    assert "nvidia.com/gpu × 8 -> Pending: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu." in out
     assert "the kubelet saw its devices Unhealthy" in out
     assert "Healthy again after" in out
     assert "5 resources registered again" in out
