@@ -265,8 +265,18 @@ class SimDriver:
         self._fault_rate: _FaultRate | None = None
         self._hidden_gi_profiles: set[int] = set()
         self._destructive_calls: deque[DestructiveCall] = deque(maxlen=DESTRUCTIVE_LOG_LIMIT)
+        self._uuid_index: dict[str, tuple[SimGpu, SimGpuInstance | None, SimComputeInstance | None]] = {}
         self.init_count = 0
         self.random_faults = 0  # calls failed by set_fault_rate so far
+
+    @property
+    def faults_armed(self) -> bool:
+        """Whether any call may fail on purpose (``inject_error`` or ``set_fault_rate``).
+
+        Read without the lock: the library skips the fault bookkeeping of every call while it is False,
+        which is what that bookkeeping would find anyway.
+        """
+        return bool(self._faults) or self._fault_rate is not None
 
     # ----- lookups -------------------------------------------------------------------------------
 
@@ -287,15 +297,36 @@ class SimDriver:
         return gpu
 
     def find_uuid(self, uuid: str) -> tuple[int, SimGpuInstance | None, SimComputeInstance | None]:
+        """The GPU (and MIG device) with ``uuid``.
+
+        An index remembers where each UUID was last found; a hit counts only while that device still sits
+        there (MIG devices come and go, tests edit the node), otherwise the node is searched again.
+        """
+        hit = self._uuid_index.get(uuid)
+        if hit is not None and self._still_there(uuid, *hit):
+            gpu, gi, ci = hit
+            self.gpu(gpu.index)
+            return gpu.index, gi, ci
         for gpu in self.gpus:
             if gpu.uuid == uuid:
+                self._uuid_index[uuid] = (gpu, None, None)
                 self.gpu(gpu.index)
                 return gpu.index, None, None
             for gi, ci in gpu.mig_devices():
                 if ci.uuid == uuid:
+                    self._uuid_index[uuid] = (gpu, gi, ci)
                     self.gpu(gpu.index)
                     return gpu.index, gi, ci
+        self._uuid_index.pop(uuid, None)
         raise NvmlFault(Return.ERROR_NOT_FOUND, f"no device with UUID {uuid}")
+
+    def _still_there(self, uuid: str, gpu: SimGpu, gi: SimGpuInstance | None, ci: SimComputeInstance | None) -> bool:
+        index = gpu.index
+        if not 0 <= index < len(self.gpus) or self.gpus[index] is not gpu:
+            return False
+        if gi is None or ci is None:
+            return gpu.uuid == uuid
+        return ci.uuid == uuid and gpu.gis.get(gi.id) is gi and gi.cis.get(ci.id) is ci
 
     def find_bus_id(self, bus_id: str) -> int:
         wanted = _normalise_bus_id(bus_id)
@@ -565,6 +596,8 @@ class SimDriver:
         wanted = frozenset(kinds)
         with self.lock:
             gpu = self.gpu(index)
+            if not gpu.processes:
+                return []
             procs = sorted((p for p in gpu.processes.values() if p.kind in wanted), key=lambda p: p.pid)
             if mig is None:
                 return procs
@@ -573,7 +606,8 @@ class SimDriver:
 
     def used_memory_mib(self, index: int, mig: tuple[SimGpuInstance, SimComputeInstance] | None = None) -> int:
         if mig is None:
-            return sum(p.used_mib for p in self.processes(index))
+            with self.lock:
+                return sum(p.used_mib for p in self.gpu(index).processes.values())
         gi, _ = mig
         return sum(p.used_mib for p in self.gpu(index).processes.values() if p.gi_id == gi.id)
 

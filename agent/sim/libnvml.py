@@ -42,6 +42,8 @@ from agent.sim.nvml_codes import (
 )
 
 _MIB = 1 << 20
+_SUCCESS = int(Return.SUCCESS)
+_UNINITIALIZED = int(Return.ERROR_UNINITIALIZED)
 _Impl = Callable[..., Any]
 _EXPORTS: dict[str, _Impl] = {}
 _CALLABLE_BEFORE_INIT = {"nvmlInitWithFlags", "nvmlInit_v2", "nvmlErrorString"}
@@ -119,7 +121,10 @@ class _HandleTable:
         return self._address_by_key[key]
 
     def resolve(self, handle: Any) -> tuple[Any, ...]:
-        address = ctypes.cast(handle, ctypes.c_void_p).value if handle is not None else None
+        try:  # pynvml passes its handle types, ctypes pointers: the cheap way to their address
+            address: int | None = ctypes.addressof(handle.contents)
+        except (AttributeError, TypeError, ValueError):  # not a pointer (or NULL): the general way
+            address = ctypes.cast(handle, ctypes.c_void_p).value if handle is not None else None
         if not address or address not in self._by_address:
             raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, "invalid handle")
         return self._by_address[address]
@@ -144,18 +149,20 @@ class SimulatedNvmlLibrary:
     def _call(self, symbol: str, impl: _Impl, args: tuple[Any, ...]) -> Any:
         if symbol in _RETURNS_VALUE:
             return impl(self, *args)
+        driver = self.driver
         try:
-            if symbol not in _CALLABLE_BEFORE_INIT and self.driver.init_count == 0:
-                return int(Return.ERROR_UNINITIALIZED)
-            injected = self.driver.take_injected_fault(symbol, self._gpu_index_of(args))
-            if injected is None:
-                injected = self.driver.take_random_fault(symbol)
-            if injected is not None:
-                return int(injected)
+            if driver.init_count == 0 and symbol not in _CALLABLE_BEFORE_INIT:
+                return _UNINITIALIZED
+            if driver.faults_armed:  # else there is nothing to take: skip resolving the handle for it
+                injected = driver.take_injected_fault(symbol, self._gpu_index_of(args))
+                if injected is None:
+                    injected = driver.take_random_fault(symbol)
+                if injected is not None:
+                    return int(injected)
             result = impl(self, *args)
         except NvmlFault as fault:
             return int(fault.code)
-        return int(Return.SUCCESS if result is None else result)
+        return _SUCCESS if result is None else int(result)
 
     def _gpu_index_of(self, args: tuple[Any, ...]) -> int | None:
         try:
@@ -367,17 +374,16 @@ def _memory(lib: SimulatedNvmlLibrary, handle: Any) -> tuple[int, int]:
 @_export("nvmlDeviceGetMemoryInfo")
 def _memory_info(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
     info = _target(out)
-    info.total, info.used = _memory(lib, handle)
-    info.free = info.total - info.used
+    total, used = _memory(lib, handle)
+    info.total, info.used, info.free = total, used, total - used
 
 
 @_export("nvmlDeviceGetMemoryInfo_v2")
 def _memory_info_v2(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
     info = _target(out)
     _check_version(info, MEMORY_V2)
-    info.total, info.used = _memory(lib, handle)
-    info.reserved = 0
-    info.free = info.total - info.used
+    total, used = _memory(lib, handle)
+    info.total, info.used, info.reserved, info.free = total, used, 0, total - used
 
 
 @_export("nvmlDeviceGetUtilizationRates")

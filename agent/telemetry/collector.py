@@ -1,12 +1,18 @@
 """Metrics: collected on their own interval in the background; a scrape serves the last collection.
 
-A scrape never calls NVML or the kubelet: it only renders the families the collection thread built. One
-failing GPU never breaks a collection (its series carry no numbers, ``tessera_gpu_up`` says 0), a missing
-PodResources socket or unreadable /proc gives metrics without pod labels and one warning.
+A scrape never calls NVML or the kubelet: it only writes out the families the collection thread built (once
+per collection, on the first scrape after it). One failing GPU never breaks a collection (its series carry no
+numbers, ``tessera_gpu_up`` says 0), a missing PodResources socket or unreadable /proc gives metrics without pod
+labels and one warning.
 
 Label names follow dcgm-exporter's where they overlap (``gpu``, ``UUID``, ``modelName``, ``Hostname``,
 ``GPU_I_PROFILE``, ``GPU_I_ID``, ``pod``, ``namespace``, ``container``) so dashboards and alerts carry
 over; ``resource`` and ``device_id`` name Tessera's advertised devices, replicas included.
+
+A collection runs every 10 s on every GPU node for the agent's whole life, so what does not change between
+two collections is not recomputed: the kubelet's checkpoint is parsed again only when it changed, a resource's
+per-device labels are built once per snapshot, PodResources is asked only while the checkpoint says one of this
+node's devices may be held, and nothing is rendered for a node nobody scrapes.
 """
 
 from __future__ import annotations
@@ -18,18 +24,23 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import generate_latest
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from agent.gpu.telemetry import GpuStats, read_stats
 from agent.plugin.podresources import DeviceHolder as Holder
-from agent.telemetry.attribution import devices_by_pod_uid, pod_uid_of
+from agent.telemetry.attribution import Checkpoint, CheckpointReader, pod_uid_of
+from agent.telemetry.exposition import Family, Renderer, counter, gauge
+
+if TYPE_CHECKING:
+    from agent.core.snapshot import ResourceSnapshot
 
 log = logging.getLogger(__name__)
 
 MIG_STATES = ("pending", "applying", "success", "failed", "reset-required")
+_NO_HOLDER = ("", "", "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,26 +54,51 @@ class TelemetryOptions:
 
 
 class LastCollection(Collector):
-    """What ``/metrics`` serves: the last collection, rendered once when it is made, swapped in whole.
+    """What ``/metrics`` serves: the last collection, swapped in whole, rendered on the first scrape after it.
 
-    Rendering thousands of series costs milliseconds; done once per collection instead of once per
-    scrape, a scrape is a copy of bytes.
+    Rendering waits for a scrape: a node nobody scrapes never pays for it, and however often it is scraped a
+    collection is rendered once (a scrape is then a copy of bytes).
     """
 
     def __init__(self) -> None:
-        self.families: list[Metric] = []
-        self.rendered: bytes = b""
+        self._lock = threading.Lock()
+        self._families: list[Family] = []
+        self._rendered: bytes | None = b""
+        self._renderer = Renderer()
         self.collected_at: float | None = None
 
-    def collect(self) -> Iterable[Metric]:
-        return list(self.families)
+    @property
+    def families(self) -> list[Family]:
+        return self._families
 
-    def publish(self, families: list[Metric]) -> None:
-        registry = CollectorRegistry(auto_describe=False)
-        self.families = families
-        registry.register(self)
-        self.rendered = generate_latest(registry)
-        self.collected_at = time.time()
+    @property
+    def rendered(self) -> bytes:
+        """The last collection in the Prometheus text format."""
+        with self._lock:
+            if self._rendered is None:
+                self._rendered = self._renderer.render(self._families)
+            return self._rendered
+
+    def collect(self) -> Iterable[Metric]:
+        return [family.to_metric() for family in self._families]
+
+    def publish(self, families: list[Family]) -> None:
+        with self._lock:
+            self._families = families
+            self._rendered = None
+            self.collected_at = time.time()
+
+
+@dataclass(frozen=True, slots=True)
+class _DeviceRow:
+    """A device's labels that come from its resource snapshot (the holder's are added per collection)."""
+
+    device_id: str
+    gpu_uuid: str
+    mig_uuid: str | None
+    base: tuple[str, ...]  # resource, device_id, gpu, UUID, GPU_I_PROFILE
+    idle_base: tuple[str, ...]  # resource, device_id, gpu, UUID
+    unheld: tuple[str, ...]  # base + no holder + Hostname
 
 
 class TelemetryCollector:
@@ -80,6 +116,9 @@ class TelemetryCollector:
         self._status = status
         self._holders = holders
         self._on_collected = on_collected
+        self._checkpoint = CheckpointReader(options.device_plugin_dir)
+        self._asked_kubelet = False
+        self._rows: dict[str, tuple[ResourceSnapshot, list[_DeviceRow]]] = {}  # resource -> (snapshot, its rows)
         self._idle_seconds: dict[tuple[str, ...], float] = defaultdict(float)
         self._last_collection: float | None = None  # monotonic time of the previous collection
         self._warned: set[str] = set()
@@ -117,44 +156,70 @@ class TelemetryCollector:
                 stats = read_stats(inventory)
             except Exception as error:  # NVML gone entirely: report the GPUs as down, keep the rest
                 self._warn_once("nvml", f"cannot read GPU telemetry error={error!r}")
-        try:
-            holders = self._holders()
-        except Exception as error:
-            self._warn_once("podresources", f"metrics without pod labels: cannot read PodResources error={error!r}")
-            holders = {}
+        checkpoint = self._checkpoint.read()
+        holders: dict[str, Holder] = {}
+        if self._may_be_held(status, checkpoint):
+            self._asked_kubelet = True
+            try:
+                holders = self._holders()
+            except Exception as error:
+                self._warn_once("podresources", f"metrics without pod labels: cannot read PodResources error={error!r}")
         now = time.monotonic()
         elapsed = 0.0 if self._last_collection is None else now - self._last_collection
         self._last_collection = now
-        families = self._families(status, stats, holders, elapsed)
+        families = self._families(status, stats, holders, elapsed, checkpoint)
         self.last.publish(families)
         self._on_collected(status)
+
+    def _may_be_held(self, status: object, checkpoint: Checkpoint | None) -> bool:
+        """Whether PodResources may name a pod holding one of this node's devices (then it is asked).
+
+        The kubelet writes its checkpoint right after it allocates devices, before the pod's containers start,
+        and PodResources reports only devices it has allocated, so a complete checkpoint without any of this
+        node's devices (advertised IDs, or IDs on one of its GPUs or MIG devices) means PodResources has none
+        either. Everything else asks: the first collection (a missing socket is reported at start, not at the
+        first pod), a missing or unreadable checkpoint, entries of an unknown shape, any device of ours.
+        Released pods stay in the checkpoint until the kubelet writes it again, which only asks more often.
+        """
+        if not self._asked_kubelet or checkpoint is None or not checkpoint.complete:
+            return True
+        allocated = checkpoint.device_ids()
+        if not allocated:
+            return False
+        ours = _device_ids(status)
+        return any(device in ours or device.split("::", 1)[0] in ours for device in allocated)
 
     # ----- building the families ----------------------------------------------------------------------
 
     def _families(
-        self, status: object, stats: dict[str, GpuStats], holders: dict[str, Holder], elapsed: float
-    ) -> list[Metric]:
+        self,
+        status: object,
+        stats: dict[str, GpuStats],
+        holders: dict[str, Holder],
+        elapsed: float,
+        checkpoint: Checkpoint | None = None,
+    ) -> list[Family]:
         """``elapsed``: seconds since the previous collection, credited to the devices that are idle now."""
         host = self.options.hostname
         inventory = getattr(status, "inventory", None)
         gpus = inventory.gpus if inventory is not None else ()
         gpu_labels = ["gpu", "UUID", "modelName", "Hostname"]
 
-        up = GaugeMetricFamily("tessera_gpu_up", "1 when NVML answers for the GPU, else 0", labels=gpu_labels)
-        mem_total = GaugeMetricFamily("tessera_gpu_memory_total_bytes", "GPU memory", labels=gpu_labels)
-        mem_used = GaugeMetricFamily("tessera_gpu_memory_used_bytes", "GPU memory in use", labels=gpu_labels)
-        util = GaugeMetricFamily(
+        up = gauge("tessera_gpu_up", "1 when NVML answers for the GPU, else 0", gpu_labels)
+        mem_total = gauge("tessera_gpu_memory_total_bytes", "GPU memory", gpu_labels)
+        mem_used = gauge("tessera_gpu_memory_used_bytes", "GPU memory in use", gpu_labels)
+        util = gauge(
             "tessera_gpu_utilization_percent",
             "GPU utilization; absent on MIG-enabled GPUs, where the driver does not report it",
-            labels=gpu_labels,
+            gpu_labels,
         )
-        procs = GaugeMetricFamily("tessera_gpu_processes", "processes on the GPU", labels=gpu_labels)
+        procs = gauge("tessera_gpu_processes", "processes on the GPU", gpu_labels)
         mig_labels = ["gpu", "UUID", "modelName", "GPU_I_PROFILE", "GPU_I_ID", "device_id", "Hostname"]
-        mig_total = GaugeMetricFamily("tessera_mig_memory_total_bytes", "MIG device memory", labels=mig_labels)
-        mig_used = GaugeMetricFamily("tessera_mig_memory_used_bytes", "MIG device memory in use", labels=mig_labels)
-        mig_procs = GaugeMetricFamily("tessera_mig_processes", "processes on the MIG device", labels=mig_labels)
+        mig_total = gauge("tessera_mig_memory_total_bytes", "MIG device memory", mig_labels)
+        mig_used = gauge("tessera_mig_memory_used_bytes", "MIG device memory in use", mig_labels)
+        mig_procs = gauge("tessera_mig_processes", "processes on the MIG device", mig_labels)
         for gpu in gpus:
-            base = [str(gpu.index), gpu.uuid, gpu.name, host]
+            base = (str(gpu.index), gpu.uuid, gpu.name, host)
             stat = stats.get(gpu.uuid)
             up.add_metric(base, 0 if stat is None or stat.error else 1)
             if stat is None or stat.gpu is None:
@@ -168,7 +233,7 @@ class TelemetryCollector:
                 mig_stat = stat.migs.get(mig.uuid)
                 if mig_stat is None:
                     continue
-                labels = [str(gpu.index), gpu.uuid, gpu.name, mig.profile, str(mig.gi_id), mig.uuid, host]
+                labels = (str(gpu.index), gpu.uuid, gpu.name, mig.profile, str(mig.gi_id), mig.uuid, host)
                 mig_total.add_metric(labels, mig_stat.memory_total_bytes)
                 mig_used.add_metric(labels, mig_stat.memory_used_bytes)
                 mig_procs.add_metric(labels, len(mig_stat.processes))
@@ -184,57 +249,76 @@ class TelemetryCollector:
             "container",
             "Hostname",
         ]
-        healthy = GaugeMetricFamily(
-            "tessera_device_healthy", "1 when the advertised device is Healthy", labels=device_labels
-        )
-        allocated = GaugeMetricFamily("tessera_device_allocated", "1 when a pod holds the device", labels=device_labels)
-        idle = CounterMetricFamily(
+        healthy = gauge("tessera_device_healthy", "1 when the advertised device is Healthy", device_labels)
+        allocated = gauge("tessera_device_allocated", "1 when a pod holds the device", device_labels)
+        idle = counter(
             "tessera_partition_allocated_idle_seconds",
             "seconds a pod held the device while it stayed under the idle threshold (allocated but idle)",
-            labels=["resource", "device_id", "gpu", "UUID", "pod", "namespace", "container", "Hostname"],
+            ["resource", "device_id", "gpu", "UUID", "pod", "namespace", "container", "Hostname"],
         )
-        resource_devices = GaugeMetricFamily(
-            "tessera_resource_devices", "devices of a resource by state", labels=["resource", "state", "Hostname"]
+        resource_devices = gauge(
+            "tessera_resource_devices", "devices of a resource by state", ["resource", "state", "Hostname"]
         )
-        registered = GaugeMetricFamily(
+        registered = gauge(
             "tessera_resource_registered",
             "1 when the resource is registered with the kubelet",
-            labels=["resource", "Hostname"],
+            ["resource", "Hostname"],
         )
         resources = getattr(status, "resources", {})
         registered_names = getattr(status, "registered", frozenset())
         held_now: set[tuple[str, ...]] = set()
         for name, snapshot in sorted(resources.items()):
-            counts = {"total": 0, "healthy": 0, "allocated": 0}
-            for device in snapshot.devices:
-                holder = holders.get(device.id)
-                who = [holder.pod, holder.namespace, holder.container] if holder else ["", "", ""]
-                labels = [name, device.id, str(device.gpu_index), device.gpu_uuid, device.mig_profile or "", *who, host]
-                is_healthy = snapshot.health.get(device.id, False)
+            total = healthy_count = allocated_count = 0
+            health = snapshot.health
+            for row in self._device_rows(name, snapshot):
+                holder = holders.get(row.device_id) if holders else None
+                is_healthy = health.get(row.device_id, False)
+                total += 1
+                healthy_count += 1 if is_healthy else 0
+                if holder is None:
+                    healthy.add_metric(row.unheld, 1 if is_healthy else 0)
+                    allocated.add_metric(row.unheld, 0)
+                    continue
+                allocated_count += 1
+                who = (holder.pod, holder.namespace, holder.container)
+                labels = (*row.base, *who, host)
                 healthy.add_metric(labels, 1 if is_healthy else 0)
-                allocated.add_metric(labels, 1 if holder else 0)
-                counts["total"] += 1
-                counts["healthy"] += int(is_healthy)
-                counts["allocated"] += int(holder is not None)
-                if holder is not None:
-                    key = (name, device.id, str(device.gpu_index), device.gpu_uuid, *who, host)
-                    held_now.add(key)
-                    if self._is_idle(stats.get(device.gpu_uuid), device.mig_uuid):
-                        self._idle_seconds[key] += elapsed
-                    idle.add_metric(list(key), self._idle_seconds[key])
-            for state, value in counts.items():
-                resource_devices.add_metric([name, state, host], value)
-            registered.add_metric([name, host], 1 if name in registered_names else 0)
+                allocated.add_metric(labels, 1)
+                key = (*row.idle_base, *who, host)
+                held_now.add(key)
+                if self._is_idle(stats.get(row.gpu_uuid), row.mig_uuid):
+                    self._idle_seconds[key] += elapsed
+                idle.add_metric(key, self._idle_seconds[key])
+            for state, value in (("total", total), ("healthy", healthy_count), ("allocated", allocated_count)):
+                resource_devices.add_metric((name, state, host), value)
+            registered.add_metric((name, host), 1 if name in registered_names else 0)
         for gone in self._idle_seconds.keys() - held_now:  # a released device's series ends; its memory too
             del self._idle_seconds[gone]
+        for gone in self._rows.keys() - resources.keys():
+            del self._rows[gone]
 
-        pod_memory = self._pod_memory(gpus, stats, holders, host)
-        families: list[Metric] = [
+        pod_memory = self._pod_memory(gpus, stats, holders, host, checkpoint)
+        families: list[Family] = [
             up, mem_total, mem_used, util, procs, mig_total, mig_used, mig_procs,
             healthy, allocated, idle, resource_devices, registered, pod_memory,
         ]  # fmt: skip
         families += self._agent_families(status, host)
         return families
+
+    def _device_rows(self, name: str, snapshot: ResourceSnapshot) -> list[_DeviceRow]:
+        """The snapshot's devices with their labels, built once per snapshot (snapshots are immutable)."""
+        cached = self._rows.get(name)
+        if cached is not None and cached[0] is snapshot:
+            return cached[1]
+        host = self.options.hostname
+        rows = []
+        for device in snapshot.devices:
+            idle_base = (name, device.id, str(device.gpu_index), device.gpu_uuid)
+            base = (*idle_base, device.mig_profile or "")
+            unheld = (*base, *_NO_HOLDER, host)
+            rows.append(_DeviceRow(device.id, device.gpu_uuid, device.mig_uuid, base, idle_base, unheld))
+        self._rows[name] = (snapshot, rows)
+        return rows
 
     def _is_idle(self, stat: GpuStats | None, mig_uuid: str | None) -> bool:
         """Under the threshold; on a MIG device, where the driver gives no utilization, no process at all."""
@@ -248,16 +332,22 @@ class TelemetryCollector:
         return stat.gpu.utilization_percent < self.options.idle_threshold_percent
 
     def _pod_memory(
-        self, gpus: Iterable[object], stats: dict[str, GpuStats], holders: dict[str, Holder], host: str
-    ) -> Metric:
-        family = GaugeMetricFamily(
+        self,
+        gpus: Iterable[object],
+        stats: dict[str, GpuStats],
+        holders: dict[str, Holder],
+        host: str,
+        checkpoint: Checkpoint | None,
+    ) -> Family:
+        """Per-pod memory from each GPU process's cgroup: /proc is read only for processes NVML lists."""
+        family = gauge(
             "tessera_pod_gpu_memory_used_bytes",
             "GPU memory used by a pod's processes, from the process's cgroup (works on shared GPUs)",
-            labels=["gpu", "UUID", "modelName", "pod", "namespace", "container", "Hostname"],
+            ["gpu", "UUID", "modelName", "pod", "namespace", "container", "Hostname"],
         )
-        devices_of_pod = devices_by_pod_uid(self.options.device_plugin_dir)
-        if not devices_of_pod:
-            return family
+        devices_of_pod = checkpoint.devices_by_pod if checkpoint is not None else {}
+        if not devices_of_pod or not holders:
+            return family  # no pod holds a device, or none the kubelet names: no process can be a pod's here
         totals: dict[tuple[str, ...], int] = defaultdict(int)
         for gpu in gpus:
             stat = stats.get(gpu.uuid)
@@ -278,91 +368,95 @@ class TelemetryCollector:
                     process.used_bytes
                 )
         for labels, used in sorted(totals.items()):
-            family.add_metric(list(labels), used)
+            family.add_metric(labels, used)
         return family
 
-    def _agent_families(self, status: object, host: str) -> list[Metric]:
-        families: list[Metric] = []
-        info = GaugeMetricFamily("tessera_config_info", "the config in force", labels=["name", "hash", "Hostname"])
+    def _agent_families(self, status: object, host: str) -> list[Family]:
+        families: list[Family] = []
+        info = gauge("tessera_config_info", "the config in force", ["name", "hash", "Hostname"])
         name = getattr(status, "config_name", None)
         digest = getattr(status, "config_digest", None) or ""
-        info.add_metric([name or "", digest[:12], host], 1)
-        valid = GaugeMetricFamily(
+        info.add_metric((name or "", digest[:12], host), 1)
+        valid = gauge(
             "tessera_config_valid",
             "0 while the newest config is rejected (the last good one is in force)",
-            labels=["Hostname"],
+            ["Hostname"],
         )
-        valid.add_metric([host], 0 if getattr(status, "config_error", None) else 1)
-        errors = CounterMetricFamily(
-            "tessera_config_reload_errors", "configs rejected since start", labels=["Hostname"]
-        )
-        errors.add_metric([host], getattr(status, "config_errors_total", 0))
+        valid.add_metric((host,), 0 if getattr(status, "config_error", None) else 1)
+        errors = counter("tessera_config_reload_errors", "configs rejected since start", ["Hostname"])
+        errors.add_metric((host,), getattr(status, "config_errors_total", 0))
         families += [info, valid, errors]
 
-        mps_up = GaugeMetricFamily(
-            "tessera_mps_daemon_up", "1 when the MPS daemon answers", labels=["resource", "daemon", "Hostname"]
-        )
-        mps_restarts = CounterMetricFamily(
+        mps_up = gauge("tessera_mps_daemon_up", "1 when the MPS daemon answers", ["resource", "daemon", "Hostname"])
+        mps_restarts = counter(
             "tessera_mps_daemon_restarts",
             "MPS daemon restarts after it died",
-            labels=["resource", "daemon", "Hostname"],
+            ["resource", "daemon", "Hostname"],
         )
         for key, daemon in sorted(getattr(status, "mps", {}).items()):
-            labels = [str(daemon["resource"]), key, host]
+            labels = (str(daemon["resource"]), key, host)
             mps_up.add_metric(labels, 1 if daemon["state"] == "ready" else 0)
             mps_restarts.add_metric(labels, int(daemon["restarts"]))
-        mps_limits = GaugeMetricFamily(
+        mps_limits = gauge(
             "tessera_mps_active_thread_percentage",
             "per-client SM share of an MPS resource",
-            labels=["resource", "Hostname"],
+            ["resource", "Hostname"],
         )
-        mps_memory = GaugeMetricFamily(
+        mps_memory = gauge(
             "tessera_mps_pinned_memory_limit_bytes",
             "per-client pinned memory limit",
-            labels=["resource", "UUID", "Hostname"],
+            ["resource", "UUID", "Hostname"],
         )
         for name_, snapshot in sorted(getattr(status, "resources", {}).items()):
             if snapshot.mps is None:
                 continue
-            mps_limits.add_metric([name_, host], snapshot.mps.active_thread_percentage)
+            mps_limits.add_metric((name_, host), snapshot.mps.active_thread_percentage)
             for device in {d.physical_id: d for d in snapshot.devices}.values():
                 limit = snapshot.mps.memory_for(device.memory_mib, snapshot.replicas)
-                mps_memory.add_metric([name_, device.physical_id, host], limit << 20)
+                mps_memory.add_metric((name_, device.physical_id, host), limit << 20)
         families += [mps_up, mps_restarts, mps_limits, mps_memory]
 
-        mig_state = GaugeMetricFamily(
-            "tessera_mig_config_state", "1 for the MIG layout manager's current state", labels=["state", "Hostname"]
+        mig_state = gauge(
+            "tessera_mig_config_state", "1 for the MIG layout manager's current state", ["state", "Hostname"]
         )
         current = getattr(status, "mig_state", None)
         if current is not None:
             for state in MIG_STATES:
-                mig_state.add_metric([state, host], 1 if state == current else 0)
+                mig_state.add_metric((state, host), 1 if state == current else 0)
         families.append(mig_state)
-        xids = CounterMetricFamily(
-            "tessera_gpu_xid_errors", "XID events seen", labels=["gpu", "UUID", "xid", "Hostname"]
-        )
+        xids = counter("tessera_gpu_xid_errors", "XID events seen", ["gpu", "UUID", "xid", "Hostname"])
         for (gpu, uuid, xid), count in sorted(getattr(status, "xid_counts", {}).items()):
-            xids.add_metric([gpu, uuid, xid, host], count)
+            xids.add_metric((gpu, uuid, xid, host), count)
         families.append(xids)
-        internal = CounterMetricFamily(
+        internal = counter(
             "tessera_internal_errors",
             "unexpected exceptions the agent survived (logged once each; the step was retried)",
-            labels=["where", "Hostname"],
+            ["where", "Hostname"],
         )
         for where, count in sorted(getattr(status, "internal_errors", {}).items()):
-            internal.add_metric([where, host], count)
-        waiting = GaugeMetricFamily(
+            internal.add_metric((where, host), count)
+        waiting = gauge(
             "tessera_drain_waiting",
             "reasons a disruptive operation (MIG change, MPS daemon retirement) is waiting for: pods, processes",
-            labels=["operation", "Hostname"],
+            ["operation", "Hostname"],
         )
         for operation, reasons in sorted(getattr(status, "waiting_for", {}).items()):
-            waiting.add_metric([operation, host], len(reasons))
-        stale = GaugeMetricFamily(
+            waiting.add_metric((operation, host), len(reasons))
+        stale = gauge(
             "tessera_gpus_withdrawn",
             "GPUs whose devices are withdrawn until NVML can be read again",
-            labels=["Hostname"],
+            ["Hostname"],
         )
-        stale.add_metric([host], len(getattr(status, "stale_gpus", ())))
+        stale.add_metric((host,), len(getattr(status, "stale_gpus", ())))
         families += [internal, waiting, stale]
         return families
+
+
+def _device_ids(status: object) -> set[str]:
+    """Every ID a holder of this node's devices can be known by: advertised IDs, GPU and MIG UUIDs."""
+    ids = {device.id for snapshot in getattr(status, "resources", {}).values() for device in snapshot.devices}
+    inventory = getattr(status, "inventory", None)
+    for gpu in inventory.gpus if inventory is not None else ():
+        ids.add(gpu.uuid)
+        ids.update(mig.uuid for mig in gpu.mig_devices)
+    return ids

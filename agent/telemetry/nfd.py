@@ -67,6 +67,37 @@ def write_feature_file(path: Path, labels: Mapping[str, str]) -> bool:
     return True
 
 
+class FeatureFile:
+    """The feature file at ``path``, kept up to date by :func:`write_feature_file` once per collection.
+
+    When the labels are those of the previous update and the file is still the one left then (same inode, size
+    and times), nothing is read, validated or written: the common case of a node whose labels do not change.
+    Anything else — new labels, a file someone removed or edited, a failed write — goes through
+    ``write_feature_file`` again.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._labels: dict[str, str] | None = None
+        self._key: tuple[int, ...] | None = None
+
+    def update(self, labels: Mapping[str, str]) -> bool:
+        """True when the file was written; raises as ``write_feature_file`` does."""
+        if self._key is not None and labels == self._labels and self._stat() == self._key:
+            return False
+        self._labels = self._key = None
+        written = write_feature_file(self.path, labels)
+        self._labels, self._key = dict(labels), self._stat()
+        return written
+
+    def _stat(self) -> tuple[int, ...] | None:
+        try:
+            info = self.path.stat()
+        except (OSError, ValueError):
+            return None
+        return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
 def _checked(path: Path) -> Path:
     if ".." in path.parts:
         raise ValueError(f"feature file path {str(path)!r} must not contain '..'")

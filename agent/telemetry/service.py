@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from agent.agent import Agent
+    from agent.core.inventory import Inventory
+    from agent.core.resources import ResourcePlan
+    from agent.telemetry.nfd import FeatureFile
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,11 @@ class Telemetry:
         )
         self.server = TelemetryServer(settings.metrics_address, self.collector.last, self.healthy, self.ready)
         self._labels_error: str | None = None
+        self._labels_of: tuple[Inventory, ResourcePlan, str | None] | None = None  # what _labels come from
+        self._labels: dict[str, str] = {}
+        self._feature_file: FeatureFile | None = None
+        self._machine: str | None = None
+        self._machine_read = False
 
     def start(self) -> None:
         self.collector.start()
@@ -89,24 +97,38 @@ class Telemetry:
         inventory, plan = getattr(status, "inventory", None), getattr(status, "plan", None)
         if directory is None or inventory is None or plan is None:
             return
-        from agent.telemetry.labels import node_labels
-        from agent.telemetry.nfd import write_feature_file
+        from agent.telemetry.nfd import FeatureFile
 
+        if self._feature_file is None:
+            self._feature_file = FeatureFile(directory / FEATURE_FILE)
         try:
-            labels = node_labels(
-                inventory,
-                plan,
-                mig_config_state=getattr(status, "mig_state", None),
-                shared_suffix=self.settings.shared_product_suffix,
-                machine=_machine(),
-            )
-            if write_feature_file(directory / FEATURE_FILE, labels):
+            labels = self._node_labels(inventory, plan, getattr(status, "mig_state", None))
+            if self._feature_file.update(labels):
                 log.info("node labels written path=%s labels=%d", directory / FEATURE_FILE, len(labels))
             self._labels_error = None
         except (OSError, ValueError) as error:
             if str(error) != self._labels_error:
                 log.error("cannot write node labels path=%s error=%r", directory, str(error))
             self._labels_error = str(error)
+
+    def _node_labels(self, inventory: Inventory, plan: ResourcePlan, mig_state: str | None) -> dict[str, str]:
+        """The node's labels, computed again only for another inventory, plan or MIG state (all immutable)."""
+        last = self._labels_of
+        if last is not None and last[0] is inventory and last[1] is plan and last[2] == mig_state:
+            return self._labels
+        from agent.telemetry.labels import node_labels
+
+        if not self._machine_read:  # the DMI product name does not change while the node runs
+            self._machine, self._machine_read = _machine(), True
+        self._labels = node_labels(
+            inventory,
+            plan,
+            mig_config_state=mig_state,
+            shared_suffix=self.settings.shared_product_suffix,
+            machine=self._machine,
+        )
+        self._labels_of = (inventory, plan, mig_state)
+        return self._labels
 
 
 def _machine() -> str | None:
