@@ -19,12 +19,17 @@ from typing import TYPE_CHECKING, NoReturn
 from agent import __version__
 
 if TYPE_CHECKING:
-    from agent.core.inventory import Inventory
+    from agent.core.resources import ResourcePlan
+    from agent.mig.commands import MigPreview
 
+# The same meaning in every command (docs/configuration.md, "Exit codes"; agent/mig/commands.py uses 1, 3-5).
 EXIT_OK = 0
-EXIT_PLAN_ERROR = 1
-EXIT_USAGE = 2
-EXIT_NVML = 3
+EXIT_INVALID = 1  # invalid input: a config, a layout, a name that names nothing, a config or layout that does not fit
+EXIT_PLAN_ERROR = EXIT_INVALID  # the config does not fit the node (PlanError)
+EXIT_USAGE = 2  # the command line: argparse, an environment twin's value, a --node that is no preset or spec
+EXIT_NVML = 3  # the driver: NVML unavailable, or a MIG operation failed half way
+EXIT_BUSY = 4  # mig apply: processes run where the change would destroy something
+EXIT_NOT_APPLIED = 5  # mig assert: the node differs from the layout; mig apply: a MIG mode change waits for a reset
 EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug, not bad input
 EXIT_INTERRUPTED = 130
 
@@ -60,9 +65,22 @@ def _parser() -> argparse.ArgumentParser:
         choices=["none", "single", "mixed"],
         help="how MIG devices are advertised (default: the config's, else none)",
     )
-    _env_flag(plan, "--config", "TESSERA_CONFIG", help="a sharing config file, or a directory of named configs")
-    _env_flag(plan, "--config-name", "TESSERA_CONFIG_NAME", help="which named config of a --config directory")
+    _env_flag(
+        plan,
+        "--config",
+        "TESSERA_CONFIG",
+        help="a sharing config file, a directory of named configs (a mounted ConfigMap) or a ConfigMap manifest",
+    )
+    _env_flag(
+        plan,
+        "--config-name",
+        "TESSERA_CONFIG_NAME",
+        help="which named config of a directory or manifest (time-slicing-4 finds time-slicing-4.yaml too)",
+    )
     plan.add_argument("--node-label", help="the value of the node's nvidia.com/device-plugin.config label")
+    plan.add_argument(
+        "--mig-label", help="the value of the node's nvidia.com/mig.config label (which layout of migLayout)"
+    )
     _env_flag(plan, "--format", "TESSERA_FORMAT", default="table", choices=["table", "json"], help="output format")
 
     mig = commands.add_parser("mig", help="MIG layouts in mig-parted's format: export, assert, apply")
@@ -74,14 +92,19 @@ def _parser() -> argparse.ArgumentParser:
     for verb, text in (("assert", "exit 0 iff the node has the layout"), ("apply", "reconfigure the node")):
         sub = mig_commands.add_parser(verb, help=text)
         _node_flag(sub)
-        sub.add_argument("--config", required=True, help="a layout file (mig-parted's format)")
-        sub.add_argument("--name", help="which mig-config (needed when the file has several)")
+        sub.add_argument(
+            "--config", required=True, help="a layout file (mig-parted's format), or a sharing config with migLayout"
+        )
+        sub.add_argument(
+            "--name", help="which mig-config (default: the config's migLayout.config, or the only one there is)"
+        )
         if verb == "apply":
             sub.add_argument("--dry-run", action="store_true", help="print the operations only")
 
-    validate = commands.add_parser("validate", help="check a sharing config file or directory (exit 0 when valid)")
-    validate.add_argument("path", help="a config file, or a directory of named configs")
+    validate = commands.add_parser("validate", help="check sharing configs before they reach a node (exit 0: valid)")
+    validate.add_argument("path", help="a config file, a directory of named configs, or a ConfigMap manifest")
     validate.add_argument("--strict", action="store_true", help="unknown keys are errors, not warnings")
+    validate.add_argument("--config-name", help="check only this config of a directory or manifest")
 
     inventory = commands.add_parser("inventory", help="list the node's GPUs and MIG devices (like nvidia-smi -L)")
     _node_flag(inventory)
@@ -329,12 +352,15 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "validate":
         from agent.config.validate import validate_path
 
-        return validate_path(Path(args.path), strict=args.strict)
+        return validate_path(Path(args.path), strict=args.strict, config_name=args.config_name)
+    if args.command == "plan":
+        return _plan(args)
     return _describe(args)
 
 
 def _mig(args: argparse.Namespace) -> int:
     from agent.backend import gpu_backend
+    from agent.gpu.discovery import DiscoveryError
     from agent.gpu.nvml import NvmlUnavailable
     from agent.mig import commands
     from agent.sim.spec import SimSpecError
@@ -344,12 +370,12 @@ def _mig(args: argparse.Namespace) -> int:
             if args.mig_command == "export":
                 return commands.export(args.format, args.label)
             if args.mig_command == "assert":
-                return commands.assert_layout(Path(args.config), args.name)
-            return commands.apply(Path(args.config), args.name, args.dry_run)
+                return commands.assert_layout(args.config, args.name)
+            return commands.apply(args.config, args.name, args.dry_run)
     except SimSpecError as error:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except NvmlUnavailable as error:
+    except (NvmlUnavailable, DiscoveryError) as error:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_NVML
 
@@ -367,13 +393,13 @@ def _describe(args: argparse.Namespace) -> int:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_USAGE
     except (NvmlUnavailable, DiscoveryError) as error:
-        hint = "" if args.node != "local" else " (to try Tessera without a GPU, use --node dgx-a100)"
-        print(f"tessera: {error}{hint}", file=sys.stderr)
+        print(f"tessera: {error}{_local_hint(args)}", file=sys.stderr)
         return EXIT_NVML
+    return _print_inventory(inventory, args)
 
-    if args.command == "inventory":
-        return _print_inventory(inventory, args)
-    return _print_plan(inventory, args)
+
+def _local_hint(args: argparse.Namespace) -> str:
+    return "" if args.node != "local" else " (to try Tessera without a GPU, use --node dgx-a100)"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -415,33 +441,94 @@ def _print_inventory(inventory: object, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _print_plan(inventory: Inventory, args: argparse.Namespace) -> int:
-    from agent.config.effective import FlagOverrides, effective
-    from agent.config.model import ConfigError, ConfigModel
-    from agent.config.source import load_config, read_config_set
-    from agent.core.plan import plan
+def _plan(args: argparse.Namespace) -> int:
+    """``tessera plan``: the config the agent would choose on the node, the MIG layout it would apply (run on
+    a simulated node, so the resources shown are those after it), and what the node would then advertise.
+    Input that cannot work (a config, a name, a layout) is exit 1, with every problem said once."""
+    from agent.backend import gpu_backend
+    from agent.config.model import ConfigError
+    from agent.core.mig_layout import LayoutError
     from agent.core.resources import PlanError
-    from agent.render import plan_table
+    from agent.gpu.discovery import DiscoveryError
+    from agent.gpu.mig import MigOperationError
+    from agent.gpu.nvml import NvmlUnavailable
+    from agent.mig.commands import report_invalid
+    from agent.mig.layout_file import LayoutFileError
+    from agent.sim.spec import SimSpecError
 
     try:
-        model = ConfigModel()
-        if args.config:
-            loaded = load_config(
-                read_config_set(Path(args.config)),
-                requested=args.config_name,
-                label=args.node_label,
-                gpu_products=[g.name for g in inventory.gpus],
-            )
-            model = loaded.model
-            for warning in loaded.warnings:
-                print(f"tessera: warning: {warning}", file=sys.stderr)
-            print(f"tessera: config {loaded.name or '(defaults)'}: {loaded.reason}", file=sys.stderr)
-        result = plan(effective(model, FlagOverrides(mig_strategy=args.mig_strategy)).plan, inventory)
-    except ConfigError as error:
+        with gpu_backend(args.node) as node:
+            result, layout, notes = _preview(args, node)
+    except SimSpecError as error:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except PlanError as error:
-        print(f"tessera: {error}", file=sys.stderr)
-        return EXIT_PLAN_ERROR
-    print(json.dumps(result.to_json(), indent=2) if args.format == "json" else plan_table(result))
+    except (NvmlUnavailable, DiscoveryError) as error:
+        print(f"tessera: {error}{_local_hint(args)}", file=sys.stderr)
+        return EXIT_NVML
+    except MigOperationError as error:
+        print(f"tessera: the simulated node refused the MIG layout: {error}", file=sys.stderr)
+        return EXIT_NVML
+    except (ConfigError, LayoutFileError, LayoutError, PlanError) as error:
+        return report_invalid(error)
+    from agent.render import plan_table
+
+    for note in notes:
+        print(f"tessera: {note}", file=sys.stderr)
+    if args.format == "json":
+        document = result.to_json()
+        if layout is not None:
+            document["mig_layout"] = layout.to_json()
+        print(json.dumps(document, indent=2))
+    else:
+        if layout is not None:
+            print("\n".join([*layout.lines(), ""]))
+        print(plan_table(result))
     return EXIT_OK
+
+
+def _preview(args: argparse.Namespace, node: object | None) -> tuple[ResourcePlan, MigPreview | None, list[str]]:
+    """(the plan, the MIG layout's preview or None, notes for stderr), inside the GPU backend."""
+    from agent.config.effective import FlagOverrides, effective
+    from agent.config.model import ConfigModel
+    from agent.config.source import load_config, read_config_set
+    from agent.core.plan import plan
+    from agent.gpu.discovery import discover
+    from agent.mig import commands
+    from agent.mig.layout_file import config_layout
+
+    inventory = discover()
+    model, notes, layout = ConfigModel(), [], None
+    if args.config:
+        config_set = read_config_set(Path(args.config))
+        loaded = load_config(
+            config_set,
+            requested=args.config_name,
+            label=args.node_label,
+            gpu_products=[g.name for g in inventory.gpus],
+            strict_names=True,
+        )
+        model = loaded.model
+        notes += [f"warning: {warning}" for warning in loaded.warnings]
+        notes.append(f"config {loaded.name or '(defaults)'}: {loaded.reason}")
+        origin = config_set.origin_of(loaded.name) if loaded.name is not None else str(config_set.origin)
+        selected = config_layout(model.mig_layout, origin, args.mig_label)
+        if selected is not None and selected[1] is None:
+            notes.append(
+                f"migLayout holds several layouts ({', '.join(selected[0].mig_configs)}) and migLayout.config names "
+                "none: the agent leaves MIG as it is until the node label nvidia.com/mig.config names one (--mig-label)"
+            )
+        elif selected is not None:
+            layout_file, name = selected
+            assert name is not None
+            on_node = commands.layout_on_node(layout_file, name, inventory.gpus)
+            layout, inventory = commands.preview(on_node, inventory, node)  # type: ignore[arg-type]
+            if not layout.after_layout:
+                notes.append(
+                    "the resources below are the GPUs as they are now: a preview never changes the real "
+                    "driver's MIG layout; to see the resources after it, plan on a simulated node with the same "
+                    "GPUs (--node SPEC)"
+                )
+    if args.mig_label and layout is None:  # with layouts, the label picks one (or is an error): here there are none
+        notes.append("warning: --mig-label is not used: it picks a layout of the config's migLayout, and there is none")
+    result = plan(effective(model, FlagOverrides(mig_strategy=args.mig_strategy)).plan, inventory)
+    return result, layout, notes

@@ -1,8 +1,12 @@
-"""Human-readable output of the CLI: an inventory like ``nvidia-smi -L``, a plan as a table."""
+"""Human-readable output of the CLI: an inventory like ``nvidia-smi -L``, a plan as a table, GPU lists and
+MIG layouts as a person reads them (``GPUs 0-7``, ``3g.40gb + 2g.20gb + 1g.10gb``, counts before their names)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from agent.core.inventory import Inventory
+from agent.core.mig_catalog import parse_profile_name
 from agent.core.resources import Resource, ResourcePlan
 
 
@@ -60,3 +64,37 @@ def _resource_summary(resource: Resource) -> str:
     if resource.sharing == "none":
         return f"{resource.name} × {len(resource.devices)}"
     return f"{resource.name} × {len(resource.devices)} ({resource.sharing}, {resource.replicas} per device)"
+
+
+def gpu_list(indices: Iterable[int]) -> str:
+    """``GPU 3``, ``GPUs 0-7``, ``GPUs 0-3, 5``: runs of consecutive indices as ranges."""
+    ordered = sorted(set(indices))
+    runs: list[list[int]] = []
+    for index in ordered:
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+    return f"GPU {text}" if len(ordered) == 1 else f"GPUs {text}"
+
+
+def model_name(name: str) -> str:
+    """A GPU product as the hardware tables name it: ``A100-SXM4-80GB`` for ``NVIDIA A100-SXM4-80GB``."""
+    return name.removeprefix("NVIDIA ")
+
+
+def instances_text(devices: Iterable[tuple[str, int]] | Mapping[str, int]) -> str:
+    """MIG instances largest first (``3g.40gb + 2g.20gb + 1g.10gb``), a count before a name it repeats;
+    ``no instances`` for none."""
+    pairs = [(name, count) for name, count in (devices.items() if isinstance(devices, Mapping) else devices) if count]
+
+    def size(pair: tuple[str, int]) -> tuple[int, int, str]:
+        try:
+            parsed = parse_profile_name(pair[0])
+        except ValueError:
+            return (0, 0, pair[0])
+        return (-parsed.gpu_slices, -parsed.memory_gb, pair[0])
+
+    parts = [name if count == 1 else f"{count} × {name}" for name, count in sorted(pairs, key=size)]
+    return " + ".join(parts) or "no instances"

@@ -332,7 +332,14 @@ class ConfigModel(_Section):
 
 
 def parse_config(data: object, origin: str = "config") -> tuple[values.ConfigModel, list[str]]:
-    """What :func:`agent.config.model.parse_config` does: validate, warn, and convert to the dataclasses."""
+    """What :func:`agent.config.model.parse_config` does: validate, warn, and convert to the dataclasses.
+
+    A document that is positively something else (:func:`foreign_document`) is refused for what it is: NVIDIA's
+    plugin would read a Pod manifest as a config of unknown keys, i.e. every default, without a word.
+    """
+    foreign = foreign_document(data)
+    if foreign is not None:
+        raise NotASharingConfig(origin, [foreign])
     try:
         model = ConfigModel.model_validate({} if data is None else data)
     except ValidationError as error:
@@ -398,3 +405,52 @@ def _problem(error: Any) -> str:
     elif error["type"] == "literal_error":
         message = f"{message} (got {error.get('input')!r})"
     return f"{path or '(top level)'}: {message}"
+
+
+class NotASharingConfig(ConfigError):
+    """The document is recognisably something else (:func:`foreign_document` says what)."""
+
+
+def foreign_document(data: object) -> str | None:
+    """What a document is, when it is recognisably not a sharing config; None when it may be one.
+
+    Recognised, by keys no sharing config has: a Kubernetes object (``apiVersion`` and ``kind``; a ConfigMap
+    is named as such, since its data keys are configs), a mig-parted layout file (``mig-configs``), a
+    simulated node spec (``gpus``, a list of ``{model: ...}``) and the Helm values of NVIDIA's chart
+    (``config.map``). Anything else is read as a config, unknown keys warned about one by one.
+    """
+    if not isinstance(data, dict):
+        return None
+    api, kind = data.get("apiVersion"), data.get("kind")
+    if isinstance(api, str) and isinstance(kind, str):
+        name = (data.get("metadata") or {}).get("name") if isinstance(data.get("metadata"), dict) else None
+        called = f" {name!r}" if isinstance(name, str) else ""
+        if kind == "ConfigMap":
+            return (
+                f"a Kubernetes ConfigMap{called} manifest, not a sharing config: its data keys are the configs; "
+                "give the manifest file itself to tessera validate or tessera plan --config, which read its keys"
+            )
+        return (
+            f"a Kubernetes {kind}{called} manifest ({api}), not a sharing config; a sharing config is the text of "
+            "one ConfigMap data key: version: v1 with flags, sharing, resources..."
+        )
+    if "mig-configs" in data:
+        return (
+            "a MIG layout file (mig-parted's format: version and mig-configs), not a sharing config; check or "
+            "apply it with tessera mig apply --dry-run --config FILE, or put it in a sharing config under "
+            "migLayout.layouts"
+        )
+    known = {(f.alias or n).lower() for n, f in ConfigModel.model_fields.items()} - {"version"}
+    if any(str(key).lower() in known for key in data):
+        return None
+    gpus = data.get("gpus")
+    if isinstance(gpus, list) and gpus and all(isinstance(g, dict) and "model" in g for g in gpus):
+        return "a simulated node spec (gpus: [{model: ...}]), not a sharing config; give it to --node"
+    chart = data.get("config")
+    if isinstance(chart, dict) and isinstance(chart.get("map"), dict):
+        keys = ", ".join(str(k) for k in chart["map"]) or "none"
+        return (
+            f"the Helm values of NVIDIA's device-plugin chart, not a sharing config; the configs are the texts "
+            f"under config.map (keys: {keys}): save each as a file, or in a ConfigMap"
+        )
+    return None

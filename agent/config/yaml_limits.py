@@ -20,11 +20,15 @@ values; the shipped layouts file 5 levels and 60 values):
 - ``MAX_ALIASES`` (1,000) alias references; an alias to the collection it is in (a cycle) is refused.
 - one document: a second non-empty document (after ``---``) is an error. NVIDIA's plugin silently reads
   only the first one, so a second config in the same file would be ignored without a word.
+
+Text that is not YAML is a :class:`YamlSyntaxError`: ``file:line:column: not valid YAML or JSON: ...`` with
+the offending line and a caret (``excerpt``), never PyYAML's ``in "<unicode string>"``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,7 @@ MAX_BYTES = 1 << 20  # 1 MiB: the most a ConfigMap can hold
 MAX_DEPTH = 64
 MAX_NODES = 20_000
 MAX_ALIASES = 1_000
+_EXCERPT_WIDTH = 100  # characters of the offending line shown under a syntax error
 _DEPTH_SCAN_EVENTS = 10_000  # after the depth limit, how far to read on to say how deep it really goes
 
 _NULL_TAG = "tag:yaml.org,2002:null"
@@ -102,7 +107,7 @@ def _is_dev_null(info: os.stat_result) -> bool:
 def _require_regular(info: os.stat_result, where: str, max_bytes: int) -> None:
     mode = info.st_mode
     if stat.S_ISDIR(mode):
-        raise ConfigError(where, ["is a directory, not a file; give the path of the file itself"])
+        raise ConfigError(where, ["is a directory, not a file; name a file in it"])
     if not stat.S_ISREG(mode):
         kind = (
             "a FIFO (named pipe)"
@@ -183,9 +188,9 @@ def load_yaml(
     except _LimitBroken as error:
         raise ConfigError(origin, [str(error)]) from None
     except yaml.MarkedYAMLError as error:
-        raise ConfigError(origin, [f"not valid YAML or JSON: {_describe(error)}"]) from None
+        raise _syntax_error(origin, text, error) from None
     except yaml.YAMLError as error:
-        raise ConfigError(origin, [f"not valid YAML or JSON: {_one_line(str(error))}"]) from None
+        raise ConfigError(origin, [f"not valid YAML or JSON: {_without_stream_name(str(error))}"]) from None
     except RecursionError:
         raise ConfigError(
             origin, [f"nested too deeply to read; {kind} nests at most {max_depth} levels: flatten it"]
@@ -206,13 +211,111 @@ def _where(mark: yaml.Mark | None) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "an unknown place"
 
 
-def _describe(error: yaml.MarkedYAMLError) -> str:
-    parts = []
-    if error.problem:
-        parts.append(f"{error.problem} at {_where(error.problem_mark)}")
-    if error.context:
-        parts.append(f"({error.context} at {_where(error.context_mark)})")
-    return _one_line(" ".join(parts) or str(error))
+def _without_stream_name(text: str) -> str:
+    """PyYAML's own text names the stream ``in "<unicode string>", line 3``: no user knows that file."""
+    return _one_line(re.sub(r'\s*in "<[^>]*>"(, line \d+, column \d+|, position \d+)?:?', "", text))
+
+
+def _shown_line(text: str, line: int, column: int, context_at: tuple[int, int] | None) -> tuple[int, str, int] | None:
+    """The line an excerpt shows: the problem's; when that is blank (the end of the text), the line where the
+    unfinished construct began, else the last line with something on it. (number, text, caret column)."""
+    lines = text.splitlines()
+
+    def at(number: int) -> str:
+        return lines[number - 1] if 0 < number <= len(lines) else ""
+
+    if at(line).strip():
+        return line, at(line), column
+    if context_at is not None and at(context_at[0]).strip():
+        return context_at[0], at(context_at[0]), context_at[1]
+    previous = next((n for n in range(min(line, len(lines)), 0, -1) if at(n).strip()), None)
+    return (previous, at(previous), len(at(previous)) + 1) if previous else None
+
+
+def _syntax_error(origin: str, text: str, error: yaml.MarkedYAMLError) -> ConfigError:
+    problem, mark = error.problem, error.problem_mark
+    context, context_mark = error.context, error.context_mark
+    if not problem or mark is None:  # only a context (or nothing): it is the problem then
+        problem, mark, context, context_mark = problem or context, mark or context_mark, None, None
+    if mark is None:
+        return ConfigError(origin, [f"not valid YAML or JSON: {_without_stream_name(problem or str(error))}"])
+    line, column = mark.line + 1, mark.column + 1
+    context_at = (context_mark.line + 1, context_mark.column + 1) if context_mark is not None else None
+    return YamlSyntaxError(
+        origin,
+        _one_line(problem or "not valid"),
+        (line, column),
+        _shown_line(text, line, column, context_at),
+        context=_one_line(context) if context else None,
+        context_at=context_at,
+    )
+
+
+class YamlSyntaxError(ConfigError):
+    """The text is not YAML: where (1-based line and column), what, and the offending line.
+
+    ``str()`` is ``file:line:column: not valid YAML or JSON: <problem>`` (what compilers print and editors
+    jump to); ``problems`` hold the problem as one line, for the verdict lists of ``tessera validate``;
+    ``excerpt`` is the offending line with a caret under the column (when the problem is at the end of the
+    text: the line where the unfinished construct began), for a person to read under the message.
+    """
+
+    def __init__(
+        self,
+        origin: str,
+        problem: str,
+        at: tuple[int, int],
+        shown: tuple[int, str, int] | None,
+        *,
+        context: str | None = None,
+        context_at: tuple[int, int] | None = None,
+        note: str = "",
+    ) -> None:
+        self.line, self.column = at
+        self.problem, self.context, self.context_at, self.shown, self.note = problem, context, context_at, shown, note
+        within = ""
+        if context:
+            within = f" ({context}" + (f" at line {context_at[0]}, column {context_at[1]})" if context_at else ")")
+        suffix = f" ({note})" if note else ""
+        where = f" at line {self.line}, column {self.column}"
+        super().__init__(origin, [f"not valid YAML or JSON: {problem}{where}{within}{suffix}"])
+        self.args = (f"{origin}:{self.line}:{self.column}: not valid YAML or JSON: {problem}{within}{suffix}",)
+
+    @property
+    def excerpt(self) -> tuple[str, ...]:
+        """``  3 | sharing: [`` and a caret line under it; empty when there is no line to show."""
+        if self.shown is None:
+            return ()
+        number, text, column = self.shown
+        if len(text) > _EXCERPT_WIDTH:  # a window around the column, marked as cut where it is
+            start = max(0, min(column - 1 - _EXCERPT_WIDTH // 2, len(text) - _EXCERPT_WIDTH))
+            text = (
+                ("…" if start else "")
+                + text[start : start + _EXCERPT_WIDTH]
+                + ("…" if start + _EXCERPT_WIDTH < len(text) else "")
+            )
+            column = column - start + (1 if start else 0)
+        gutter = " " * len(str(number))
+        under = "".join("\t" if c == "\t" else " " for c in text[: column - 1]).ljust(column - 1)
+        return (f"  {number} | {text}", f"  {gutter} | {under}^")
+
+    def moved(self, origin: str, line_offset: int, indent: int, note: str) -> YamlSyntaxError:
+        """The same error in the file around the text: the text began ``line_offset`` lines down and ``indent``
+        columns in (a literal block scalar ``key: |`` of a ConfigMap manifest)."""
+        shown = None
+        if self.shown is not None:
+            number, text, column = self.shown
+            shown = (number + line_offset, " " * indent + text, column + indent)
+        context_at = (self.context_at[0] + line_offset, self.context_at[1] + indent) if self.context_at else None
+        return YamlSyntaxError(
+            origin,
+            self.problem,
+            (self.line + line_offset, self.column + indent),
+            shown,
+            context=self.context,
+            context_at=context_at,
+            note=note,
+        )
 
 
 try:  # libyaml's parser (bundled with PyYAML's wheels): the same events, a hundred times faster on a bomb
@@ -272,6 +375,17 @@ class _BoundedLoader(Composer, *_PARSER, SafeConstructor, Resolver):  # type: ig
             document = node
         self.get_event()  # STREAM-END
         return None if document is None else self.construct_document(document)
+
+    def construct_object(self, node: Node, deep: bool = False) -> Any:
+        """A value PyYAML cannot build (a 5,000-digit int, 2024-13-45...) is bad input at the value's place."""
+        try:
+            return super().construct_object(node, deep)
+        except (yaml.YAMLError, RecursionError):
+            raise
+        except Exception as error:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a value cannot be read: {type(error).__name__}: {_one_line(str(error))}", node.start_mark
+            ) from None
 
     def compose_node(self, parent: Node | None, index: Any) -> Node:
         if self.check_event(AliasEvent):

@@ -47,11 +47,11 @@ from pydantic import (
     field_validator,
 )
 
-from agent.config.model import ConfigError
+from agent.config.model import ConfigError, MigLayoutSection
 from agent.config.yaml_limits import load_yaml, read_bounded
 from agent.core.inventory import Gpu
-from agent.core.mig_catalog import parse_profile_name
-from agent.core.mig_layout import DesiredLayout, current_layout
+from agent.core.mig_catalog import MigCatalog, mig_catalogs, parse_profile_name
+from agent.core.mig_layout import DesiredLayout, current_layout, validate_layout
 
 VERSION = "v1"
 KIND = "a MIG layout file"
@@ -241,14 +241,104 @@ def read_layout_file(path: Path) -> object:
     """The YAML/JSON document of the layout file at ``path``, read within the limits of
     :mod:`agent.config.yaml_limits` (1 MiB, nesting, aliases, one document, a regular file).
 
-    Raises only LayoutFileError, whose message starts with the path; pass the result to
-    :func:`parse_layout_file` (``parse_layout_file(read_layout_file(path), str(path))``).
+    Raises only LayoutFileError, whose message starts with the path (and whose ``cause`` is the ConfigError,
+    a YAML syntax error with its excerpt among them); pass the result to :func:`parse_layout_file`
+    (``parse_layout_file(read_layout_file(path), str(path))``).
     """
     origin = str(path)
     try:
         return load_yaml(read_bounded(path, origin), origin, kind=KIND)
     except ConfigError as error:
-        raise LayoutFileError(str(error), error.problems) from None
+        raise LayoutFileError(str(error), error.problems) from error
+
+
+def config_layout(
+    section: MigLayoutSection | None, origin: str, name: str | None = None
+) -> tuple[MigLayoutFile, str | None] | None:
+    """The layouts a sharing config's ``migLayout`` holds, and the mig-config that applies, as the agent
+    chooses it: ``name`` (the node label ``nvidia.com/mig.config``), else ``migLayout.config``, else the only
+    one; None for the name when it cannot tell (the agent then leaves MIG as it is). None when the config
+    holds no layouts."""
+    if section is None or section.layouts is None:
+        return None
+    layout_file = parse_layout_file(section.layouts, f"{origin} migLayout.layouts")
+    chosen = name or section.config
+    if chosen is None and len(layout_file.mig_configs) == 1:
+        chosen = next(iter(layout_file.mig_configs))
+    return layout_file, chosen
+
+
+def misfit(catalog: MigCatalog, layout: DesiredLayout) -> str | None:
+    """Why ``layout`` cannot be applied to a GPU of ``catalog``'s model, in short, or None when it can.
+
+    The model is the reader's context (the messages are grouped by it), so it is not repeated; "no placement
+    can hold" is said in slices where the slices are the reason.
+    """
+    problems = [
+        p.removesuffix(f" on {catalog.product}").replace(f" {catalog.product} ", " the GPU ")
+        for p in validate_layout(catalog, layout)
+    ]
+    if not problems:
+        return None
+    placement = [p for p in problems if p.startswith("no placement can hold")]
+    if placement and len(placement) < len(problems):  # the counts say why already
+        problems = [p for p in problems if p not in placement]
+    elif placement:
+        profiles = [(catalog.profile(name), count) for name, count in layout.devices]
+        if all(profile is not None for profile, _ in profiles):
+            compute = sum(profile.slices * count for profile, count in profiles if profile is not None)
+            memory = sum(profile.memory_slices * count for profile, count in profiles if profile is not None)
+            if compute > catalog.compute_slices:
+                return f"together they take {compute} compute slices and the GPU has {catalog.compute_slices}"
+            if memory > catalog.memory_slices:
+                return f"together they take {memory} memory slices and the GPU has {catalog.memory_slices}"
+        return "no placement holds them together (each profile may start only at certain memory slices)"
+    return "; ".join(problems)
+
+
+def unfit_problems(layout_file: MigLayoutFile, label: str | None = None) -> list[str]:
+    """The specs (of ``label``, or of every mig-config) that no GPU model can take, whatever the node.
+
+    A spec is judged on the models its ``device-filter`` admits (every model without one): none of them has
+    all its profiles, or on every model that has them the instances do not fit. A spec whose filter names
+    only models Tessera has no MIG table for is not judged.
+    """
+    problems = []
+    for name in [label] if label is not None else list(layout_file.mig_configs):
+        for position, spec in enumerate(layout_file.mig_configs.get(name, ())):
+            layout = spec.layout()
+            if not layout.enabled or not layout.devices:
+                continue
+            filters = spec.filters
+            admitted = [
+                c for c in mig_catalogs() if not filters or any(f.device_id == c.pci_device_id for f in filters)
+            ]
+            if not admitted:
+                continue
+            having = [c for c in admitted if all(c.profile(profile) is not None for profile, _ in layout.devices)]
+            where = f"mig-configs.{name}[{position}]"
+            models = "the GPU models of its device-filter" if filters else "GPU model"
+            if not having:
+                problems.append(
+                    f"{where}: no {models} has all of {', '.join(p for p, _ in layout.devices)} as MIG profiles"
+                    if not filters
+                    else f"{where}: none of {models} ({', '.join(c.key for c in admitted)}) has all of "
+                    f"{', '.join(p for p, _ in layout.devices)}"
+                )
+                continue
+            reasons: dict[str, list[str]] = {}
+            for catalog in having:
+                reason = misfit(catalog, layout)
+                if reason is None:
+                    break
+                reasons.setdefault(reason, []).append(catalog.key)
+            else:
+                from agent.render import instances_text
+
+                grouped = "; ".join(f"on {', '.join(keys)}: {reason}" for reason, keys in reasons.items())
+                fits = "fits none of the GPU models of its device-filter" if filters else "fits no GPU model"
+                problems.append(f"{where}: {instances_text(layout.devices)} {fits}: {grouped}")
+    return problems
 
 
 def parse_layout_text(text: str, origin: str) -> MigLayoutFile:
