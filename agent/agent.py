@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,10 +31,10 @@ from agent.config.labels import (
 from agent.config.model import ConfigError, ConfigModel
 from agent.config.source import LoadedConfig, load_config, read_config_set
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
+from agent.core.announce import announcements
 from agent.core.cordon import NO_CORDON, Cordon, parse_cordon
 from agent.core.health import (
     GPU_LOST_REASON,
-    Fault,
     HealthPolicy,
     HealthState,
     XidEffect,
@@ -71,6 +71,7 @@ from agent.plugin.lock import PluginDirLock, PluginDirLocked
 from agent.plugin.registration import KUBELET_SOCKET, RegistrationError, register_all
 from agent.plugin.server import ResourceServer
 from agent.plugin.watch import KubeletSocketChanged, PluginDirChanged, PluginDirWatcher, PluginSocketRemoved
+from agent.status import AgentStatus
 from agent.supervise import Backoff, WorkerCrashed, submit
 from agent.telemetry.service import Telemetry, TelemetrySettings
 
@@ -105,6 +106,10 @@ class AgentOptions:
     liveness_probe_seconds: float = SAFETY_SECONDS  # the slow re-check for a GPU lost without an event
     lock_wait_seconds: float = 15.0  # how long a predecessor on this plugin directory gets to let go
     thread_join_seconds: float | None = None  # on stop, wait this long for threads in the driver (None: all)
+    # How long one nvmlEventSetWait may block. It cannot be interrupted, so it bounds how soon the watcher
+    # stops and takes up a changed GPU set; each return is a wake-up of an idle agent. `tessera run` uses
+    # NVIDIA's 5 s (its process does not wait for the watcher on the way out); in-process agents stop faster.
+    health_event_wait_ms: int = 500
     telemetry: TelemetrySettings | None = None  # None: no metrics endpoint, no node labels
 
     @property
@@ -155,34 +160,12 @@ class _Registration:
     unless_watched: bool = False  # due only because a stream closed: not needed if the kubelet watches again
 
 
-@dataclass
-class AgentStatus:
-    """What the outside world may read (health endpoints, the demo): replaced, never mutated."""
-
-    resources: dict[str, ResourceSnapshot] = field(default_factory=dict)
-    registered: frozenset[str] = frozenset()
-    kubelet_present: bool = False
-    config_name: str | None = None
-    config_digest: str | None = None
-    config_error: str | None = None  # why the newest config was rejected (the last good one is in force)
-    mps: dict[str, dict[str, object]] = field(default_factory=dict)  # MPS daemon key -> state, restarts, error
-    mig_state: str | None = None  # nvidia.com/mig.config.state: pending, applying, success, failed, reset-required
-    mig_error: str | None = None
-    inventory: Inventory | None = None
-    plan: ResourcePlan | None = None
-    config_errors_total: int = 0
-    xid_counts: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (gpu, UUID, xid) -> events
-    internal_errors: dict[str, int] = field(default_factory=dict)  # where -> unexpected exceptions survived
-    waiting_for: dict[str, tuple[str, ...]] = field(default_factory=dict)  # operation -> what it waits for
-    stale_gpus: frozenset[str] = frozenset()  # GPUs withdrawn until the inventory is read again
-    discovery_error: str | None = None  # why the last inventory read failed (the previous one is in force)
-    faults: Mapping[str, Fault] = field(default_factory=dict)  # GPU or MIG UUID -> why it is Unhealthy
-    cordoned: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # GPU or MIG UUID -> annotation keys
-    cordon_problems: tuple[str, ...] = ()  # cordon entries that name nothing on this node
-
-
 class Stoppable(Protocol):
     def stop(self) -> None: ...
+
+
+class Recorder(Stoppable, Protocol):
+    def emit(self, type_: str, reason: str, action: str, note: str) -> None: ...
 
 
 class Agent:
@@ -204,6 +187,7 @@ class Agent:
         self._said: set[str] = set()  # warnings already logged, so a reload does not repeat them
         self._config_watcher: ConfigWatcher | None = None
         self._label_watcher: Stoppable | None = None
+        self._recorder: Recorder | None = None  # Kubernetes Events on the Node, when there is an API to send to
         self._mps = MpsManager(options.mps_control, self.post, options.pod_resources_socket)
         self._mig = MigManager(self.post, options.pod_resources_socket)
         self._mig_label: str | None = None
@@ -350,7 +334,9 @@ class Agent:
         if self.options.config_path is not None:
             self._config_watcher = ConfigWatcher(self.options.config_path, self.post)
             self._config_watcher.start()
-        self._event_watcher = NvmlEventWatcher([g.uuid for g in self._inventory.gpus], self.post)
+        self._event_watcher = NvmlEventWatcher(
+            [g.uuid for g in self._inventory.gpus], self.post, wait_ms=self.options.health_event_wait_ms
+        )
         self._event_watcher.start()
         self._kubelet_watcher = PluginDirWatcher(self.options.device_plugin_dir, self.post)
         self._kubelet_watcher.start()
@@ -363,7 +349,9 @@ class Agent:
         self._telemetry_pending = False
         assert settings is not None
         try:
-            self._telemetry = Telemetry(settings, self)
+            self._telemetry = Telemetry(
+                settings, self, self.options.device_plugin_dir, self.options.pod_resources_socket
+            )
         except (OSError, ValueError) as error:  # metrics are not worth failing the node's GPUs for
             log.error("no metrics endpoint address=%s error=%r", settings.metrics_address, str(error))
         else:
@@ -380,7 +368,13 @@ class Agent:
         join = self.options.thread_join_seconds
         if self._event_watcher is not None:
             self._event_watcher.stop(timeout=join)
-        for watcher in (self._telemetry, self._kubelet_watcher, self._config_watcher, self._label_watcher):
+        for watcher in (
+            self._telemetry,
+            self._kubelet_watcher,
+            self._config_watcher,
+            self._label_watcher,
+            self._recorder,
+        ):
             if watcher is not None:
                 watcher.stop()
         self._registrar.shutdown(wait=join is None, cancel_futures=True)
@@ -581,6 +575,7 @@ class Agent:
             return
         if api is None:
             return
+        self._start_recorder(api)
         follow_labels = bool(self.options.config_path and self.options.config_path.is_dir())
         try:
             labels, annotations = read_node_metadata(api, self.options.node_name)
@@ -599,6 +594,29 @@ class Agent:
             annotation_keys=CORDON_ANNOTATIONS,
         )
         self._label_watcher.start()
+
+    def _start_recorder(self, api: object) -> None:
+        """Events on the Node for what an operator must see (``kubectl describe node``); sent by a thread of
+        their own, rate-limited and aggregated, so the loop never waits for the API server."""
+        from agent.events import EventRecorder
+
+        assert self.options.node_name is not None
+        try:
+            recorder = EventRecorder(api.api_client, self.options.node_name)  # type: ignore[attr-defined]
+            recorder.start()
+        except Exception as error:  # Events are a courtesy: without them the log says the same
+            log.warning("no Kubernetes Events; the log has what they would say error=%r", str(error))
+            return
+        self._recorder = recorder
+
+    def _announce(self, before: AgentStatus, after: AgentStatus) -> None:
+        if self._recorder is None or before is after:
+            return
+        for said in announcements(before, after):
+            try:
+                self._recorder.emit(said.type, said.reason, said.action, said.note)
+            except ValueError as error:  # a reason or action the recorder refuses: our bug, never the node's
+                self._internal_error("events", error, context=said.reason)
 
     def _update_cordon(self) -> bool:
         """What the cordon annotations name on the current inventory; True when that changed (to publish)."""
@@ -817,6 +835,8 @@ class Agent:
                 changed = True
                 if fault.lost:
                     came_back.add(fault.gpu_uuid or unit)
+                    if self._event_watcher is not None:
+                        self._event_watcher.gpu_back(fault.gpu_uuid or unit)
             else:
                 reasons = "; ".join(evidence.reasons)
                 if evidence.reasons != fault.blockers:
@@ -999,7 +1019,9 @@ class Agent:
     def _new_watcher(self, name: str) -> NvmlEventWatcher | PluginDirWatcher | ConfigWatcher:
         watcher: NvmlEventWatcher | PluginDirWatcher | ConfigWatcher
         if name == "_event_watcher":
-            watcher = NvmlEventWatcher([g.uuid for g in self._gpus()], self.post)
+            watcher = NvmlEventWatcher(
+                [g.uuid for g in self._gpus()], self.post, wait_ms=self.options.health_event_wait_ms
+            )
         elif name == "_kubelet_watcher":
             watcher = PluginDirWatcher(self.options.device_plugin_dir, self.post)
         else:
@@ -1034,6 +1056,7 @@ class Agent:
         self._refresh_status()
 
     def _refresh_status(self) -> None:
+        before = self.status
         self.status = AgentStatus(
             resources=dict(self._snapshots),
             registered=frozenset(n for n, r in self._registrations.items() if r.registered),
@@ -1056,6 +1079,7 @@ class Agent:
             cordoned=self._cordon.sources,
             cordon_problems=self._cordon.problems,
         )
+        self._announce(before, self.status)
 
     def _waiting_for(self) -> dict[str, tuple[str, ...]]:
         waiting = {f"mps:{key}": reasons for key, reasons in self._mps.waiting_for().items()}

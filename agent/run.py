@@ -28,6 +28,10 @@ class OptionsError(ValueError):
     """A flag, environment variable or config value is not usable; the message says which and why."""
 
 
+# NVIDIA's device plugin waits 5 s per nvmlEventSetWait too: an idle agent wakes for it once every 5 s
+PROCESS_EVENT_WAIT_MS = 5000
+
+
 def build_options(args: argparse.Namespace, environ: dict[str, str]) -> AgentOptions:
     """The agent's options from flags (or their env twins). The config file is read by the agent itself, so
     that it can be reloaded; explicit flags win over its ``flags`` section, as on NVIDIA's plugin."""
@@ -76,6 +80,7 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> AgentOpt
         kubeconfig=args.kubeconfig,
         health=policy,
         thread_join_seconds=0.0,  # the process exits right after stopping: daemon threads end with it
+        health_event_wait_ms=PROCESS_EVENT_WAIT_MS,
     )
 
 

@@ -263,13 +263,31 @@ class _Handler(BaseHTTPRequestHandler):
             fake.record("other", 404)
             _send_json(self, 404, _status(404, "NotFound", f"the fake does not serve {self.path}"))
 
+    def do_POST(self) -> None:
+        self._to_events("POST")
+
+    def do_PATCH(self) -> None:
+        self._to_events("PATCH")
+
+    def _to_events(self, method: str) -> None:
+        """Writes go to the Events fake, when the node has one (``serving(kube, events=...)``)."""
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        events = getattr(self.server, "events", None)
+        if events is None:
+            _send_json(self, 404, _status(404, "NotFound", f"the fake does not serve {method} {self.path}"))
+            return
+        status, body = events.answer(method, urlsplit(self.path).path, self.headers.get("Content-Type", ""), raw)
+        _send_json(self, status, body)
+
 
 @contextmanager
-def serving(kube: FakeKube) -> Iterator[FakeKube]:
-    """Serve ``kube`` on 127.0.0.1 (an ephemeral port, as ``kube.port``) until the block ends."""
+def serving(kube: FakeKube, events: object | None = None) -> Iterator[FakeKube]:
+    """Serve ``kube`` on 127.0.0.1 (an ephemeral port, as ``kube.port``) until the block ends; with ``events``
+    (a ``tests.fake_events_api.FakeEventsApi``) the same server takes the agent's Events too."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server.daemon_threads = True
     server.fake = kube  # type: ignore[attr-defined]
+    server.events = events  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     kube.port = server.server_address[1]  # type: ignore[attr-defined]

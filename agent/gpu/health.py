@@ -132,6 +132,7 @@ class NvmlEventWatcher:
         self._lock = threading.Lock()
         self._wanted: tuple[str, ...] = tuple(dict.fromkeys(gpu_uuids))
         self._wanted_version = 0
+        self._back: set[str] = set()  # GPUs the agent found answering again since they were reported lost
         self._watched: frozenset[str] = frozenset()
         self._builds = 0
         self._stop = threading.Event()
@@ -180,6 +181,12 @@ class NvmlEventWatcher:
             if wanted != self._wanted:
                 self._wanted = wanted
                 self._wanted_version += 1
+
+    def gpu_back(self, uuid: str) -> None:
+        """The agent found a lost GPU answering again: register it at the next turn, and report it lost
+        again if it is (a GPU that flaps must not stay reported once and then be forgotten)."""
+        with self._lock:
+            self._back.add(uuid)
 
     def watched(self) -> frozenset[str]:
         """The GPUs registered in the current event set."""
@@ -268,8 +275,14 @@ class NvmlEventWatcher:
             self._deliver(data)
 
     def _sync(self, event_set: object) -> None:
-        """Apply ``set_gpus`` and register GPUs whose retry is due into the current set."""
+        """Apply ``set_gpus`` and ``gpu_back``, and register GPUs whose retry is due into the current set."""
         wanted, version = self._wanted_snapshot()
+        with self._lock:
+            back, self._back = self._back, set()
+        for uuid in back:
+            self._retry.pop(uuid, None)
+            if self._reported.get(uuid) == "lost":
+                del self._reported[uuid]
         if version != self._built_version:
             self._forget_unwanted(wanted)
             if set(self._registered) - set(wanted):

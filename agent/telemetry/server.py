@@ -1,4 +1,5 @@
-"""``/metrics``, ``/healthz`` (the loops are alive) and ``/readyz`` (registered with the kubelet)."""
+"""``/metrics``, ``/healthz`` (the loops are alive), ``/readyz`` (registered with the kubelet) and ``/status``
+(what the agent is doing, for ``tessera status``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class TelemetryServer:
         last: LastCollection,
         healthy: Callable[[], tuple[bool, str]],
         ready: Callable[[], tuple[bool, str]],
+        status: Callable[[], bytes] | None = None,
     ) -> None:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # not for parse_address's callers
 
@@ -45,8 +47,10 @@ class TelemetryServer:
                 elif path in ("/healthz", "/readyz"):
                     ok, why = (healthy if path == "/healthz" else ready)()
                     self._reply(200 if ok else 503, (why + "\n").encode(), "text/plain; charset=utf-8")
+                elif path == "/status" and status is not None:
+                    self._reply(200, status(), "application/json")
                 else:
-                    self._reply(404, b"not found: /metrics, /healthz, /readyz\n", "text/plain; charset=utf-8")
+                    self._reply(404, b"not found: /metrics, /healthz, /readyz, /status\n", "text/plain; charset=utf-8")
 
             def _reply(self, code: int, body: bytes, content_type: str) -> None:
                 self.send_response(code)
@@ -66,7 +70,7 @@ class TelemetryServer:
 
     def start(self) -> None:
         self._thread.start()
-        log.info("serving metrics port=%d paths=/metrics,/healthz,/readyz", self.port)
+        log.info("serving metrics port=%d paths=/metrics,/healthz,/readyz,/status", self.port)
 
     def stop(self) -> None:
         os.write(self._wake_write, b"x")

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from agent.agent import Agent
     from agent.core.inventory import Inventory
     from agent.core.resources import ResourcePlan
+    from agent.status import StatusSource
     from agent.telemetry.nfd import FeatureFile
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,12 @@ class TelemetrySettings:
 
 
 class Telemetry:
-    def __init__(self, settings: TelemetrySettings, agent: Agent) -> None:
+    """Metrics, health endpoints, ``/status`` and node labels for one agent, read from its published status
+    (``source``), never from the agent itself."""
+
+    def __init__(
+        self, settings: TelemetrySettings, source: StatusSource, device_plugin_dir: Path, pod_resources_socket: Path
+    ) -> None:
         # Imported here, not with this module: an agent without metrics never loads prometheus_client,
         # http.server or the PodResources stubs (``tessera run`` imports TelemetrySettings either way).
         from agent.plugin.podresources import allocated_devices
@@ -41,22 +46,24 @@ class Telemetry:
         from agent.telemetry.server import TelemetryServer
 
         self.settings = settings
-        self._agent = agent
+        self._source = source
         options = TelemetryOptions(
             hostname=settings.hostname,
             interval=settings.interval,
             idle_threshold_percent=settings.idle_threshold_percent,
             proc_root=settings.proc_root,
-            device_plugin_dir=agent.options.device_plugin_dir,
-            pod_resources_socket=agent.options.pod_resources_socket,
+            device_plugin_dir=device_plugin_dir,
+            pod_resources_socket=pod_resources_socket,
         )
         self.collector = TelemetryCollector(
             options,
-            status=lambda: agent.status,
-            holders=lambda: allocated_devices(agent.options.pod_resources_socket),
+            status=lambda: source.status,
+            holders=lambda: allocated_devices(pod_resources_socket),
             on_collected=self._write_labels,
         )
-        self.server = TelemetryServer(settings.metrics_address, self.collector.last, self.healthy, self.ready)
+        self.server = TelemetryServer(
+            settings.metrics_address, self.collector.last, self.healthy, self.ready, self.status_json
+        )
         self._labels_error: str | None = None
         self._labels_of: tuple[Inventory, ResourcePlan, str | None] | None = None  # what _labels come from
         self._labels: dict[str, str] = {}
@@ -74,8 +81,8 @@ class Telemetry:
 
     def healthy(self) -> tuple[bool, str]:
         """The reconcile loop answers and metrics are collected."""
-        if not self._agent.responsive(LOOP_ANSWER_SECONDS):
-            loop_age = time.monotonic() - self._agent.heartbeat
+        if not self._source.responsive(LOOP_ANSWER_SECONDS):
+            loop_age = time.monotonic() - self._source.heartbeat
             return False, f"the reconcile loop does not answer (last turn {loop_age:.0f} s ago)"
         collected = self.collector.last.collected_at
         if collected is not None and time.time() - collected > 3 * self.settings.interval + 10:
@@ -84,13 +91,23 @@ class Telemetry:
 
     def ready(self) -> tuple[bool, str]:
         """Every advertised resource is registered with the kubelet."""
-        status = self._agent.status
+        status = self._source.status
         if not status.kubelet_present:
             return False, "waiting for the kubelet"
         missing = sorted(set(status.resources) - status.registered)
         if missing:
             return False, f"not registered yet: {', '.join(missing)}"
         return True, f"ok: {len(status.resources)} resources registered"
+
+    def status_json(self) -> bytes:
+        """``/status``: the published status as the document ``tessera status`` reads."""
+        import json
+
+        from agent import __version__
+        from agent.status_report import status_document
+
+        document = status_document(self._source.status, version=__version__)
+        return (json.dumps(document, indent=2, default=str) + "\n").encode()
 
     def _write_labels(self, status: object) -> None:
         directory = self.settings.nfd_features_dir

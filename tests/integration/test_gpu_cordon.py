@@ -1,7 +1,8 @@
-"""Per-GPU cordon through the Node's annotations, end to end: a fake API server spoken to by the real
-Kubernetes client, the agent on a simulated node, the kubelet emulator. A cordoned GPU's devices go
-Unhealthy at once with the reason in the status, a pod already running on it keeps its devices, removing
-the entry restores them, and junk is reported without stopping anything."""
+"""Per-GPU cordon through the Node's annotations, and the Node Events the agent records, end to end: a fake
+API server spoken to by the real Kubernetes client, the agent on a simulated node, the kubelet emulator. A
+cordoned GPU's devices go Unhealthy at once with the reason in the status, a pod already running on it keeps
+its devices, removing the entry restores them, junk is reported without stopping anything; what an operator
+must see arrives as Events on the Node."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from agent.agent import Agent, AgentOptions
 from agent.config.labels import CORDON_ANNOTATION, HAMI_CORDON_ANNOTATION
 from agent.sim.kubelet import KubeletEmulator
+from tests.fake_events_api import FakeEventsApi
 from tests.fake_kube import FakeKube, serving, write_kubeconfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,8 +27,8 @@ GPU = "nvidia.com/gpu"
 
 
 class Node:
-    def __init__(self, kube: FakeKube, kubelet: KubeletEmulator, agent: Agent) -> None:
-        self.kube, self.kubelet, self.agent = kube, kubelet, agent
+    def __init__(self, kube: FakeKube, kubelet: KubeletEmulator, agent: Agent, events: FakeEventsApi, driver) -> None:
+        self.kube, self.kubelet, self.agent, self.events, self.driver = kube, kubelet, agent, events, driver
 
     def wait(self, predicate: Callable[[], object], what: str, timeout: float = 15.0) -> None:
         self.kubelet.wait_for(lambda: bool(predicate()), timeout=timeout, what=what)
@@ -47,10 +49,11 @@ class Node:
 def node(sim_node) -> Iterator[Callable[..., Node]]:
     base = Path(tempfile.mkdtemp(prefix="gc", dir="/tmp"))  # short: unix socket paths are limited
     started: list[tuple[Agent, threading.Thread, KubeletEmulator]] = []
-    with serving(FakeKube(NODE, {"kubernetes.io/hostname": NODE})) as kube:
+    events = FakeEventsApi()
+    with serving(FakeKube(NODE, {"kubernetes.io/hostname": NODE}), events) as kube:
 
         def start(annotations: dict[str, str] | None = None) -> Node:
-            sim_node("dgx-a100")
+            driver = sim_node("dgx-a100")
             kube.annotations.update(annotations or {})
             kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock")
             kubelet.start()
@@ -64,7 +67,7 @@ def node(sim_node) -> Iterator[Callable[..., Node]]:
             thread = threading.Thread(target=agent.run, name="agent-under-test")
             thread.start()
             started.append((agent, thread, kubelet))
-            result = Node(kube, kubelet, agent)
+            result = Node(kube, kubelet, agent, events, driver)
             result.wait(lambda: kubelet.capacity(GPU) == 8, "8 GPUs registered")
             return result
 
@@ -115,3 +118,27 @@ def test_junk_entries_are_reported_and_the_valid_ones_still_apply(node):
     n.annotate(tessera="x" * 300_000)  # larger than the API server would ever store: still just junk
     n.wait(lambda: not n.unhealthy(), "GPU 2 Healthy again after the annotation was replaced")
     assert n.agent.responsive(5)
+
+
+def event_with(events: FakeEventsApi, reason: str) -> dict | None:
+    """The stored Event with ``reason`` (called under the fake's lock, from its wait_for)."""
+    return next((e for e in events.events.values() if e.get("reason") == reason), None)
+
+
+def test_what_an_operator_must_see_arrives_as_events_on_the_node(node):
+    n = node()
+    gpu = n.agent.status.inventory.gpus[2]
+    n.annotate(tessera="2")
+    n.events.wait_for(lambda: event_with(n.events, "GPUCordoned") is not None)
+    cordoned = event_with(n.events, "GPUCordoned")
+    assert cordoned["regarding"]["kind"] == "Node" and cordoned["regarding"]["name"] == NODE
+    assert cordoned["reportingController"] == "tessera.dev/agent" and cordoned["type"] == "Normal"
+    assert cordoned["note"].startswith(f"GPU 2 ({gpu.uuid}) cordoned by tessera.dev/gpu-cordon")
+    n.annotate(tessera="2, GPU-nope")
+    n.events.wait_for(lambda: event_with(n.events, "CordonEntryIgnored") is not None)
+    assert event_with(n.events, "CordonEntryIgnored")["type"] == "Warning"
+    n.driver.inject_xid(5, 48)
+    n.events.wait_for(lambda: event_with(n.events, "GPUUnhealthy") is not None)
+    unhealthy = event_with(n.events, "GPUUnhealthy")
+    assert unhealthy["type"] == "Warning" and unhealthy["action"] == "MarkUnhealthy"
+    assert "GPU 5 (" in unhealthy["note"] and "XID 48" in unhealthy["note"]

@@ -167,3 +167,25 @@ def test_the_source_limit_is_the_yaml_limit():
     from agent.config.yaml_limits import MAX_BYTES
 
     assert MAX_CONFIG_BYTES == MAX_BYTES
+
+
+def test_nothing_that_reports_on_the_agent_imports_the_agent():
+    """Status, health endpoints, metrics and Events read the one published status (agent.status), never the
+    Agent object: no module outside the shell (cli, run, demo) imports agent.agent, not even for type hints."""
+    import ast
+    from pathlib import Path
+
+    import agent
+
+    root = Path(agent.__file__).parent
+    shell = {"agent/agent.py", "agent/cli.py", "agent/run.py", "agent/demo.py"}
+    importers = []
+    for path in sorted(root.rglob("*.py")):
+        name = f"agent/{path.relative_to(root)}"
+        if name in shell or "/sim/" in name:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            from_agent = isinstance(node, ast.ImportFrom) and node.module == "agent.agent"
+            if from_agent or (isinstance(node, ast.Import) and any(a.name == "agent.agent" for a in node.names)):
+                importers.append(name)
+    assert importers == []

@@ -1,0 +1,673 @@
+"""Kubernetes Events on the agent's Node, recorded the way the kubelet records its own (``kubectl describe node``).
+
+The reconcile loop calls :meth:`EventRecorder.emit`; a thread of the recorder's own sends ``events.k8s.io/v1``
+Events to the API server, so the loop never waits for it. On the way:
+
+- **Aggregation**, as client-go's ``tools/events`` broadcaster does it: the same (type, reason, action, note)
+  again within ``aggregate_seconds`` of its last sighting is no new Event but a PATCH of the first one's
+  ``series`` (``{count, lastObservedTime}``; count 2 on the first repeat, as the API server requires). A PATCH
+  that finds the Event gone (expired, or never written) creates it whole, series included, as client-go does.
+  A repeat whose patch is still queued updates that patch: a storm of one event is one write per send.
+- **Rate limiting**, as the kubelet's spam filter does it: one token bucket per reason (this recorder speaks
+  for one node), ``burst`` tokens refilled one per ``refill_seconds``. An emit without a token is dropped and
+  counted; the series count still grows, so the next write carries the true count.
+- **Degrading to the log**: without an API, or when the API server refuses (401/403: one warning per streak
+  naming the RBAC rule), rejects (other 4xx) or keeps failing (5xx, 429, network: a few attempts with
+  backoff), the event is written to the log instead (``event type=... reason=... note=...``) and the recorder
+  carries on. Nothing here ends the agent; nothing but the event's own fields is sent or logged.
+
+``kubectl describe node`` finds a Node's events by ``involvedObject.uid``: the Node's UID, or its name, which
+is what the kubelet puts there. So ``regarding.uid`` is the Node's UID when known, else its name.
+
+The decisions (validation, note truncation, the token buckets, aggregation, how to treat a failure, the
+request bodies) are pure and tested without HTTP; :class:`EventRecorder` only queues and sends. The
+Kubernetes client is imported only when there is an API to send to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import secrets
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Literal
+
+from agent.config.labels import validate_node_name
+
+if TYPE_CHECKING:
+    import kubernetes.client
+
+__all__ = [
+    "NAMESPACE",
+    "REPORTING_CONTROLLER",
+    "Correlator",
+    "EventRecorder",
+    "EventType",
+    "MicroTime",
+    "Occurrence",
+    "RateLimiter",
+    "TokenBucket",
+    "classify_failure",
+    "event_body",
+    "event_name",
+    "micro_time",
+    "regarding",
+    "series_patch",
+    "truncate_note",
+    "validate_event",
+]
+
+log = logging.getLogger(__name__)
+
+EventType = Literal["Normal", "Warning"]
+EventKey = tuple[str, str, str, str]  # (type, reason, action, note): what makes two emits the same event
+Failure = Literal["retry", "refused", "rejected"]
+
+NAMESPACE = "default"  # a Node has no namespace; its Events live in default (kubelet, client-go)
+REPORTING_CONTROLLER = "tessera.dev/agent"
+NOTE_LIMIT = 1024  # bytes of UTF-8: the API server rejects a longer note
+ACTION_LIMIT = 128  # bytes, as the API server counts them
+INSTANCE_LIMIT = 128  # reportingInstance (a node name may be longer: it is cut)
+NAME_LIMIT = 253  # an Event's name is a DNS subdomain
+ELLIPSIS = "…"
+SERIES_LIMIT = 4096  # events remembered for aggregation (client-go's cache holds as many)
+BUCKET_LIMIT = 256  # reasons with a bucket of their own; full buckets are forgotten first
+REQUEST_TIMEOUT = (5.0, 10.0)  # (connect, read) seconds for one write
+RETRY_DELAY_MAX = 5.0
+_REASON = re.compile(r"[A-Z][A-Za-z0-9]{0,127}")
+_RBAC_RULE = 'ClusterRole rule: apiGroups ["events.k8s.io"], resources [events], verbs [create, patch]'
+MAX_MESSAGE = 512  # characters of the API server's message kept for one log line
+MAX_STATUS_BODY = 64 << 10  # an error body larger than this is not parsed for its message
+
+
+# ----- pure parts: validation, bodies, aggregation, rate limiting, failure classes -----------------------
+
+
+def validate_event(type_: object, reason: object, action: object, note: object) -> None:
+    """:class:`ValueError` for what the caller got wrong (a programming error, never the node's)."""
+    if type_ not in ("Normal", "Warning"):
+        raise ValueError(f"event type must be 'Normal' or 'Warning', got {type_!r}")
+    if not isinstance(reason, str) or not _REASON.fullmatch(reason):
+        raise ValueError(
+            f"event reason must be CamelCase, a capital letter then letters or digits, at most 128 characters "
+            f"(like GPUUnhealthy), got {reason!r}"
+        )
+    if not isinstance(action, str) or not 0 < len(action.encode("utf-8", "replace")) <= ACTION_LIMIT:
+        raise ValueError(f"event action must be a non-empty string of at most {ACTION_LIMIT} bytes, got {action!r}")
+    if not isinstance(note, str):
+        raise ValueError(f"event note must be a string, got {type(note).__name__}")
+
+
+def truncate_note(note: str, limit: int = NOTE_LIMIT) -> str:
+    """``note`` as the API server takes it: at most ``limit`` bytes of UTF-8, cut with "…" (whole characters)."""
+    data = note.encode("utf-8", "replace")  # a lone surrogate cannot be sent: it becomes "?"
+    if len(data) <= limit:
+        return data.decode("utf-8")
+    return data[: limit - len(ELLIPSIS.encode())].decode("utf-8", "ignore") + ELLIPSIS
+
+
+def micro_time(moment: datetime) -> str:
+    """A MicroTime: RFC 3339 in UTC with microseconds and Z (``2025-01-01T00:00:00.000000Z``)."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class MicroTime(datetime):
+    """A moment that the Kubernetes client writes as a MicroTime.
+
+    Both client generations (31 to 37) write a datetime in a request body with its ``isoformat()``, which gives
+    ``+00:00`` and drops a zero fraction, while the API server parses a MicroTime with the layout
+    ``2006-01-02T15:04:05.000000Z07:00``: six digits are required. (Client 37 also turns a dict body into its
+    model, so a string would be parsed back into a datetime.) This datetime's ``isoformat()`` is the exact
+    format client-go writes.
+    """
+
+    @classmethod
+    def of(cls, moment: datetime) -> MicroTime:
+        utc = moment.astimezone(UTC)
+        return cls(utc.year, utc.month, utc.day, utc.hour, utc.minute, utc.second, utc.microsecond, tzinfo=UTC)
+
+    def isoformat(self, sep: str = "T", timespec: str = "auto") -> str:
+        return micro_time(self)
+
+    def __str__(self) -> str:
+        return micro_time(self)
+
+
+def event_name(node_name: str) -> str:
+    """``<node>.<16 hex>``: unique, and a DNS subdomain even for the longest node name."""
+    prefix = node_name[: NAME_LIMIT - 17].rstrip(".-")
+    return f"{prefix}.{secrets.token_hex(8)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Occurrence:
+    """What one emit becomes: Event ``name``; ``count`` 1 is a new Event, more is the count of its series."""
+
+    name: str
+    count: int
+    first_seen: datetime  # the Event's eventTime
+    last_seen: datetime  # its series' lastObservedTime
+
+
+@dataclass(slots=True)
+class _Series:
+    name: str
+    count: int
+    first_seen: datetime
+    seen_at: float  # the recorder's clock at the last sighting
+
+
+class Correlator:
+    """Aggregation: the same event again within ``window`` seconds of its last sighting joins its series.
+
+    Remembers at most ``limit`` events (least recently seen forgotten first); a forgotten or expired one starts
+    a new Event. ``now`` is a monotonic clock's reading, ``wall`` the same moment in UTC.
+    """
+
+    def __init__(self, window: float, new_name: Callable[[], str], limit: int = SERIES_LIMIT) -> None:
+        self._window = float(window)
+        self._new_name = new_name
+        self._limit = limit
+        self._series: OrderedDict[EventKey, _Series] = OrderedDict()  # least recently seen first
+
+    def __len__(self) -> int:
+        return len(self._series)
+
+    def observe(self, key: EventKey, now: float, wall: datetime) -> Occurrence:
+        self._expire(now)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _Series(self._new_name(), 1, wall, now)
+            while len(self._series) > self._limit:
+                self._series.popitem(last=False)
+        else:
+            series.count += 1
+            series.seen_at = max(series.seen_at, now)
+            self._series.move_to_end(key)
+        return Occurrence(series.name, series.count, series.first_seen, wall)
+
+    def _expire(self, now: float) -> None:
+        while self._series:
+            oldest = next(iter(self._series.values()))
+            if now - oldest.seen_at <= self._window:
+                return
+            self._series.popitem(last=False)
+
+
+class TokenBucket:
+    """``burst`` tokens, one more every ``refill_seconds`` (never above ``burst``); each event takes one."""
+
+    __slots__ = ("_burst", "_refill", "_stamp", "_tokens")
+
+    def __init__(self, burst: int, refill_seconds: float, now: float) -> None:
+        self._burst = float(burst)
+        self._refill = float(refill_seconds)
+        self._tokens = float(burst)
+        self._stamp = now
+
+    def take(self, now: float) -> bool:
+        self._top_up(now)
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
+
+    def full(self, now: float) -> bool:
+        self._top_up(now)
+        return self._tokens >= self._burst
+
+    def _top_up(self, now: float) -> None:
+        if now > self._stamp:  # a clock that steps back never takes tokens away, nor gives any
+            self._tokens = min(self._burst, self._tokens + (now - self._stamp) / self._refill)
+            self._stamp = now
+
+
+class RateLimiter:
+    """The kubelet's spam filter: one :class:`TokenBucket` per key (here: per reason, on this node)."""
+
+    def __init__(self, burst: int, refill_seconds: float, limit: int = BUCKET_LIMIT) -> None:
+        self._burst = burst
+        self._refill = refill_seconds
+        self._limit = limit
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()  # least recently used first
+
+    def allow(self, key: str, now: float) -> bool:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            if len(self._buckets) >= self._limit:
+                self._forget(now)
+            bucket = self._buckets[key] = TokenBucket(self._burst, self._refill, now)
+        self._buckets.move_to_end(key)
+        return bucket.take(now)
+
+    def _forget(self, now: float) -> None:
+        """Room for a new key: forget the full buckets (a fresh one is the same), else the least recently used."""
+        for key in [k for k, bucket in self._buckets.items() if bucket.full(now)]:
+            del self._buckets[key]
+        while len(self._buckets) >= self._limit:
+            self._buckets.popitem(last=False)
+
+
+def classify_failure(status: int | None) -> Failure:
+    """How to treat a failed write, by its HTTP status (None: no answer, a network failure).
+
+    ``retry``: the API server is away or busy (network, 0, 429, 5xx but 501); ``refused``: the agent may not
+    write Events (401, 403); ``rejected``: the API server will not take this Event (any other status, and 501
+    Not Implemented: a server that does not serve the method will not learn it).
+    """
+    if status is None or status == 0 or status == 429 or (status >= 500 and status != 501):
+        return "retry"
+    if status in (401, 403):
+        return "refused"
+    return "rejected"
+
+
+def regarding(node_name: str, node_uid: str | None) -> dict[str, str]:
+    """The Node as an Event's subject; without its UID, its name (as the kubelet does: kubectl looks for both)."""
+    return {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid or node_name}
+
+
+def event_body(
+    node_name: str, node_uid: str | None, type_: str, reason: str, action: str, note: str, occurrence: Occurrence
+) -> dict[str, object]:
+    """The ``events.k8s.io/v1`` Event to create; with its series when ``occurrence`` is a repeat."""
+    body: dict[str, object] = {
+        "apiVersion": "events.k8s.io/v1",
+        "kind": "Event",
+        "metadata": {"name": occurrence.name, "namespace": NAMESPACE},
+        "eventTime": MicroTime.of(occurrence.first_seen),
+        "reportingController": REPORTING_CONTROLLER,
+        "reportingInstance": node_name[:INSTANCE_LIMIT],
+        "action": action,
+        "reason": reason,
+        "regarding": regarding(node_name, node_uid),
+        "note": note,
+        "type": type_,
+    }
+    if occurrence.count > 1:
+        body.update(series_patch(occurrence))
+    return body
+
+
+def series_patch(occurrence: Occurrence) -> dict[str, object]:
+    """The patch that counts a repeat: what client-go's two-way merge patch of an Event's series comes to."""
+    return {"series": {"count": occurrence.count, "lastObservedTime": MicroTime.of(occurrence.last_seen)}}
+
+
+# ----- the shell: a queue and the thread that sends it -------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Pending:
+    key: EventKey
+    occurrence: Occurrence
+
+    @property
+    def series(self) -> bool:
+        return self.occurrence.count > 1
+
+
+def _describe(error: BaseException) -> tuple[int | None, str]:
+    """The HTTP status of a failed write (None: no answer) and the API server's own message, for one log line.
+
+    Only the Status body's ``message`` is kept: never the response headers nor anything of the request.
+    """
+    status = getattr(error, "status", None)
+    if not isinstance(status, int):
+        return None, f"{type(error).__name__}: {str(error)[:MAX_MESSAGE]}"
+    body = getattr(error, "body", None)
+    message = None
+    if isinstance(body, bytes | str) and len(body) <= MAX_STATUS_BODY:  # a Status is a few hundred bytes
+        try:
+            parsed = json.loads(body)
+        except (ValueError, RecursionError):
+            parsed = None
+        if isinstance(parsed, dict) and parsed.get("message"):
+            message = str(parsed["message"])
+    if message is None:
+        message = str(getattr(error, "reason", None) or "").strip() or "no reason given"
+    return status, message[:MAX_MESSAGE]
+
+
+class EventRecorder:
+    """Events on one Node: :meth:`emit` from any thread, a daemon thread sends (see the module's docstring).
+
+    Counters: ``sent`` (writes the API server took), ``dropped`` (rate-limited, pushed out of a full queue, or
+    unsent at :meth:`stop`), ``failures`` (writes that failed for good), ``logged`` (events written to the log
+    in place of the API).
+    """
+
+    def __init__(
+        self,
+        api_client: kubernetes.client.ApiClient | None,
+        node_name: str,
+        *,
+        node_uid: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        burst: int = 25,
+        refill_seconds: float = 300.0,
+        aggregate_seconds: float = 600.0,
+        queue_limit: int = 1000,
+        max_attempts: int = 4,
+        retry_delay: float = 0.5,
+    ) -> None:
+        self._node = validate_node_name(node_name)
+        if node_uid is not None and (not isinstance(node_uid, str) or not node_uid):
+            raise ValueError(f"node_uid must be a non-empty string or None, got {node_uid!r}")
+        if burst < 1 or refill_seconds <= 0 or aggregate_seconds < 0 or queue_limit < 1:
+            raise ValueError("burst and queue_limit must be >= 1, refill_seconds > 0 and aggregate_seconds >= 0")
+        if max_attempts < 1 or retry_delay < 0:
+            raise ValueError("max_attempts must be >= 1 and retry_delay >= 0")
+        self._api_client = api_client
+        self._uid = node_uid
+        self._clock = clock
+        self._burst = burst
+        self._refill = float(refill_seconds)
+        self._queue_limit = queue_limit
+        self._max_attempts = max_attempts
+        self._retry_delay = float(retry_delay)
+        self._correlator = Correlator(aggregate_seconds, lambda: event_name(self._node))
+        self._limiter = RateLimiter(burst, refill_seconds)
+        self._queue: deque[_Pending] = deque()
+        self._queued_series: dict[str, _Pending] = {}  # Event name -> its series patch waiting in the queue
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._in_flight = False
+        self._limited: set[str] = set()  # reasons in a rate-limit streak (warned once)
+        self._overflowing = False  # in a queue-full streak (warned once)
+        self._trouble: str | None = None  # the API failure streak we are in (warned once): refused, failing, ...
+        self._internal_warned = False
+        self._sent = self._dropped = self._failures = self._logged = 0
+
+    # -- counters
+
+    @property
+    def sent(self) -> int:
+        return self._sent
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped
+
+    @property
+    def failures(self) -> int:
+        return self._failures
+
+    @property
+    def logged(self) -> int:
+        return self._logged
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        """Start the sending thread (once; a stopped recorder stays stopped)."""
+        with self._cond:
+            if self._thread is not None or self._stopping:
+                return
+            self._thread = threading.Thread(target=self._run, name=f"event-recorder-{self._node}", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop sending: what is still queued is dropped; returns within ``timeout`` even if a write hangs."""
+        with self._cond:
+            self._stopping = True
+            unsent = len(self._queue)
+            self._queue.clear()
+            self._queued_series.clear()
+            self._dropped += unsent
+            self._cond.notify_all()
+            thread = self._thread
+        if unsent:
+            log.debug("event recorder stopped; unsent events dropped count=%d", unsent)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, timeout))
+
+    def flush(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until every queued event is sent or given up; True if so."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._in_flight, timeout=timeout)
+
+    # -- the caller's side
+
+    def emit(self, type_: EventType, reason: str, action: str, note: str) -> None:
+        """Record an event on the Node. Thread-safe and never blocks; raises only :class:`ValueError`, for an
+        invalid type, reason (CamelCase, at most 128 characters), action (1 to 128 bytes) or a note that is not
+        a string. The note is cut to 1 KiB."""
+        validate_event(type_, reason, action, note)
+        try:
+            self._observe((type_, reason, action, truncate_note(note)))
+        except Exception:  # a bug here must not reach the reconcile loop
+            if not self._internal_warned:
+                self._internal_warned = True
+                log.warning("event recorder internal error; this event is lost reason=%s", reason, exc_info=True)
+
+    def _observe(self, key: EventKey) -> None:
+        """Aggregate, rate-limit and queue under the lock; log (if anything) after it."""
+        wall = datetime.now(UTC)
+        reason = key[1]
+        limited = overflowed = False
+        with self._cond:
+            stopped = self._stopping
+            if stopped:
+                self._logged += 1
+            else:
+                now = self._clock()
+                occurrence = self._correlator.observe(key, now, wall)
+                if self._limiter.allow(reason, now):
+                    self._limited.discard(reason)
+                    overflowed = self._enqueue(_Pending(key, occurrence))
+                else:
+                    self._dropped += 1
+                    limited = reason not in self._limited  # the first of a streak
+                    self._limited.add(reason)
+        if stopped:
+            self._log_event(_Pending(key, Occurrence("", 1, wall, wall)))
+        if limited:
+            log.warning(
+                "events rate-limited reason=%s burst=%d refill_seconds=%g; dropping this reason's events until a "
+                "token is free (their repeat count is kept)",
+                reason,
+                self._burst,
+                self._refill,
+            )
+        if overflowed:
+            log.warning(
+                "event queue full limit=%d; dropping the oldest unsent events (the API server is slow or away)",
+                self._queue_limit,
+            )
+
+    def _enqueue(self, item: _Pending) -> bool:
+        """Called with the lock held. A repeat whose patch is still queued updates that patch instead.
+        True when a full queue starts dropping (the first of a streak)."""
+        if item.series:
+            queued = self._queued_series.get(item.occurrence.name)
+            if queued is not None:
+                queued.occurrence = item.occurrence
+                return False
+        overflow = len(self._queue) >= self._queue_limit
+        if overflow:
+            oldest = self._queue.popleft()
+            if oldest.series:
+                self._queued_series.pop(oldest.occurrence.name, None)
+            self._dropped += 1
+        first = overflow and not self._overflowing
+        self._overflowing = overflow
+        self._queue.append(item)
+        if item.series:
+            self._queued_series[item.occurrence.name] = item
+        self._cond.notify_all()
+        return first
+
+    # -- the sending thread
+
+    def _run(self) -> None:
+        events_api = None
+        if self._api_client is not None:
+            try:
+                import kubernetes.client
+
+                events_api = kubernetes.client.EventsV1Api(self._api_client)
+            except Exception as error:  # no client, no Events: the log says the same
+                log.warning("no Kubernetes Events; events go to the log error=%r", f"{type(error).__name__}: {error}")
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._stopping)
+                if self._stopping:
+                    return
+                item = self._queue.popleft()
+                if item.series:
+                    self._queued_series.pop(item.occurrence.name, None)
+                self._in_flight = True
+            try:
+                self._deliver(events_api, item)
+            except Exception:  # a bug in this module: logged once, never the end of the thread
+                with self._cond:
+                    self._failures += 1
+                if not self._internal_warned:
+                    self._internal_warned = True
+                    log.warning("event recorder internal error reason=%s", item.key[1], exc_info=True)
+            finally:
+                with self._cond:
+                    self._in_flight = False
+                    self._cond.notify_all()
+
+    def _deliver(self, events_api: kubernetes.client.EventsV1Api | None, item: _Pending) -> None:
+        if events_api is None:
+            with self._cond:
+                self._logged += 1
+            self._log_event(item)
+            return
+        attempts = 1 if self._trouble == "failing" else self._max_attempts  # while away: no waiting per event
+        for attempt in range(1, attempts + 1):
+            try:
+                self._write(events_api, item)
+            except Exception as error:  # whatever the client raises: the API server, the network, or the client
+                status, message = _describe(error)
+                failure = classify_failure(status) if status is not None or _is_network(error) else "rejected"
+                if failure == "retry" and attempt < attempts:
+                    log.debug(
+                        "writing an Event failed; retrying status=%s error=%r attempt=%d", status, message, attempt
+                    )
+                    if self._wait_stopping(self._backoff(attempt)):
+                        with self._cond:
+                            self._dropped += 1  # stopping: this one is dropped with the rest
+                        log.debug("event recorder stopped; an event waiting for its retry dropped")
+                        return
+                    continue
+                self._failed(item, failure, status, message, attempt)
+                return
+            self._succeeded()
+            return
+
+    def _write(self, events_api: kubernetes.client.EventsV1Api, item: _Pending) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        occurrence = item.occurrence
+        if item.series:
+            try:
+                _drain(
+                    events_api.patch_namespaced_event(
+                        occurrence.name,
+                        NAMESPACE,
+                        series_patch(occurrence),
+                        _request_timeout=REQUEST_TIMEOUT,
+                        _preload_content=False,
+                    )
+                )
+                return
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+            # the Event to count on is gone (expired, or never written): create it, series and all
+        type_, reason, action, note = item.key
+        body = event_body(self._node, self._uid, type_, reason, action, note, occurrence)
+        try:
+            _drain(
+                events_api.create_namespaced_event(
+                    NAMESPACE, body, _request_timeout=REQUEST_TIMEOUT, _preload_content=False
+                )
+            )
+        except ApiException as error:
+            if error.status != 409:  # AlreadyExists: an earlier attempt got through, only its answer was lost
+                raise
+
+    def _backoff(self, attempt: int) -> float:
+        delay = min(RETRY_DELAY_MAX, self._retry_delay * 2 ** (attempt - 1))
+        return delay * random.uniform(0.8, 1.0)  # noqa: S311 - jitter, so a fleet of agents does not retry in step
+
+    def _wait_stopping(self, seconds: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._stopping, timeout=seconds)
+
+    def _succeeded(self) -> None:
+        with self._cond:
+            self._sent += 1
+            trouble, self._trouble = self._trouble, None
+        if trouble is not None:
+            log.info("events reach the API server again after=%s", trouble)
+
+    def _failed(self, item: _Pending, failure: Failure, status: int | None, message: str, attempts: int) -> None:
+        streak = "failing" if failure == "retry" else failure if failure == "refused" else f"rejected-{status}"
+        with self._cond:
+            self._failures += 1
+            self._logged += 1
+            first, self._trouble = streak != self._trouble, streak
+        if first:
+            if failure == "refused":
+                log.warning(
+                    "cannot write Events status=%s error=%r; grant the agent's ServiceAccount create and patch on "
+                    "events in API group events.k8s.io (%s); events go to the log meanwhile",
+                    status,
+                    message,
+                    _RBAC_RULE,
+                )
+            elif failure == "retry":
+                log.warning(
+                    "cannot write Events: the API server fails or is out of reach status=%s error=%r attempts=%d; "
+                    "events go to the log until it answers",
+                    status,
+                    message,
+                    attempts,
+                )
+            else:
+                log.warning(
+                    "the API server rejected an Event status=%s error=%r reason=%s; events go to the log",
+                    status,
+                    message,
+                    item.key[1],
+                )
+        self._log_event(item)
+
+    @staticmethod
+    def _log_event(item: _Pending) -> None:
+        type_, reason, action, note = item.key
+        log.info(
+            "event type=%s reason=%s action=%s count=%d note=%r", type_, reason, action, item.occurrence.count, note
+        )
+
+
+def _is_network(error: BaseException) -> bool:
+    """No answer from the API server: the connection failed or timed out (urllib3 and socket errors)."""
+    if isinstance(error, OSError):
+        return True
+    import urllib3.exceptions
+
+    return isinstance(error, urllib3.exceptions.HTTPError)
+
+
+def _drain(response: object) -> None:
+    """Read and release a raw (``_preload_content=False``) response, so its connection goes back to the pool."""
+    read = getattr(response, "read", None)
+    if callable(read):
+        read()
+    release = getattr(response, "release_conn", None)
+    if callable(release):
+        release()

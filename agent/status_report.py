@@ -1,0 +1,126 @@
+"""The running agent's status as a document (``/status``, ``tessera status --format json``) and as text.
+
+Built from the one status value the agent publishes after every change, never from the agent itself: what
+``tessera status`` shows is exactly what the health endpoints and the metrics see. Every Unhealthy device
+carries its reason (the XID and fault, a cordon, a daemon that is down), so an operator does not have to
+correlate logs to learn why the kubelet's allocatable count dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agent.core.resources import Device
+    from agent.status import AgentStatus
+
+SCHEMA = "tessera.dev/status/v1"
+
+
+def status_document(status: AgentStatus, *, version: str, started: bool = True) -> dict[str, Any]:
+    """Plain JSON-ready data; keys are stable (``SCHEMA``), lists sorted, so scripts can rely on them."""
+    gpus = status.inventory.gpus if status.inventory else ()
+    return {
+        "schema": SCHEMA,
+        "version": version,
+        "started": started,
+        "config": {"name": status.config_name, "digest": status.config_digest, "rejected": status.config_error},
+        "kubelet": {"present": status.kubelet_present, "registered": sorted(status.registered)},
+        "gpus": [
+            {"index": gpu.index, "uuid": gpu.uuid, "name": gpu.name, "mig_devices": len(gpu.mig_devices)}
+            for gpu in gpus
+        ],
+        "resources": [_resource(name, snapshot, status) for name, snapshot in sorted(status.resources.items())],
+        "mig": {
+            "state": status.mig_state,
+            "error": status.mig_error,
+            "waiting_for": list(status.waiting_for.get("mig", ())),
+        },
+        "mps": {key: dict(daemon) for key, daemon in sorted(status.mps.items())},
+        "cordoned": [{"unit": unit, "by": list(keys)} for unit, keys in sorted(status.cordoned.items())],
+        "cordon_problems": list(status.cordon_problems),
+        "waiting_for": {key: list(reasons) for key, reasons in sorted(status.waiting_for.items())},
+        "discovery_error": status.discovery_error,
+        "stale_gpus": sorted(status.stale_gpus),
+        "internal_errors": dict(sorted(status.internal_errors.items())),
+    }
+
+
+def _resource(name: str, snapshot: Any, status: AgentStatus) -> dict[str, Any]:
+    unhealthy = [
+        {"id": device.id, "gpu": device.gpu_index, "reason": unhealthy_reason(device, status)}
+        for device in snapshot.devices
+        if not snapshot.health.get(device.id, False)
+    ]
+    return {
+        "name": name,
+        "sharing": str(snapshot.sharing),
+        "devices": len(snapshot.devices),
+        "healthy": len(snapshot.devices) - len(unhealthy),
+        "registered": name in status.registered,
+        "unhealthy": unhealthy,
+    }
+
+
+def unhealthy_reason(device: Device, status: AgentStatus) -> str:
+    """Why the agent advertises ``device`` Unhealthy, in the words of the fault that made it so."""
+    faults = status.faults
+    for unit in (device.gpu_uuid, device.mig_uuid):
+        if unit is not None and unit in faults:
+            return faults[unit].reason
+    if device.mig_uuid is None:  # a whole GPU is spoilt by a fault on one of its MIG devices
+        child = next((f for f in faults.values() if f.gpu_uuid == device.gpu_uuid), None)
+        if child is not None:
+            return f"{child.reason} (on one of its MIG devices)"
+    for unit in (device.gpu_uuid, device.mig_uuid):
+        if unit is not None and unit in status.cordoned:
+            return f"cordoned ({', '.join(status.cordoned[unit])})"
+    return "its MPS daemon is not serving" if _mps_down(status.mps) else "unavailable"
+
+
+def _mps_down(mps: Mapping[str, Mapping[str, object]]) -> bool:
+    return any(daemon.get("state") != "ready" for daemon in mps.values())
+
+
+def render_text(document: Mapping[str, Any]) -> str:
+    """What ``tessera status`` prints: the answers an operator looks for first, one section each."""
+    lines = [f"Tessera {document['version']}" + ("" if document["started"] else " (starting)")]
+    config = document["config"]
+    name = config["name"] or "defaults (no config applies)"
+    lines.append(f"Config:     {name}" + (f" ({config['digest'][:12]})" if config["digest"] else ""))
+    if config["rejected"]:
+        lines.append(f"  rejected: {config['rejected']}")
+    kubelet = document["kubelet"]
+    registered = ", ".join(kubelet["registered"]) or "nothing"
+    lines.append(f"Kubelet:    {'up' if kubelet['present'] else 'not running'}; registered: {registered}")
+    lines.append(f"GPUs:       {len(document['gpus'])}")
+    lines.append("Resources:")
+    for resource in document["resources"]:
+        mark = "" if resource["registered"] else "  (not registered)"
+        lines.append(
+            f"  {resource['name']:<28} {resource['healthy']}/{resource['devices']} healthy  {resource['sharing']}{mark}"
+        )
+        for device in resource["unhealthy"]:
+            lines.append(f"    {device['id']} (GPU {device['gpu']}): {device['reason']}")
+    if not document["resources"]:
+        lines.append("  none")
+    mig = document["mig"]
+    if mig["state"]:
+        lines.append(f"MIG:        {mig['state']}" + (f": {mig['error']}" if mig["error"] else ""))
+        lines += [f"  waiting for: {reason}" for reason in mig["waiting_for"]]
+    for key, daemon in document["mps"].items():
+        error = f": {daemon['error']}" if daemon.get("error") else ""
+        lines.append(f"MPS daemon: {key} {daemon.get('state')}, {daemon.get('restarts', 0)} restarts{error}")
+    for entry in document["cordoned"]:
+        lines.append(f"Cordoned:   {entry['unit']} (by {', '.join(entry['by'])})")
+    lines += [f"  ignored: {problem}" for problem in document["cordon_problems"]]
+    for key, reasons in document["waiting_for"].items():
+        if key != "mig":
+            lines += [f"Waiting:    {key}: {reason}" for reason in reasons]
+    if document["discovery_error"]:
+        lines.append(f"Discovery:  {document['discovery_error']}")
+    if document["internal_errors"]:
+        counts = ", ".join(f"{where} {count}" for where, count in document["internal_errors"].items())
+        lines.append(f"Internal errors survived: {counts}")
+    return "\n".join(lines) + "\n"
