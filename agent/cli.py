@@ -118,6 +118,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     _env_flag(run, "--sim-control", "TESSERA_SIM_CONTROL", help="with --simulate: serve a control socket here")
 
+    status = commands.add_parser("status", help="what the running agent on this node is doing (asks it; no NVML)")
+    _env_flag(
+        status,
+        "--metrics-address",
+        "TESSERA_METRICS_ADDRESS",
+        default=":9479",
+        help="where the running agent serves /status: its --metrics-address (HOST:PORT or :PORT)",
+    )
+    _env_flag(status, "--format", "TESSERA_FORMAT", default="text", choices=["text", "json"], help="output format")
+
     demo = commands.add_parser("demo", help="a simulated node, an emulated kubelet and the real agent, end to end")
     _env_flag(demo, "--node", "TESSERA_NODE", default="demo", help="the simulated node: a spec file or preset")
     _env_flag(
@@ -355,7 +365,33 @@ def _command(args: argparse.Namespace) -> int:
         return validate_path(Path(args.path), strict=args.strict, config_name=args.config_name)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "status":
+        return _status(args)
     return _describe(args)
+
+
+def _status(args: argparse.Namespace) -> int:
+    """Ask the running agent (its /status endpoint) and print what it says; exit 1 when nobody answers."""
+    import json
+
+    from agent.status_client import StatusUnavailable, fetch_status
+    from agent.status_report import render_text
+
+    if args.metrics_address == "off":
+        print(
+            "tessera: an agent with metrics off serves no /status; give the agent's --metrics-address", file=sys.stderr
+        )
+        return EXIT_INVALID
+    try:
+        document = fetch_status(args.metrics_address)
+    except StatusUnavailable as error:
+        print(f"tessera: {error}", file=sys.stderr)
+        return EXIT_INVALID
+    print(
+        json.dumps(document, indent=2) if args.format == "json" else render_text(document),
+        end="\n" if args.format == "json" else "",
+    )
+    return EXIT_OK
 
 
 def _mig(args: argparse.Namespace) -> int:
