@@ -188,6 +188,7 @@ class Agent:
         self._config_watcher: ConfigWatcher | None = None
         self._label_watcher: Stoppable | None = None
         self._recorder: Recorder | None = None  # Kubernetes Events on the Node, when there is an API to send to
+        self._kube_api: object | None = None  # the Kubernetes API (CoreV1Api), when there is a node name and one
         self._mps = MpsManager(options.mps_control, self.post, options.pod_resources_socket)
         self._mig = MigManager(self.post, options.pod_resources_socket)
         self._mig_label: str | None = None
@@ -350,7 +351,11 @@ class Agent:
         assert settings is not None
         try:
             self._telemetry = Telemetry(
-                settings, self, self.options.device_plugin_dir, self.options.pod_resources_socket
+                settings,
+                self,
+                self.options.device_plugin_dir,
+                self.options.pod_resources_socket,
+                node_api=self._kube_api,
             )
         except (OSError, ValueError) as error:  # metrics are not worth failing the node's GPUs for
             log.error("no metrics endpoint address=%s error=%r", settings.metrics_address, str(error))
@@ -575,6 +580,7 @@ class Agent:
             return
         if api is None:
             return
+        self._kube_api = api
         self._start_recorder(api)
         follow_labels = bool(self.options.config_path and self.options.config_path.is_dir())
         try:

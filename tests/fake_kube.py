@@ -54,6 +54,8 @@ class FakeKube:
         self.requests: list[tuple[float, str, int]] = []  # (time, "get" | "watch" | "other", status answered)
         self.get_status: int | None = None  # answer GETs with this error status
         self.watch_status: int | None = None  # answer watches with this error status
+        self.patch_status: int | None = None  # answer patches with this error status
+        self.patches: list[dict] = []  # the metadata of every patch that was applied
         self.open_streams = 0
         self.close_generation = 0  # bumped to end every open watch stream
         self.closing = False
@@ -156,6 +158,31 @@ class FakeKube:
             body = _status(status, _REASONS.get(status, "Unknown"), "the fake API server was told to fail")
         self.record("get", status or 200)
         _send_json(handler, status or 200, body)
+
+    def serve_patch(self, name: str, content_type: str, raw: bytes) -> tuple[int, dict]:
+        """A strategic-merge or merge patch of the node's labels and annotations (None removes a key)."""
+        with self.cond:
+            status = self.patch_status
+        if status is not None:
+            self.record("patch", status)
+            return status, _status(status, _REASONS.get(status, "Unknown"), "the fake API server was told to fail")
+        if name != self.node_name:
+            self.record("patch", 404)
+            return 404, _status(404, "NotFound", f'nodes "{name}" not found')
+        if "merge-patch" not in content_type:
+            self.record("patch", 415)
+            return 415, _status(415, "UnsupportedMediaType", f"unsupported patch type {content_type}")
+        metadata = json.loads(raw or b"{}").get("metadata", {})
+        with self.cond:
+            self.patches.append(metadata)
+        self.update(
+            {k: v for k, v in (metadata.get("labels") or {}).items() if v is not None},
+            tuple(k for k, v in (metadata.get("labels") or {}).items() if v is None),
+            annotate=metadata.get("annotations") or {},
+        )
+        self.record("patch", 200)
+        with self.cond:
+            return 200, self.node()
 
     def serve_watch(self, handler: BaseHTTPRequestHandler, query: dict[str, list[str]]) -> None:
         if query.get("fieldSelector") != [f"metadata.name={self.node_name}"]:
@@ -270,8 +297,15 @@ class _Handler(BaseHTTPRequestHandler):
         self._to_events("PATCH")
 
     def _to_events(self, method: str) -> None:
-        """Writes go to the Events fake, when the node has one (``serving(kube, events=...)``)."""
+        """A PATCH of the node is the node's; other writes go to the Events fake, when the node has one
+        (``serving(kube, events=...)``)."""
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        fake: FakeKube = self.server.fake  # type: ignore[attr-defined]
+        path = urlsplit(self.path).path
+        if method == "PATCH" and path.startswith("/api/v1/nodes/") and path.count("/") == 4:
+            status, body = fake.serve_patch(path.rsplit("/", 1)[1], self.headers.get("Content-Type", ""), raw)
+            _send_json(self, status, body)
+            return
         events = getattr(self.server, "events", None)
         if events is None:
             _send_json(self, 404, _status(404, "NotFound", f"the fake does not serve {method} {self.path}"))

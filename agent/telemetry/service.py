@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from agent.core.resources import ResourcePlan
     from agent.status import StatusSource
     from agent.telemetry.nfd import FeatureFile
+    from agent.telemetry.node_labels_api import NodeLabelPublisher
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class TelemetrySettings:
     proc_root: Path = Path("/proc")
     nfd_features_dir: Path | None = None
     shared_product_suffix: bool = False
+    label_node: bool = False  # also patch the labels onto the Node (no NFD): needs the node-labels overlay's RBAC
 
 
 class Telemetry:
@@ -37,8 +39,15 @@ class Telemetry:
     (``source``), never from the agent itself."""
 
     def __init__(
-        self, settings: TelemetrySettings, source: StatusSource, device_plugin_dir: Path, pod_resources_socket: Path
+        self,
+        settings: TelemetrySettings,
+        source: StatusSource,
+        device_plugin_dir: Path,
+        pod_resources_socket: Path,
+        *,
+        node_api: object | None = None,
     ) -> None:
+        """``node_api`` (a Kubernetes ``CoreV1Api``) is where ``settings.label_node`` writes the labels."""
         # Imported here, not with this module: an agent without metrics never loads prometheus_client,
         # http.server or the PodResources stubs (``tessera run`` imports TelemetrySettings either way).
         from agent.plugin.podresources import allocated_devices
@@ -68,6 +77,14 @@ class Telemetry:
         self._labels_of: tuple[Inventory, ResourcePlan, str | None] | None = None  # what _labels come from
         self._labels: dict[str, str] = {}
         self._feature_file: FeatureFile | None = None
+        self._publisher: NodeLabelPublisher | None = None
+        if settings.label_node and node_api is not None:
+            from agent.telemetry.node_labels_api import NodeLabelPublisher
+
+            self._publisher = NodeLabelPublisher(node_api, settings.hostname)
+        elif settings.label_node:
+            log.warning("node labels are not written on the Node: no Kubernetes API (a node name and in-cluster "
+                        "credentials or a kubeconfig are needed)")  # fmt: skip
         self._machine: str | None = None
         self._machine_read = False
 
@@ -112,7 +129,11 @@ class Telemetry:
     def _write_labels(self, status: object) -> None:
         directory = self.settings.nfd_features_dir
         inventory, plan = getattr(status, "inventory", None), getattr(status, "plan", None)
-        if directory is None or inventory is None or plan is None:
+        if (directory is None and self._publisher is None) or inventory is None or plan is None:
+            return
+        if self._publisher is not None:
+            self._publisher.publish(self._node_labels(inventory, plan, getattr(status, "mig_state", None)))
+        if directory is None:
             return
         from agent.telemetry.nfd import FeatureFile
 
