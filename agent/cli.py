@@ -142,11 +142,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _agent_flags(parser: argparse.ArgumentParser) -> None:
+    from agent.nvidia_flags import BuiltinDefault, ListValue
+
     _env_flag(
         parser,
         "--config",
         "TESSERA_CONFIG",
-        help="the sharing config: a file, or a directory of named configs (a mounted ConfigMap); watched for changes",
+        help="the sharing config: a file, or a directory of named configs (a mounted ConfigMap); watched for "
+        "changes; NVIDIA's --config-file and CONFIG_FILE count too",
     )
     _env_flag(parser, "--config-name", "TESSERA_CONFIG_NAME", help="which named config of a --config directory to use")
     _env_flag(
@@ -161,14 +164,15 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         "--shared-devices-allocation-policy",
         "TESSERA_SHARED_DEVICES_ALLOCATION_POLICY",
         choices=["distributed", "packed"],
-        help="where replicas go (default: the config's, else distributed)",
+        help="where replicas go (default: the config's, else distributed); NVIDIA's SHARED_DEVICES_ALLOCATION_POLICY "
+        "counts too",
     )
     _env_flag(
         parser,
         "--device-plugin-dir",
         "TESSERA_DEVICE_PLUGIN_DIR",
-        default="/var/lib/kubelet/device-plugins",
-        help="the kubelet's device-plugin directory",
+        default=BuiltinDefault("/var/lib/kubelet/device-plugins"),
+        help="the kubelet's device-plugin directory; NVIDIA's --kubelet-socket and KUBELET_SOCKET count too",
     )
     _env_flag(
         parser,
@@ -182,20 +186,23 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         "--mig-strategy",
         "TESSERA_MIG_STRATEGY",
         choices=["none", "single", "mixed"],
-        help="how MIG devices are advertised (default: the config's, else none)",
+        help="how MIG devices are advertised (default: the config's, else none); NVIDIA's MIG_STRATEGY counts too",
     )
     _env_flag(
         parser,
         "--device-list-strategy",
         "TESSERA_DEVICE_LIST_STRATEGY",
-        help="how devices reach the runtime: envvar, volume-mounts, cdi-cri, cdi-annotations (comma list; "
-        "default: the config's, else envvar)",
+        action=ListValue,
+        metavar="LIST",
+        help="how devices reach the runtime: envvar, volume-mounts, cdi-cri, cdi-annotations (comma list, or the "
+        "flag repeated; default: the config's, else envvar); NVIDIA's DEVICE_LIST_STRATEGY counts too",
     )
     _env_flag(
         parser,
         "--mps-root",
         "TESSERA_MPS_ROOT",
-        help="host directory for MPS pipes, logs and shm (default: the config's mpsRoot, MPS_ROOT, /run/nvidia/mps)",
+        help="host directory for MPS pipes, logs and shm (default: the config's mpsRoot, else /run/nvidia/mps); "
+        "NVIDIA's MPS_ROOT counts too",
     )
     _env_flag(parser, "--mps-control", "TESSERA_MPS_CONTROL", help="the nvidia-cuda-mps-control binary (default: PATH)")
     _env_flag(parser, "--mig-config", "TESSERA_MIG_CONFIG", help="a MIG layout file (mig-parted's format)")
@@ -281,6 +288,14 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="log level",
     )
+    _nvidia_flags(parser)
+
+
+def _nvidia_flags(parser: argparse.ArgumentParser) -> None:
+    """NVIDIA's device-plugin flags, after Tessera's: each is honoured or refused (agent/nvidia_flags.py)."""
+    from agent.nvidia_flags import add_arguments
+
+    add_arguments(parser)
 
 
 def _check_env_choices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -18,6 +19,7 @@ from agent.config.labels import validate_node_name
 from agent.config.model import safe_host_path
 from agent.core.allocation import DeviceListStrategy
 from agent.core.health import health_policy
+from agent.nvidia_flags import NvidiaFlagError, read
 from agent.telemetry.server import parse_address
 from agent.telemetry.service import TelemetrySettings
 
@@ -32,18 +34,24 @@ class OptionsError(ValueError):
 PROCESS_EVENT_WAIT_MS = 5000
 
 
-def build_options(args: argparse.Namespace, environ: dict[str, str]) -> AgentOptions:
-    """The agent's options from flags (or their env twins). The config file is read by the agent itself, so
-    that it can be reloaded; explicit flags win over its ``flags`` section, as on NVIDIA's plugin."""
-    strategies = None
-    if args.device_list_strategy:
-        strategies = tuple(s.strip() for s in args.device_list_strategy.split(",") if s.strip())
-        unknown = [s for s in strategies if s not in {k.value for k in DeviceListStrategy}]
-        if unknown or not strategies:
-            known = ", ".join(k.value for k in DeviceListStrategy)
-            raise OptionsError(
-                f"--device-list-strategy: {', '.join(unknown) or 'empty'} is not valid; use one or more of {known}"
-            )
+@dataclass(frozen=True, slots=True)
+class RunOptions(AgentOptions):
+    """The agent's options plus what only the ``tessera run`` process does with them."""
+
+    fail_on_init_error: bool = False  # NVIDIA's --fail-on-init-error: exit at start when NVML cannot initialise
+
+
+def build_options(args: argparse.Namespace, environ: dict[str, str]) -> RunOptions:
+    """The agent's options from flags (or their env twins), and NVIDIA's flags and variables (each honoured or
+    refused: ``agent.nvidia_flags``). The config file is read by the agent itself, so that it can be reloaded;
+    explicit flags win over its ``flags`` section, as on NVIDIA's plugin."""
+    try:
+        nvidia = read(args, environ)
+    except NvidiaFlagError as error:
+        raise OptionsError(str(error)) from None
+    for warning in nvidia.warnings:
+        log.warning("flags: %s", warning)
+    strategies = _strategies(nvidia.value("device_list_strategy"), nvidia.chosen["device_list_strategy"].source)
     quiet = args.health_recovery_seconds
     policy, warnings = health_policy(
         ignored=args.ignored_xids,
@@ -60,28 +68,42 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> AgentOpt
             validate_node_name(node_name)
         except ValueError as error:
             raise OptionsError(f"--node-name: {error}") from error
-    return AgentOptions(
-        device_plugin_dir=Path(args.device_plugin_dir),
+    mps_root = nvidia.chosen["mps_root"]
+    config = nvidia.value("config")
+    return RunOptions(
+        device_plugin_dir=Path(nvidia.value("device_plugin_dir") or args.device_plugin_dir),
         pod_resources_socket=Path(args.pod_resources_socket),
         overrides=FlagOverrides(
-            mig_strategy=args.mig_strategy,
+            mig_strategy=nvidia.value("mig_strategy"),
             device_list_strategy=strategies,
-            allocation_policy=args.shared_devices_allocation_policy,
+            allocation_policy=nvidia.value("shared_devices_allocation_policy"),
             cdi_kind=args.cdi_kind,
-            mps_root=_mps_root(args.mps_root or environ.get("MPS_ROOT")),
+            mps_root=_mps_root(mps_root.value, mps_root.source),
         ),
         mps_control=args.mps_control,
         mig_config=Path(args.mig_config) if args.mig_config else None,
         mig_config_name=args.mig_config_name,
         telemetry=_telemetry(args, node_name),
-        config_path=Path(args.config) if args.config else None,
+        config_path=Path(config) if config else None,
         config_name=args.config_name,
         node_name=node_name,
         kubeconfig=args.kubeconfig,
         health=policy,
         thread_join_seconds=0.0,  # the process exits right after stopping: daemon threads end with it
         health_event_wait_ms=PROCESS_EVENT_WAIT_MS,
+        fail_on_init_error=nvidia.fail_on_init_error,
     )
+
+
+def _strategies(value: str | None, source: str) -> tuple[str, ...] | None:
+    if not value:
+        return None
+    strategies = tuple(s.strip() for s in value.split(",") if s.strip())
+    unknown = [s for s in strategies if s not in {k.value for k in DeviceListStrategy}]
+    if unknown or not strategies:
+        known = ", ".join(k.value for k in DeviceListStrategy)
+        raise OptionsError(f"{source}: {', '.join(unknown) or 'empty'} is not valid; use one or more of {known}")
+    return strategies
 
 
 def _telemetry(args: argparse.Namespace, node_name: str | None) -> TelemetrySettings | None:
@@ -105,13 +127,13 @@ def _telemetry(args: argparse.Namespace, node_name: str | None) -> TelemetrySett
     )
 
 
-def _mps_root(value: str | None) -> str | None:
-    if value is None:
+def _mps_root(value: str | None, source: str) -> str | None:
+    if not value:
         return None
     try:
         return safe_host_path(value)
     except ValueError as error:
-        raise OptionsError(f"--mps-root: {error}") from error
+        raise OptionsError(f"{source}: {error}") from error
 
 
 def run_agent(options: AgentOptions, simulate: str | None, sim_control: str | None) -> int:
@@ -131,6 +153,8 @@ def run_agent(options: AgentOptions, simulate: str | None, sim_control: str | No
                 control = SimControlServer(driver, Path(sim_control))
                 control.start()
                 stack.callback(control.stop)
+        if isinstance(options, RunOptions) and options.fail_on_init_error:
+            _nvml_starts()
         agent = Agent(options)
         _stop_on_signals(agent)
         try:
@@ -140,6 +164,15 @@ def run_agent(options: AgentOptions, simulate: str | None, sim_control: str | No
             print(f"tessera: {error}", file=sys.stderr)
             return 1
     return 0
+
+
+def _nvml_starts() -> None:
+    """NVIDIA's ``--fail-on-init-error``: NVML must initialise now, else ``NvmlUnavailable`` ends the run
+    (exit 3). Without it the agent keeps running, advertises nothing and retries with backoff."""
+    from agent.gpu.nvml import nvml_session
+
+    with nvml_session():
+        pass
 
 
 def _stop_on_signals(agent: Agent) -> None:
