@@ -256,6 +256,13 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         help="GFD's -SHARED suffix on gpu.product for shared GPUs (breaks some selectors) "
         "[env TESSERA_SHARED_PRODUCT_SUFFIX=true]",
     )
+    parser.add_argument(
+        "--label-node",
+        action="store_true",
+        default=os.environ.get("TESSERA_LABEL_NODE", "") == "true",
+        help="also write the node labels (and nvidia.com/mig.config.state) on the Node itself, where NFD is not "
+        "deployed; needs patch on nodes (daemonset/overlays/node-labels) [env TESSERA_LABEL_NODE=true]",
+    )
     _env_flag(parser, "--cdi-kind", "TESSERA_CDI_KIND", help="CDI device kind for cdi-* strategies (nvidia.com/gpu)")
     _env_flag(
         parser,

@@ -17,6 +17,7 @@ from agent.agent import Agent, AgentExit, AgentOptions
 from agent.config.effective import FlagOverrides
 from agent.config.labels import validate_node_name
 from agent.config.model import safe_host_path
+from agent.config.watch import ConfigSourceChanged
 from agent.core.allocation import DeviceListStrategy
 from agent.core.health import health_policy
 from agent.nvidia_flags import NvidiaFlagError, read
@@ -124,6 +125,7 @@ def _telemetry(args: argparse.Namespace, node_name: str | None) -> TelemetrySett
         proc_root=Path(safe_host_path(args.host_proc)),
         nfd_features_dir=features,
         shared_product_suffix=args.shared_product_suffix,
+        label_node=args.label_node,
     )
 
 
@@ -183,5 +185,11 @@ def _stop_on_signals(agent: Agent) -> None:
         log.info("stopping signal=%s", signal.Signals(signum).name)
         agent.stop()
 
+    def reload(signum: int, frame: FrameType | None) -> None:
+        log.info("reading the config again signal=SIGHUP")
+        agent.post(ConfigSourceChanged())
+
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    # NVIDIA's config-manager sidecar sends SIGHUP after it switched the config: read it again, do not die
+    signal.signal(signal.SIGHUP, reload)

@@ -58,3 +58,30 @@ def test_fail_on_init_error_without_a_driver_exits_3_with_the_reason(tmp_path):
     assert result.returncode == 3, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.splitlines()[-1].startswith("tessera: NVML init failed")
+
+
+def test_sighup_reads_the_config_again_instead_of_ending_the_agent(tmp_path: Path):
+    """NVIDIA's config-manager sidecar sends SIGHUP after switching the config: the agent must survive it."""
+    import signal
+
+    from agent.sim.kubelet import KubeletEmulator
+
+    kubelet = KubeletEmulator(tmp_path / "dp", None)
+    kubelet.start()
+    log = tmp_path / "agent.log"
+    command = [sys.executable, "-m", "agent", "run", "--simulate", "t4x4", "--device-plugin-dir", str(tmp_path / "dp"),
+               "--metrics-address", "off", "--log-level", "info"]  # fmt: skip
+    with log.open("wb") as out:
+        agent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        kubelet.wait_for(lambda: kubelet.allocatable("nvidia.com/gpu") == 4, timeout=30, what="4 GPUs registered")
+        agent.send_signal(signal.SIGHUP)
+        kubelet.wait_for(lambda: b"signal=SIGHUP" in log.read_bytes(), timeout=10, what="the SIGHUP logged")
+        assert agent.poll() is None
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        kubelet.stop()
