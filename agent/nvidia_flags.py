@@ -431,3 +431,38 @@ def _ints(setting: NvidiaSetting, name: str, text: str) -> str:
 
 def _alternatives(values: Sequence[str]) -> str:
     return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
+
+
+# The config file's `flags` that name one of the settings above (NVIDIA's config keys -> its flag).
+CONFIG_FLAGS: dict[str, str] = {
+    "flags.nvidiaDriverRoot": "--nvidia-driver-root",
+    "flags.nvidiaDevRoot": "--nvidia-dev-root",
+    "flags.gdrcopyEnabled": "--gdrcopy-enabled",
+    "flags.gdsEnabled": "--gds-enabled",
+    "flags.mofedEnabled": "--mofed-enabled",
+    "flags.deviceDiscoveryStrategy": "--device-discovery-strategy",
+    "flags.plugin.passDeviceSpecs": "--pass-device-specs",
+    "flags.plugin.deviceIDStrategy": "--device-id-strategy",
+    "flags.plugin.cdiAnnotationPrefix": "--cdi-annotation-prefix",
+    "flags.plugin.nvidiaCTKPath": "--nvidia-ctk-path",
+    "flags.plugin.containerDriverRoot": "--container-driver-root",
+}
+
+
+def config_flag_warnings(values: Mapping[str, object]) -> list[str]:
+    """What a config's ``flags`` ask for that Tessera does not do, one warning each (``values``: config key
+    path -> the value the config gives, None when absent). A config is shared by many nodes and reloaded
+    while they serve, so these are warnings that keep the config, where the same setting on the command line
+    is refused before anything starts."""
+    by_flag = {flag: setting for setting in SETTINGS for flag in setting.flags}
+    warnings = []
+    for key, flag in CONFIG_FLAGS.items():
+        value = values.get(key)
+        setting = by_flag.get(flag)
+        if value is None or setting is None or setting.honoured is None:
+            continue
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        if text and text not in setting.honoured:
+            why, what = setting.refusal
+            warnings.append(f"{key}: {why.format(value=text)}; {what}; the setting is ignored")
+    return warnings

@@ -345,6 +345,7 @@ def parse_config(data: object, origin: str = "config") -> tuple[values.ConfigMod
     except ValidationError as error:
         raise ConfigError(origin, [_problem(e) for e in error.errors()]) from error
     warnings = [f"{origin}: {w}" for w in unknown_key_warnings(model)]
+    warnings += [f"{origin}: {w}" for w in _nvidia_flag_warnings(model.flags)]
     if model.sharing and model.sharing.mps is not None and model.sharing.time_slicing is not None:
         warnings.append(f"{origin}: sharing has both timeSlicing and mps; mps is used and timeSlicing is ignored")
     return as_value(model), warnings
@@ -366,6 +367,30 @@ def as_value(item: Any) -> Any:
     if isinstance(item, list):
         return [as_value(v) for v in item]
     return item
+
+
+def _nvidia_flag_warnings(flags: Flags | None) -> list[str]:
+    """NVIDIA's ``flags`` that Tessera does not honour at the given value (agent.nvidia_flags says why)."""
+    if flags is None:
+        return []
+    from agent.nvidia_flags import CONFIG_FLAGS, config_flag_warnings
+
+    values: dict[str, object] = {}
+    for key in CONFIG_FLAGS:
+        section: object = flags
+        for part in key.split(".")[1:]:
+            section = _field_by_alias(section, part)
+        values[key] = section
+    return config_flag_warnings(values)
+
+
+def _field_by_alias(section: object, alias: str) -> object:
+    if not isinstance(section, BaseModel):
+        return None
+    for name, field in type(section).model_fields.items():
+        if (field.alias or name) == alias:
+            return getattr(section, name)
+    return None
 
 
 def unknown_key_warnings(model: BaseModel, path: str = "") -> list[str]:

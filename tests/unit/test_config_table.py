@@ -493,7 +493,7 @@ ROWS = [
     Row(
         "text-flag-yaml-number-is-text",
         "flags:\n  plugin:\n    cdiAnnotationPrefix: 5\n  gfd:\n    sleepInterval: 60\n",
-        Adv({GPU: (2, NONE, 1)}),
+        Adv({GPU: (2, NONE, 1)}, warns=("flags.plugin.cdiAnnotationPrefix: ",)),  # read as text, then not honoured
     ),
     Row(
         "mps-root-must-be-an-absolute-path",

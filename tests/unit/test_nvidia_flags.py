@@ -366,3 +366,19 @@ def test_the_readme_lists_nvidias_names_that_tessera_run_honours():
     assert table.startswith("| flag |") and "`--log-level`" in table
     honoured = {n for s in SETTINGS if s.honoured is None for n in (*s.flags, *s.envs)}
     assert [n for n in sorted(honoured) if f"`{n}`" not in table] == []
+
+
+def test_a_configs_flags_that_tessera_does_not_honour_are_warnings_that_keep_the_config():
+    """The same settings in a config's `flags` keep the config (it is shared and reloaded while nodes serve)
+    and say, each once, why the setting is ignored."""
+    from agent.config.source import parse_document
+
+    text = (
+        "version: v1\nflags:\n  migStrategy: mixed\n  gdsEnabled: true\n  nvidiaDevRoot: /\n"
+        "  plugin:\n    passDeviceSpecs: false\n    deviceIDStrategy: index\n    containerDriverRoot: /driver-root\n"
+    )
+    model, warnings = parse_document(text, "cm/default")
+    assert model.flags.mig_strategy == "mixed"
+    flagged = sorted(w.split(": ")[1] for w in warnings)
+    assert flagged == ["flags.gdsEnabled", "flags.plugin.deviceIDStrategy"]
+    assert all(w.startswith("cm/default: ") and w.endswith("the setting is ignored") for w in warnings)
