@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from agent.events import (
+from agent.core.events import (
     NOTE_LIMIT,
     Correlator,
     MicroTime,
