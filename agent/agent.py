@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from agent.config.effective import FlagOverrides, effective
 from agent.config.labels import (
@@ -74,6 +74,9 @@ from agent.plugin.watch import KubeletSocketChanged, PluginDirChanged, PluginDir
 from agent.status import AgentStatus
 from agent.supervise import Backoff, WorkerCrashed, submit
 from agent.telemetry.service import Telemetry, TelemetrySettings
+
+if TYPE_CHECKING:
+    import kubernetes.client
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +191,7 @@ class Agent:
         self._config_watcher: ConfigWatcher | None = None
         self._label_watcher: Stoppable | None = None
         self._recorder: Recorder | None = None  # Kubernetes Events on the Node, when there is an API to send to
-        self._kube_api: object | None = None  # the Kubernetes API (CoreV1Api), when there is a node name and one
+        self._kube_api: kubernetes.client.CoreV1Api | None = None  # when there is a node name and an API
         self._mps = MpsManager(options.mps_control, self.post, options.pod_resources_socket)
         self._mig = MigManager(self.post, options.pod_resources_socket)
         self._mig_label: str | None = None
@@ -329,7 +332,7 @@ class Agent:
         self._inventory = Inventory("", "", None, (), ())
         self._take_lock()
         self._read_inventory("start")
-        self._start_label_watcher()
+        self._start_node_api()
         self._guarded("config", self._apply_config)
         self._publish()
         if self.options.config_path is not None:
@@ -565,7 +568,7 @@ class Agent:
             )
         return given
 
-    def _start_label_watcher(self) -> None:
+    def _start_node_api(self) -> None:
         """Follow this node's metadata, when there is a node name and a Kubernetes API to ask: its config
         labels (when the configs come from a directory) and its per-GPU cordon annotations. Both are read
         once before anything is advertised, so a cordoned GPU is never offered, not even for a moment."""
@@ -601,14 +604,14 @@ class Agent:
         )
         self._label_watcher.start()
 
-    def _start_recorder(self, api: object) -> None:
+    def _start_recorder(self, api: kubernetes.client.CoreV1Api) -> None:
         """Events on the Node for what an operator must see (``kubectl describe node``); sent by a thread of
         their own, rate-limited and aggregated, so the loop never waits for the API server."""
         from agent.events import EventRecorder
 
         assert self.options.node_name is not None
         try:
-            recorder = EventRecorder(api.api_client, self.options.node_name)  # type: ignore[attr-defined]
+            recorder = EventRecorder(api.api_client, self.options.node_name)
             recorder.start()
         except Exception as error:  # Events are a courtesy: without them the log says the same
             log.warning("no Kubernetes Events; the log has what they would say error=%r", str(error))
@@ -618,11 +621,8 @@ class Agent:
     def _announce(self, before: AgentStatus, after: AgentStatus) -> None:
         if self._recorder is None or before is after:
             return
-        for said in announcements(before, after):
-            try:
-                self._recorder.emit(said.type, said.reason, said.action, said.note)
-            except ValueError as error:  # a reason or action the recorder refuses: our bug, never the node's
-                self._internal_error("events", error, context=said.reason)
+        for said in announcements(before, after):  # reasons and actions are valid by construction (a test)
+            self._recorder.emit(said.type, said.reason, said.action, said.note)
 
     def _update_cordon(self) -> bool:
         """What the cordon annotations name on the current inventory; True when that changed (to publish)."""

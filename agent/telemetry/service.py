@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import kubernetes.client
+
     from agent.core.inventory import Inventory
     from agent.core.resources import ResourcePlan
     from agent.status import StatusSource
@@ -45,7 +47,7 @@ class Telemetry:
         device_plugin_dir: Path,
         pod_resources_socket: Path,
         *,
-        node_api: object | None = None,
+        node_api: kubernetes.client.CoreV1Api | None = None,
     ) -> None:
         """``node_api`` (a Kubernetes ``CoreV1Api``) is where ``settings.label_node`` writes the labels."""
         # Imported here, not with this module: an agent without metrics never loads prometheus_client,

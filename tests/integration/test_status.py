@@ -119,3 +119,47 @@ def test_something_else_on_the_port_is_named(tmp_path: Path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b"not json at all", "something that is not JSON"),
+        (b'{"schema": "someone.else/v9"}', "a document Tessera does not know"),
+        (b"[1, 2]", "a document Tessera does not know"),
+    ],
+)
+def test_an_answer_that_is_not_a_status_is_named(body: bytes, expected: str):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(StatusUnavailable, match=expected):
+            fetch_status(f"127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_agent_that_does_not_answer_is_a_timeout_not_a_hang():
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # accepts the connection (backlog) and never answers
+    try:
+        with pytest.raises(StatusUnavailable, match=r"did not answer within 0\.5 s"):
+            fetch_status(f"127.0.0.1:{listener.getsockname()[1]}", timeout=0.5)
+    finally:
+        listener.close()

@@ -89,3 +89,25 @@ def test_cordon_and_its_problems(status):
     assert reasons(said) == ["GPUCordoned", "CordonEntryIgnored"]
     assert said[0].note.startswith(f"GPU 1 ({gpu.uuid}) cordoned by tessera.dev/gpu-cordon")
     assert reasons(announcements(cordoned, status)) == ["GPUUncordoned"]
+
+
+def test_every_announcement_is_an_event_the_recorder_takes(status):
+    """The agent sends announcements to the recorder unchecked: each reason, action and note must pass the
+    recorder's validation (CamelCase reason, action of 1-128 bytes)."""
+    from agent.core.events import validate_event
+
+    gpu, mig = status.inventory.gpus[1], status.inventory.gpus[0].mig_devices[0]
+    faulty = replace(
+        status,
+        faults={gpu.uuid: Fault("XID 79", 1.0, 1.0, lost=True), mig.uuid: Fault("XID 94", 1.0, 1.0)},
+        config_error="bad",
+        mps={"k": {"state": "down", "restarts": 1, "error": "x"}, "j": {"state": "down", "restarts": 0, "error": "y"}},
+        cordoned={gpu.uuid: ("tessera.dev/gpu-cordon",)},
+        cordon_problems=("p",),
+    )
+    said = announcements(AgentStatus(), faulty) + announcements(faulty, status)
+    said += [a for state in ("pending", "applying", "success", "failed", "reset-required")
+             for a in announcements(status, replace(status, mig_state=state, mig_error="e"))]  # fmt: skip
+    assert len({a.reason for a in said}) >= 14
+    for announcement in said:
+        validate_event(announcement.type, announcement.reason, announcement.action, announcement.note)
