@@ -4,7 +4,7 @@
     python proto/generate.py --out DIR  # writes under DIR instead (the tests compare the two)
 
 The protos are compiled under the virtual path ``agent/api/`` so the generated modules import each other as
-``agent.api...`` and both files named api.proto get distinct names in the descriptor pool. The stubs are
+``agent.api...`` and the files, all named api.proto, get distinct names in the descriptor pool. The stubs are
 committed, so installing Tessera needs no code generation; ``grpcio-tools`` is pinned in the test extras so
 that regenerating gives byte-identical files.
 """
@@ -18,7 +18,14 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parents[1]
-PROTOS = ("deviceplugin/v1beta1/api.proto", "podresources/v1/api.proto")
+PROTOS = (
+    "deviceplugin/v1beta1/api.proto",
+    "podresources/v1/api.proto",
+    "pluginregistration/v1/api.proto",
+    "dra/v1/api.proto",
+    "dra/v1beta1/api.proto",
+    "drahealth/v1alpha1/api.proto",
+)
 VIRTUAL_ROOT = "agent/api"
 
 
@@ -34,7 +41,7 @@ def generate(out: Path) -> list[Path]:
     ]
     if protoc.main(arguments) != 0:
         raise RuntimeError("protoc failed")
-    return sorted(out.joinpath(VIRTUAL_ROOT).rglob("api_pb2*"))
+    return sorted(path for path in out.joinpath(VIRTUAL_ROOT).rglob("api_pb2*") if path.suffix in {".py", ".pyi"})
 
 
 def main() -> int:
