@@ -102,6 +102,7 @@ class AgentOptions:
     config_name: str | None = None  # which named config to use (else node label, match, default)
     node_name: str | None = None  # this node, for its nvidia.com/device-plugin.config label
     mps_control: str | None = None  # the nvidia-cuda-mps-control binary (default: found on PATH)
+    mps_keeper: Path | None = None  # a `tessera mps-keeper` socket: MPS daemons start in its container
     mig_config: Path | None = None  # a MIG layout file (mig-parted's format); else the config's migLayout
     mig_config_name: str | None = None  # which layout (else the node label nvidia.com/mig.config, else the config's)
     kubeconfig: str | None = None  # outside a pod: how to reach the Kubernetes API
@@ -192,7 +193,7 @@ class Agent:
         self._label_watcher: Stoppable | None = None
         self._recorder: Recorder | None = None  # Kubernetes Events on the Node, when there is an API to send to
         self._kube_api: kubernetes.client.CoreV1Api | None = None  # when there is a node name and an API
-        self._mps = MpsManager(options.mps_control, self.post, options.pod_resources_socket)
+        self._mps = MpsManager(options.mps_control, self.post, options.pod_resources_socket, options.mps_keeper)
         self._mig = MigManager(self.post, options.pod_resources_socket)
         self._mig_label: str | None = None
         self._cordon_values: dict[str, str | None] = {}  # cordon annotation key -> value (None: absent)

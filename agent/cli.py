@@ -118,6 +118,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     _env_flag(run, "--sim-control", "TESSERA_SIM_CONTROL", help="with --simulate: serve a control socket here")
 
+    keeper = commands.add_parser(
+        "mps-keeper",
+        help="start MPS control daemons for the agent in this container, so they outlive the agent's (the "
+        "tessera-mps-keeper DaemonSet)",
+    )
+    _env_flag(
+        keeper,
+        "--socket",
+        "TESSERA_MPS_KEEPER",
+        default="/run/tessera/mps-keeper.sock",
+        help="where the agent asks (the agent's --mps-keeper)",
+    )
+    _env_flag(keeper, "--mps-root", "TESSERA_MPS_ROOT", default="/run/nvidia/mps", help="the agent's MPS root")
+    _env_flag(keeper, "--mps-control", "TESSERA_MPS_CONTROL", help="the nvidia-cuda-mps-control binary (default: PATH)")
+    _log_flags(keeper)
+
     status = commands.add_parser("status", help="what the running agent on this node is doing (asks it; no NVML)")
     _env_flag(
         status,
@@ -205,6 +221,13 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         "NVIDIA's MPS_ROOT counts too",
     )
     _env_flag(parser, "--mps-control", "TESSERA_MPS_CONTROL", help="the nvidia-cuda-mps-control binary (default: PATH)")
+    _env_flag(
+        parser,
+        "--mps-keeper",
+        "TESSERA_MPS_KEEPER",
+        help="the socket of a `tessera mps-keeper` on this node: MPS daemons start in its container and outlive "
+        "this one's restarts and upgrades (default: none, daemons start in the agent's container)",
+    )
     _env_flag(parser, "--mig-config", "TESSERA_MIG_CONFIG", help="a MIG layout file (mig-parted's format)")
     _env_flag(
         parser,
@@ -286,6 +309,11 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="quiet time after a critical XID before a device is checked for recovery (on evidence); 0 = never",
     )
+    _log_flags(parser)
+    _nvidia_flags(parser)
+
+
+def _log_flags(parser: argparse.ArgumentParser) -> None:
     _env_flag(parser, "--log-format", "TESSERA_LOG_FORMAT", default="text", choices=["text", "json"], help="log format")
     _env_flag(
         parser,
@@ -295,7 +323,6 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="log level",
     )
-    _nvidia_flags(parser)
 
 
 def _nvidia_flags(parser: argparse.ArgumentParser) -> None:
@@ -389,7 +416,40 @@ def _command(args: argparse.Namespace) -> int:
         return _plan(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "mps-keeper":
+        return _mps_keeper(args)
     return _describe(args)
+
+
+def _mps_keeper(args: argparse.Namespace) -> int:
+    """``tessera mps-keeper``: serve the agent's start requests until SIGTERM; the daemons stay."""
+    import shutil
+    import signal
+
+    from agent.config.model import safe_host_path
+    from agent.logs import configure
+    from agent.mps.keeper import KeeperError, MpsKeeper
+
+    configure(args.log_format, args.log_level)
+    binary = shutil.which(args.mps_control or "nvidia-cuda-mps-control")
+    if binary is None:
+        print(
+            f"tessera: {args.mps_control or 'nvidia-cuda-mps-control'} not found; the keeper needs the driver's "
+            "MPS control binary (NVIDIA container runtime with NVIDIA_DRIVER_CAPABILITIES=compute) or --mps-control",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        root, socket_path = Path(safe_host_path(args.mps_root)), Path(safe_host_path(args.socket))
+        keeper = MpsKeeper(socket_path, root, binary)
+    except (ValueError, OSError) as error:  # KeeperError: another keeper answers there
+        problem = error if isinstance(error, KeeperError) else f"cannot serve {args.socket}: {error}"
+        print(f"tessera: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: keeper.stop())
+    keeper.serve()
+    return EXIT_OK
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ class OptionsError(ValueError):
 
 # NVIDIA's device plugin waits 5 s per nvmlEventSetWait too: an idle agent wakes for it once every 5 s
 PROCESS_EVENT_WAIT_MS = 5000
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,7 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> RunOptio
             mps_root=_mps_root(mps_root.value, mps_root.source),
         ),
         mps_control=args.mps_control,
+        mps_keeper=_socket_path("--mps-keeper", args.mps_keeper),
         mig_config=Path(args.mig_config) if args.mig_config else None,
         mig_config_name=args.mig_config_name,
         telemetry=_telemetry(args, node_name),
@@ -136,6 +138,18 @@ def _mps_root(value: str | None, source: str) -> str | None:
         return safe_host_path(value)
     except ValueError as error:
         raise OptionsError(f"{source}: {error}") from error
+
+
+def _socket_path(flag: str, value: str | None) -> Path | None:
+    if not value:
+        return None
+    try:
+        path = safe_host_path(value)
+    except ValueError as error:
+        raise OptionsError(f"{flag}: {error}") from error
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise OptionsError(f"{flag}: {path!r} is longer than a unix socket path may be ({MAX_SOCKET_PATH} bytes)")
+    return Path(path)
 
 
 def run_agent(options: AgentOptions, simulate: str | None, sim_control: str | None) -> int:

@@ -13,11 +13,14 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from agent.core.mps import MpsDaemonSpec
+
 PID_FILE = "nvidia-cuda-mps-control.pid"
 CONTROL_LOG = "control.log"
 MAX_PIPE_PATH = 87  # the daemon fails to start with a longer pipe directory
 _UUID = re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]{36}$")
 COMMAND_TIMEOUT = 10.0
+READINESS_COMMAND = "get_default_active_thread_percentage"
 
 
 class MpsError(RuntimeError):
@@ -95,6 +98,13 @@ class MpsControl:
             raise MpsError(f"MPS daemon at {self.pipe_dir} does not answer: {_output(result)}{self._log_hint()}")
         return [line for line in result.stdout.splitlines() if line.strip()]
 
+    def answers(self) -> bool:
+        """A daemon listens on the pipe and replies to a harmless query."""
+        try:
+            return bool(self.commands([READINESS_COMMAND]))
+        except MpsError:
+            return False
+
     def quit(self) -> None:
         self.commands(["quit"])
 
@@ -135,6 +145,19 @@ class MpsControl:
             )
         except (OSError, subprocess.TimeoutExpired) as error:
             raise MpsError(f"cannot run {self.binary}: {error}") from error
+
+
+def control_for(binary: str, root: Path, spec: MpsDaemonSpec) -> MpsControl:
+    """The control of a spec's daemon under ``root``; its environment carries the limits too, so they hold
+    from the daemon's first instant."""
+    return MpsControl(
+        binary,
+        root / spec.key / "pipe",
+        root / spec.key / "log",
+        spec.visible_devices,
+        active_thread_percentage=spec.active_thread_percentage,
+        pinned_memory_mib=spec.pinned_memory_mib,
+    )
 
 
 def _output(result: subprocess.CompletedProcess[str]) -> str:

@@ -13,7 +13,9 @@ a small worker pool whose results come back as events (``MpsDaemonReady``, ``Mps
   backoff (0.5 s doubling to 30 s), and a daemon that keeps failing is reported with the last lines of its
   control log once per streak, not in a hot loop.
 - An agent restart adopts a daemon that still answers on its pipe instead of killing its clients' server;
-  stopping the agent leaves daemons running.
+  stopping the agent leaves daemons running. Where the daemon runs decides whether it outlives the agent's
+  container: with a keeper (``keeper``, ``agent.mps.keeper``) ``-d`` runs in the keeper's container and the
+  daemon survives an agent restart or upgrade; without one it runs in the agent's and ends with it.
 - Retiring a daemon (its resource went away, or its spec changed) never pulls the server from under a
   client: its devices are withdrawn from ListAndWatch first (``withdrawn``), then a worker waits until the
   kubelet holds none of their replicas and NVML lists no compute process or MPS client on them — unknown
@@ -33,14 +35,21 @@ from pathlib import Path
 from agent.core.drain import Drain
 from agent.core.mps import MpsDaemonSpec
 from agent.gpu.compute_mode import DEFAULT, EXCLUSIVE_PROCESS, ComputeModeError, set_compute_mode
-from agent.mps.control import MpsControl, MpsError, pinned_limit_command, thread_percentage_command
+from agent.mps.control import (
+    READINESS_COMMAND,
+    MpsControl,
+    MpsError,
+    control_for,
+    pinned_limit_command,
+    thread_percentage_command,
+)
 from agent.mps.exits import ProcessExited, ProcessExitWatcher
+from agent.mps.keeper import start_through_keeper
 from agent.supervise import WorkerCrashed, submit
 
 log = logging.getLogger(__name__)
 
 BINARY = "nvidia-cuda-mps-control"
-READINESS_COMMAND = "get_default_active_thread_percentage"
 MAX_BACKOFF = 30.0
 DRAIN_CHECK_INTERVAL = 1.0  # how often a retiring daemon looks again whether its clients are gone
 SAFETY_CHECK_INTERVAL = 30.0  # a missed exit (no pidfd) is found by this slow re-check
@@ -101,8 +110,15 @@ class _Retiring:
 
 
 class MpsManager:
-    def __init__(self, binary: str | None, post: Callable[[object], None], pod_resources_socket: Path) -> None:
+    def __init__(
+        self,
+        binary: str | None,
+        post: Callable[[object], None],
+        pod_resources_socket: Path,
+        keeper: Path | None = None,
+    ) -> None:
         self._binary = binary
+        self._keeper = keeper  # the MPS keeper's socket: daemons are started in its container (agent.mps.keeper)
         self._post = post
         self._socket = pod_resources_socket
         self._daemons: dict[str, _Daemon] = {}
@@ -283,7 +299,7 @@ class MpsManager:
 
     def _control(self, spec: MpsDaemonSpec, root: Path) -> MpsControl | None:
         try:
-            return _make_control(self._resolve_binary(), root, spec)
+            return control_for(self._resolve_binary(), root, spec)
         except (MpsError, ValueError) as error:
             log.error("cannot manage MPS daemon key=%s error=%r", spec.key, str(error))
             return None
@@ -300,23 +316,27 @@ class MpsManager:
     def _start(self, key: str, daemon: _Daemon) -> None:
         daemon.generation += 1
         daemon.state = "starting"
+        assert self._root is not None
         if daemon.control is None:
             try:
-                assert self._root is not None
-                daemon.control = _make_control(self._resolve_binary(), self._root, daemon.spec)
+                daemon.control = control_for(self._resolve_binary(), self._root, daemon.spec)
             except (MpsError, ValueError) as error:
                 self._post(MpsDaemonFailed(key, daemon.generation, str(error)))
                 return
-        submit(self._pool, self._post, "mps", key, self._bring_up, key, daemon.generation, daemon.spec, daemon.control)
+        job = (key, daemon.generation, daemon.spec, daemon.control, self._root)
+        submit(self._pool, self._post, "mps", key, self._bring_up, *job)
 
-    def _bring_up(self, key: str, generation: int, spec: MpsDaemonSpec, control: MpsControl) -> None:
+    def _bring_up(self, key: str, generation: int, spec: MpsDaemonSpec, control: MpsControl, root: Path) -> None:
         """Worker thread: adopt a daemon that answers, else start one; then limits; then readiness."""
         try:
-            adopted = control.pid() is not None and _answers(control)
+            adopted = control.pid() is not None and control.answers()
             if not adopted:
                 for uuid in spec.visible_devices:
                     _compute_mode(uuid, EXCLUSIVE_PROCESS)
-                control.start()
+                if self._keeper is None:
+                    control.start()  # in this container: the daemon ends when it does
+                else:  # in the keeper's container: the daemon outlives this one
+                    start_through_keeper(self._keeper, root, spec)
             commands = [thread_percentage_command(spec.active_thread_percentage)]
             commands += [pinned_limit_command(uuid, mib) for uuid, mib in spec.pinned_memory_mib]
             control.commands(commands)
@@ -357,25 +377,6 @@ class MpsManager:
                 _compute_mode(uuid, DEFAULT)
         log.info("MPS daemon stopped key=%s", key)
         self._post(MpsDaemonStopped(key))
-
-
-def _make_control(binary: str, root: Path, spec: MpsDaemonSpec) -> MpsControl:
-    """The daemon's environment carries its limits too, so they hold from its first instant."""
-    return MpsControl(
-        binary,
-        root / spec.key / "pipe",
-        root / spec.key / "log",
-        spec.visible_devices,
-        active_thread_percentage=spec.active_thread_percentage,
-        pinned_memory_mib=spec.pinned_memory_mib,
-    )
-
-
-def _answers(control: MpsControl) -> bool:
-    try:
-        return bool(control.commands([READINESS_COMMAND]))
-    except MpsError:
-        return False
 
 
 def _compute_mode(uuid: str, mode: int) -> None:

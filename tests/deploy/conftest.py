@@ -1,5 +1,9 @@
 """Shared pieces of the deployment tests: paths, the rendered variants, the supported Kubernetes versions.
 
+A variant is a kustomization that can be applied (`kind: Kustomization`, the default); a kustomize
+Component (`kind: Component`, daemonset/components/) is a piece that variants include and cannot be
+rendered alone.
+
 The variants are rendered by the real kustomize, kubectl's (tests/deploy/kubectl.py). Without a kubectl
 that has kustomize v5 every test that needs a rendering fails (it does not skip) with the message
 "kubectl with kustomize is needed for the deployment tests: install kubectl >= 1.27".
@@ -29,23 +33,45 @@ NEWEST_KUBERNETES = "1.37"
 SUPPORTED_KUBERNETES = (OLDEST_KUBERNETES, NEWEST_KUBERNETES)
 
 KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
+# The DaemonSets' names: the agent's (every variant) and the MPS keeper's (components/mps-keeper).
+AGENT = "tessera"
+KEEPER = "tessera-mps-keeper"
+
+
+def _kustomization_directories() -> dict[Path, str]:
+    """Every directory under daemonset/ with a kustomization file, and that file's kind."""
+    found: dict[Path, str] = {}
+    for name in KUSTOMIZATION_FILES:
+        for path in DAEMONSET.rglob(name):
+            if path.is_file():  # (a kustomization file, not a directory that happens to be called so)
+                assert path.parent not in found, f"two kustomization files in {path.parent}"
+                kind = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("kind", "Kustomization")
+                assert kind in ("Kustomization", "Component"), f"{path}: kind {kind}"
+                found[path.parent] = kind
+    return found
+
+
+def _by_name(directories: list[Path]) -> dict[str, Path]:
+    named = {("base" if d == DAEMONSET / "base" else d.name): d for d in sorted(directories)}
+    assert len(named) == len(directories), f"two kustomizations share a directory name: {sorted(directories)}"
+    return named
 
 
 def kustomizations() -> dict[str, Path]:
-    """Every kustomization under daemonset/, by variant name: `base`, then each overlay by its directory's
-    name. Found, not listed, so that a new overlay is rendered and validated like the others."""
-    found = {
-        path.parent
-        for name in KUSTOMIZATION_FILES
-        for path in DAEMONSET.rglob(name)
-        if path.is_file()  # (a kustomization file, not a directory that happens to be called so)
-    }
-    variants = {("base" if d == DAEMONSET / "base" else d.name): d for d in sorted(found)}
-    assert len(variants) == len(found), f"two kustomizations share a directory name: {sorted(found)}"
-    return variants
+    """Every kustomization under daemonset/ that is a variant, by name: `base`, then each overlay by its
+    directory's name. Found, not listed, so that a new overlay is rendered and validated like the others.
+    Components (`kind: Component`) are not variants: kustomize cannot render one alone."""
+    return _by_name([d for d, kind in _kustomization_directories().items() if kind == "Kustomization"])
+
+
+def components() -> dict[str, Path]:
+    """Every kustomize Component under daemonset/, by its directory's name; rendered in the variants that
+    include it."""
+    return _by_name([d for d, kind in _kustomization_directories().items() if kind == "Component"])
 
 
 VARIANTS = kustomizations()
+COMPONENTS = components()
 
 
 def project() -> dict[str, Any]:
@@ -61,12 +87,26 @@ def has_mig_layout(path: Path) -> bool:
     return "migLayout" in (yaml.safe_load(path.read_text(encoding="utf-8")) or {})
 
 
+def daemonsets(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every DaemonSet of a rendering: the agent's, and the MPS keeper's where the variant has one."""
+    return [o for o in objects if o["kind"] == "DaemonSet"]
+
+
 def daemonset(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    (found,) = [o for o in objects if o["kind"] == "DaemonSet"]
+    """The agent's DaemonSet (`tessera`), exactly one in every variant."""
+    (found,) = [o for o in daemonsets(objects) if o["metadata"]["name"] == AGENT]
     return found
 
 
+def keeper_daemonset(objects: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The MPS keeper's DaemonSet (`tessera-mps-keeper`, from components/mps-keeper), None when absent."""
+    found = [o for o in daemonsets(objects) if o["metadata"]["name"] == KEEPER]
+    assert len(found) <= 1, "two MPS keeper DaemonSets"
+    return found[0] if found else None
+
+
 def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The agent's container (its DaemonSet has exactly one)."""
     (found,) = daemonset(objects)["spec"]["template"]["spec"]["containers"]
     return found
 

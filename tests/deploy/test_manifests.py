@@ -1,13 +1,15 @@
 """The kustomize manifests in daemonset/, rendered by kubectl's kustomize (tests/deploy/kubectl.py) and checked.
 
 Every kustomization under daemonset/ is a variant (conftest.VARIANTS finds them): base and each overlay.
+Components (daemonset/components/, conftest.COMPONENTS) are checked in the variants that include them: the
+MPS keeper's (a second DaemonSet, tessera-mps-keeper, in the mps variant).
 
 Every rendered object is validated with kubernetes-validate (strict: unknown fields are errors) against
 the oldest and the newest supported Kubernetes version. Custom resources (the Prometheus operator's
 ServiceMonitor) have no schema there and are skipped by kind; their fields are checked by hand below.
 Then the fields that matter for security and operation: no privileged container, capabilities, the exact
 hostPath set, RBAC (exactly the API access each variant grants), probes, the downward API, the ConfigMap
-keys.
+keys, and the MPS keeper: what it may do and what it shares with the agent.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +27,12 @@ import pytest
 import yaml
 
 from tests.deploy.conftest import (
+    AGENT,
+    COMPONENTS,
     CONFIGS,
     DAEMONSET,
+    KEEPER,
+    KUSTOMIZATION_FILES,
     PODS,
     ROOT,
     SUPPORTED_KUBERNETES,
@@ -33,7 +40,9 @@ from tests.deploy.conftest import (
     config_files,
     container,
     daemonset,
+    daemonsets,
     has_mig_layout,
+    keeper_daemonset,
     project,
 )
 from tests.deploy.kubectl import MIN_KUBECTL, MIN_KUSTOMIZE, NEEDED, RenderError
@@ -41,7 +50,7 @@ from tests.deploy.kubectl import MIN_KUBECTL, MIN_KUSTOMIZE, NEEDED, RenderError
 NAMESPACE = "tessera-system"
 # Custom resources: not in kubernetes-validate's schemas (it ships the built-in API only).
 CUSTOM_KINDS = {"ServiceMonitor"}
-# The hostPath volumes of every variant, exactly: (host path, type, mount path, read-only).
+# The agent's hostPath volumes in every variant, exactly: (host path, type, mount path, read-only).
 HOST_PATHS = {
     ("/var/lib/kubelet/device-plugins", "Directory", "/var/lib/kubelet/device-plugins", False),
     ("/var/lib/kubelet/pod-resources", "Directory", "/var/lib/kubelet/pod-resources", True),
@@ -54,6 +63,20 @@ HOST_PATHS = {
     ),
     ("/proc", "Directory", "/host/proc", True),
 }
+MPS_ROOT = ("/run/nvidia/mps", "DirectoryOrCreate", "/run/nvidia/mps", False)
+# The directory of the MPS keeper's socket, which the keeper and the agent mount from the same host path.
+KEEPER_SOCKET_DIRECTORY = ("/run/tessera", "DirectoryOrCreate", "/run/tessera", False)
+# What a variant adds to the agent's HOST_PATHS; every other variant (a new overlay too) has HOST_PATHS alone.
+EXTRA_HOST_PATHS = {"mps": {KEEPER_SOCKET_DIRECTORY}}
+# The MPS keeper's hostPath volumes, exactly: the MPS root and its socket's directory.
+KEEPER_HOST_PATHS = {MPS_ROOT, KEEPER_SOCKET_DIRECTORY}
+# The one hostPath mount with a subPath, in the agent and the keeper: <mps root>/shm as the container's
+# /dev/shm, shared with the MPS clients (which get the same host directory at /dev/shm).
+SHM_MOUNT = {"name": "mps-root", "mountPath": "/dev/shm", "subPath": "shm"}
+# The variants with the MPS keeper (components/mps-keeper), exactly.
+KEEPER_VARIANTS = {"mps"}
+# What components/mps-keeper adds to the agent's environment, and nothing more.
+KEEPER_ENV = {"TESSERA_MPS_KEEPER": "/run/tessera/mps-keeper.sock"}
 # What MIG and MPS may add to the base container, and nothing more.
 MIG_ENV = {
     "TESSERA_MIG_CONFIG": "/etc/tessera/mig/config.yaml",
@@ -73,24 +96,81 @@ READ_VERBS = {"get", "list", "watch"}
 
 
 def pod_spec(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The agent's pod spec."""
     return daemonset(objects)["spec"]["template"]["spec"]
+
+
+def keeper_pod_spec(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    keeper = keeper_daemonset(objects)
+    assert keeper is not None, "no MPS keeper"
+    return keeper["spec"]["template"]["spec"]
+
+
+def keeper_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (found,) = keeper_pod_spec(objects)["containers"]
+    return found
+
+
+def all_containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return spec["containers"] + spec.get("initContainers", [])
 
 
 def env(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
 
 
-def host_paths(objects: list[dict[str, Any]]) -> set[tuple[str, str, str, bool]]:
-    spec = pod_spec(objects)
+def host_paths(spec: dict[str, Any]) -> set[tuple[str, str, str, bool]]:
+    """A pod spec's hostPath mounts (but the subPath ones) as (host path, type, mount path, read-only)."""
     volumes = {v["name"]: v["hostPath"] for v in spec["volumes"] if "hostPath" in v}
     found = set()
-    for c in spec["containers"] + spec.get("initContainers", []):
+    for c in all_containers(spec):
         for m in c["volumeMounts"]:
             if m["name"] in volumes and "subPath" not in m:
                 hp = volumes[m["name"]]
                 found.add((hp["path"], hp.get("type", ""), m["mountPath"], bool(m.get("readOnly"))))
     assert {p for p, *_ in found} == {v["path"] for v in volumes.values()}, "a hostPath volume is never mounted"
     return found
+
+
+def sub_path_mounts(c: dict[str, Any]) -> list[dict[str, Any]]:
+    return [m for m in c["volumeMounts"] if "subPath" in m]
+
+
+def host_location(spec: dict[str, Any], c: dict[str, Any], path: str) -> str:
+    """Where `path` of container `c` is on the host: through the hostPath volume mounted at its longest
+    prefix (fails when that volume is not a hostPath one, or when no volume holds the path)."""
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = [m for m in c["volumeMounts"] if Path(path).is_relative_to(m["mountPath"])]
+    assert mounts, f"{path} is on no volume of {c['name']}"
+    mount = max(mounts, key=lambda m: len(Path(m["mountPath"]).parts))
+    volume = volumes[mount["name"]]
+    assert "hostPath" in volume, f"{c['name']}: {path} is on {mount['name']}, not a hostPath volume"
+    return str(Path(volume["hostPath"]["path"], mount.get("subPath", ""), Path(path).relative_to(mount["mountPath"])))
+
+
+def canonical(ds: dict[str, Any]) -> dict[str, Any]:
+    """A DaemonSet with its lists that merge by key (env, volumes, volume mounts) in one order: strategic
+    merge patches put what they add first."""
+    ds = deepcopy(ds)
+    spec = ds["spec"]["template"]["spec"]
+    spec["volumes"] = sorted(spec["volumes"], key=lambda v: v["name"])
+    for c in all_containers(spec):
+        c["env"] = sorted(c.get("env", []), key=lambda e: e["name"])
+        c["volumeMounts"] = sorted(c.get("volumeMounts", []), key=lambda m: m["mountPath"])
+    return ds
+
+
+def kustomization(directory: Path) -> dict[str, Any]:
+    (path,) = [directory / name for name in KUSTOMIZATION_FILES if (directory / name).is_file()]
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def flag_twins(command: str) -> set[str]:
+    """The environment twins of `tessera <command>`'s flags, from its --help."""
+    out = subprocess.run(
+        [sys.executable, "-m", "agent", command, "--help"], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+    return set(re.findall(r"\[env\s+([A-Z_]+)", out))
 
 
 def config_map(objects: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -102,8 +182,28 @@ def config_map(objects: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 
 def test_every_kustomization_is_a_variant():
-    """conftest finds the variants; make sure it finds the ones the docs name (and the tests rely on)."""
+    """conftest finds the variants; make sure it finds the ones the docs name (and the tests rely on), and
+    that a Component, which kustomize cannot render alone, is not one."""
     assert {"base", "mig-manager", "mps", "service-monitor", "node-labels"} <= set(VARIANTS)
+    assert "mps-keeper" in COMPONENTS
+    assert not set(COMPONENTS.values()) & set(VARIANTS.values())
+    for name, directory in VARIANTS.items():
+        assert kustomization(directory).get("kind", "Kustomization") == "Kustomization", name
+    for name, directory in COMPONENTS.items():
+        assert kustomization(directory)["kind"] == "Component", name
+
+
+def test_every_component_is_in_a_variant():
+    """A component is rendered and validated only through the variants that include it; the keeper's is
+    in exactly KEEPER_VARIANTS."""
+    including = {
+        name: {(directory / c).resolve() for c in kustomization(directory).get("components", [])}
+        for name, directory in VARIANTS.items()
+    }
+    for name, directory in COMPONENTS.items():
+        assert any(directory.resolve() in used for used in including.values()), f"no variant includes {name}"
+    keeper = COMPONENTS["mps-keeper"].resolve()
+    assert {name for name, used in including.items() if keeper in used} == KEEPER_VARIANTS
 
 
 def test_kubectl_has_kustomize_v5(kubectl):
@@ -119,7 +219,9 @@ def test_every_variant_renders(rendered):
         assert {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "DaemonSet", "Service"} <= set(
             kinds
         ), name
-        assert kinds.count("DaemonSet") == 1, name
+        names = sorted(ds["metadata"]["name"] for ds in daemonsets(objects))
+        assert names == sorted([AGENT, *([KEEPER] if name in KEEPER_VARIANTS else [])]), name
+    assert {name for name, objects in rendered.items() if keeper_daemonset(objects)} == KEEPER_VARIANTS == {"mps"}
 
 
 def test_kubernetes_validate_ships_the_supported_versions():
@@ -173,37 +275,44 @@ def test_every_namespaced_object_is_in_the_agents_namespace(rendered):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_no_variant_is_privileged(rendered, variant):
-    spec = pod_spec(rendered[variant])
-    for c in spec["containers"] + spec.get("initContainers", []):
-        sc = c["securityContext"]
-        assert sc["privileged"] is False
-        assert sc["allowPrivilegeEscalation"] is False
-        assert sc["readOnlyRootFilesystem"] is True
-        assert sc["capabilities"]["drop"] == ["ALL"]
-        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
-        assert "procMount" not in sc
-    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert not spec.get("hostNetwork") and not spec.get("hostIPC")
-    assert spec.get("initContainers") is None, "no (privileged) init container, unlike NVIDIA's MPS shm mount"
+    """Every DaemonSet of the variant: the agent's and, with MPS, the keeper's."""
+    for ds in daemonsets(rendered[variant]):
+        spec = ds["spec"]["template"]["spec"]
+        for c in all_containers(spec):
+            sc = c["securityContext"]
+            assert sc["privileged"] is False, ds["metadata"]["name"]
+            assert sc["allowPrivilegeEscalation"] is False, ds["metadata"]["name"]
+            assert sc["readOnlyRootFilesystem"] is True, ds["metadata"]["name"]
+            assert sc["capabilities"]["drop"] == ["ALL"], ds["metadata"]["name"]
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, ds["metadata"]["name"]
+            assert "procMount" not in sc, ds["metadata"]["name"]
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, ds["metadata"]["name"]
+        assert not spec.get("hostNetwork") and not spec.get("hostIPC"), ds["metadata"]["name"]
+        assert spec.get("initContainers") is None, "no (privileged) init container, unlike NVIDIA's MPS shm mount"
 
 
 def test_default_variants_add_no_capability_and_stay_in_their_pid_namespace(rendered):
-    assert {"base", "service-monitor", "node-labels"} <= set(VARIANTS) - {"mig-manager", "mps"}
-    for variant in set(VARIANTS) - {"mig-manager", "mps"}:
-        c = container(rendered[variant])
-        assert "add" not in c["securityContext"]["capabilities"], variant
-        assert not pod_spec(rendered[variant]).get("hostPID"), variant
+    defaults = set(VARIANTS) - {"mig-manager", "mps"}
+    assert {"base", "service-monitor", "node-labels"} <= defaults
+    for variant in defaults:
+        for ds in daemonsets(rendered[variant]):
+            spec = ds["spec"]["template"]["spec"]
+            for c in all_containers(spec):
+                assert "add" not in c["securityContext"]["capabilities"], (variant, ds["metadata"]["name"])
+            assert not spec.get("hostPID"), (variant, ds["metadata"]["name"])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_host_paths_are_exactly_the_needed_set(rendered, variant):
-    assert host_paths(rendered[variant]) == HOST_PATHS
+    assert set(EXTRA_HOST_PATHS) <= set(VARIANTS)
+    assert host_paths(pod_spec(rendered[variant])) == HOST_PATHS | EXTRA_HOST_PATHS.get(variant, set())
     c = container(rendered[variant])
-    # the only other use of a hostPath volume: <mps root>/shm as the container's /dev/shm, shared with the
-    # MPS clients (which get the same host directory at /dev/shm)
-    sub = [m for m in c["volumeMounts"] if "subPath" in m]
-    assert sub == [{"name": "mps-root", "mountPath": "/dev/shm", "subPath": "shm"}]
-    assert env(c)["TESSERA_MPS_ROOT"] == "/run/nvidia/mps"
+    # the only other use of a hostPath volume
+    assert sub_path_mounts(c) == [SHM_MOUNT]
+    assert env(c)["TESSERA_MPS_ROOT"] == MPS_ROOT[0]
+    if keeper_daemonset(rendered[variant]) is not None:
+        assert host_paths(keeper_pod_spec(rendered[variant])) == KEEPER_HOST_PATHS
+        assert sub_path_mounts(keeper_container(rendered[variant])) == [SHM_MOUNT]
 
 
 def test_mig_overlay_adds_only_sys_admin_and_the_mig_devices(rendered):
@@ -226,33 +335,144 @@ def test_mig_overlay_adds_only_sys_admin_and_the_mig_devices(rendered):
     assert set(config_map(rendered["mig-manager"], "tessera-mig-layouts")["data"]) == {"config.yaml"}
 
 
-def test_mps_overlay_adds_only_host_pid_sys_admin_and_memory(rendered):
+def test_mps_overlay_adds_to_the_agent_only_sys_admin_host_pid_and_the_keepers_socket(rendered):
     base, mps = container(rendered["base"]), container(rendered["mps"])
     assert mps["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
     assert pod_spec(rendered["mps"])["hostPID"] is True
-    assert env(mps) == env(base)
-    assert mps["resources"]["limits"]["memory"] == "1Gi"
-    assert mps["resources"]["requests"] == base["resources"]["requests"]
-    assert pod_spec(rendered["mps"])["volumes"] == pod_spec(rendered["base"])["volumes"]
+    added = {k: v for k, v in env(mps).items() if k not in env(base)}
+    assert added == KEEPER_ENV
+    assert {k: v for k, v in env(mps).items() if k in env(base)} == env(base)
+    base_volumes, mps_volumes = pod_spec(rendered["base"])["volumes"], pod_spec(rendered["mps"])["volumes"]
+    assert [v for v in base_volumes if v not in mps_volumes] == []
+    assert [v for v in mps_volumes if v not in base_volumes] == [
+        {"name": "keeper-socket", "hostPath": {"path": "/run/tessera", "type": "DirectoryOrCreate"}}
+    ]
+    assert [m for m in base["volumeMounts"] if m not in mps["volumeMounts"]] == []
+    assert [m for m in mps["volumeMounts"] if m not in base["volumeMounts"]] == [
+        {"name": "keeper-socket", "mountPath": "/run/tessera"}
+    ]
+    # the MPS daemons' memory is the keeper's (test_mps_keeper), not the agent's
+    assert mps["resources"] == base["resources"]
+    # and nothing else: without those, the agent's DaemonSet is base's
+    stripped = deepcopy(daemonset(rendered["mps"]))
+    spec = stripped["spec"]["template"]["spec"]
+    del spec["hostPID"]
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "keeper-socket"]
+    (c,) = spec["containers"]
+    c["env"] = [e for e in c["env"] if e["name"] not in KEEPER_ENV]
+    c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "keeper-socket"]
+    del c["securityContext"]["capabilities"]["add"]
+    assert canonical(stripped) == canonical(daemonset(rendered["base"]))
+
+
+def test_mps_keeper(rendered):
+    """tessera-mps-keeper: what it may do (no capability, no API access, hostPID), how it is updated
+    (OnDelete: deleting its pod ends the node's MPS daemons), what it shares with the agent (its socket,
+    the MPS root, the image, the nodes)."""
+    objects = rendered["mps"]
+    keeper, agent_ds = keeper_daemonset(objects), daemonset(objects)
+    assert keeper is not None
+    spec, agent_spec = keeper_pod_spec(objects), pod_spec(objects)
+    c, agent = keeper_container(objects), container(objects)
+    assert keeper["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert spec["hostPID"] is True
+    # no Kubernetes API access: no token, and not the agent's (or any) ServiceAccount
+    assert spec["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in spec and "serviceAccount" not in spec
+    assert spec["runtimeClassName"] == "nvidia"
+    assert spec["priorityClassName"] == agent_spec["priorityClassName"] == "system-node-critical"
+    assert c["command"] == ["tessera", "mps-keeper"] and "args" not in c
+    assert c["image"] == agent["image"]
+    assert c["securityContext"] == {
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert spec["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert not spec.get("hostNetwork") and not spec.get("hostIPC") and not spec.get("initContainers")
+    # nothing but the unix socket to talk to, and no probe that could restart it (and end the daemons)
+    assert "ports" not in c and not {"livenessProbe", "readinessProbe", "startupProbe"} & set(c)
+    # the agent and the keeper agree on the socket and the MPS root, and see both at the same host paths
+    assert env(c)["TESSERA_MPS_KEEPER"] == env(agent)["TESSERA_MPS_KEEPER"]
+    assert env(c)["TESSERA_MPS_ROOT"] == env(agent)["TESSERA_MPS_ROOT"]
+    socket, root = env(c)["TESSERA_MPS_KEEPER"], env(c)["TESSERA_MPS_ROOT"]
+    for path in (socket, str(Path(socket).parent)):
+        assert host_location(spec, c, path) == host_location(agent_spec, agent, path), path
+    assert Path(socket).parent.as_posix() == KEEPER_SOCKET_DIRECTORY[2]
+    # not in the MPS root, parts of which the kubelet mounts into every MPS client pod
+    assert not Path(host_location(spec, c, socket)).is_relative_to(MPS_ROOT[0])
+    for path in (root, "/dev/shm"):
+        assert host_location(spec, c, path) == host_location(agent_spec, agent, path), path
+    assert host_location(spec, c, root) == root  # the agent hands the kubelet host paths
+    # only hostPath volumes (test_host_paths_are_exactly_the_needed_set says which)
+    assert all("hostPath" in v for v in spec["volumes"]), spec["volumes"]
+    # the agent's nodes, exactly
+    assert spec["affinity"] == agent_spec["affinity"]
+    assert spec["tolerations"] == agent_spec["tolerations"]
+    # the host driver's MPS binaries come with "compute", and the GPUs with NVIDIA_VISIBLE_DEVICES
+    assert "compute" in env(c)["NVIDIA_DRIVER_CAPABILITIES"].split(",")
+    assert env(c)["NVIDIA_VISIBLE_DEVICES"] == env(agent)["NVIDIA_VISIBLE_DEVICES"] == "all"
+    # the MPS control daemon and one MPS server per client UID run here
+    assert c["resources"]["limits"]["memory"] == "1Gi"
+    # two DaemonSets that select each other's pods would fight over them; the Service is the agent's
+    pods = keeper["spec"]["template"]["metadata"]["labels"]
+    agent_pods = agent_ds["spec"]["template"]["metadata"]["labels"]
+    assert keeper["spec"]["selector"]["matchLabels"].items() <= pods.items()
+    assert not keeper["spec"]["selector"]["matchLabels"].items() <= agent_pods.items()
+    assert not agent_ds["spec"]["selector"]["matchLabels"].items() <= pods.items()
+    (service,) = [o for o in objects if o["kind"] == "Service"]
+    assert not service["spec"]["selector"].items() <= pods.items()
+
+
+def test_every_environment_variable_of_the_keeper_is_a_flag_twin_of_tessera_mps_keeper(rendered):
+    """As for the agent (`tessera run`): a typo in a TESSERA_* name would be ignored silently."""
+    twins = flag_twins("mps-keeper")
+    assert {"TESSERA_MPS_KEEPER", "TESSERA_MPS_ROOT", "TESSERA_LOG_FORMAT"} <= twins
+    checked = set()
+    for name, objects in rendered.items():
+        if keeper_daemonset(objects) is not None:
+            unknown = {k for k in env(keeper_container(objects)) if not k.startswith("NVIDIA_")} - twins
+            assert not unknown, (name, unknown)
+            checked.add(name)
+    assert checked == KEEPER_VARIANTS
 
 
 def test_mig_and_mps_together_as_docs_install_describes(kubectl, rendered, tmp_path):
-    """docs/install.md's recipe, taken from the document: mig-manager plus its inline hostPID patch."""
+    """docs/install.md's recipe, taken from the document: the mig-manager variant plus the MPS keeper
+    component, with its paths (relative to a checkout at ../tessera) pointed at this repository."""
     install = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```yaml\n(.*?)```", install, flags=re.DOTALL)
-    (recipe,) = [yaml.safe_load(b) for b in blocks if "hostPID: true" in b]
+    (recipe,) = [yaml.safe_load(b) for b in blocks if "components/mps-keeper" in b]
+    assert recipe["resources"] == ["../tessera/daemonset/overlays/mig-manager"]
+    assert recipe["components"] == ["../tessera/daemonset/components/mps-keeper"]
     # kustomize takes a resource directory only as a relative path, as the document's own overlay has it
-    variant = os.path.relpath(VARIANTS["mig-manager"], tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({**recipe, "resources": [variant]}), encoding="utf-8")
+    recipe["resources"] = [os.path.relpath(VARIANTS["mig-manager"], tmp_path)]
+    recipe["components"] = [os.path.relpath(COMPONENTS["mps-keeper"], tmp_path)]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(recipe), encoding="utf-8")
     objects = kubectl.kustomize(tmp_path)
     c = container(objects)
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
     assert pod_spec(objects)["hostPID"] is True
-    assert c["resources"]["limits"]["memory"] == container(rendered["mps"])["resources"]["limits"]["memory"]
-    assert MIG_ENV.items() <= env(c).items()
-    assert host_paths(objects) == HOST_PATHS
-    for version in SUPPORTED_KUBERNETES:
-        kubernetes_validate.validate(daemonset(objects), version, strict=True)
+    assert {k: env(c).get(k) for k in MIG_ENV} == MIG_ENV
+    assert {k: env(c).get(k) for k in KEEPER_ENV} == KEEPER_ENV
+    assert host_paths(pod_spec(objects)) == HOST_PATHS | {KEEPER_SOCKET_DIRECTORY}
+    # the keeper of the mps variant, exactly, with the agent's image
+    assert keeper_daemonset(objects) == keeper_daemonset(rendered["mps"])
+    assert keeper_container(objects)["image"] == c["image"]
+    assert sorted(ds["metadata"]["name"] for ds in daemonsets(objects)) == [AGENT, KEEPER]
+    checked = 0
+    for obj in objects:
+        if obj["kind"] in CUSTOM_KINDS:
+            continue
+        for version in SUPPORTED_KUBERNETES:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as error:
+                pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} on {version}: {error.message}")
+        checked += 1
+    assert checked >= 8
 
 
 def rbac_grants(variant: str, objects: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
@@ -296,6 +516,12 @@ def test_rbac_grants_exactly_node_reads_and_events(rendered, variant):
     assert grants == GRANTS | EXTRA_GRANTS.get(variant, set()), variant
     # cluster-wide, since the Node and its Events are outside the agent's namespace; nothing namespaced
     assert {o["kind"] for o in objects if o["kind"] in RBAC_KINDS} == {"ClusterRole", "ClusterRoleBinding"}
+    # the grants are the agent's alone: any other DaemonSet (the MPS keeper) mounts no token at all
+    for ds in daemonsets(objects):
+        if ds["metadata"]["name"] != AGENT:
+            spec = ds["spec"]["template"]["spec"]
+            assert spec.get("automountServiceAccountToken") is False, (variant, ds["metadata"]["name"])
+            assert not {"serviceAccountName", "serviceAccount"} & set(spec), (variant, ds["metadata"]["name"])
 
 
 def test_base_rbac_is_every_variants_and_node_patch_is_opt_in(rendered):
@@ -347,11 +573,8 @@ def test_node_name_comes_from_the_downward_api(rendered):
 
 def test_every_environment_variable_is_a_flag_twin_of_tessera_run(rendered):
     """A typo in a TESSERA_* name would be ignored silently by the agent; compare with `tessera run --help`."""
-    out = subprocess.run(
-        [sys.executable, "-m", "agent", "run", "--help"], capture_output=True, text=True, check=True, cwd=ROOT
-    ).stdout
-    twins = set(re.findall(r"\[env\s+([A-Z_]+)", out))
-    assert {"TESSERA_CONFIG", "TESSERA_MIG_CONFIG", "TESSERA_HOST_PROC"} <= twins
+    twins = flag_twins("run")
+    assert {"TESSERA_CONFIG", "TESSERA_MIG_CONFIG", "TESSERA_HOST_PROC", "TESSERA_MPS_KEEPER"} <= twins
     runtime = {"NODE_NAME", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", *MIG_ENV} - {"TESSERA_MIG_CONFIG"}
     for name, objects in rendered.items():
         unknown = set(env(container(objects))) - twins - runtime
@@ -381,8 +604,11 @@ def test_scheduling_and_rollout(rendered):
 
 
 def test_image_is_the_project_version(rendered):
-    for objects in rendered.values():
-        assert container(objects)["image"] == f"tessera-agent:{project()['version']}"
+    """Every DaemonSet's: the keeper runs the agent's image (`tessera mps-keeper`)."""
+    for name, objects in rendered.items():
+        for ds in daemonsets(objects):
+            for c in all_containers(ds["spec"]["template"]["spec"]):
+                assert c["image"] == f"tessera-agent:{project()['version']}", (name, ds["metadata"]["name"])
 
 
 # ----- the sharing configs in the ConfigMap ------------------------------------------------------------

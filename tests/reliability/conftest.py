@@ -74,6 +74,9 @@ def figures(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
 # ----------------------------------------------------------------------------------------------- helpers
 
 
+CONTAINER_INIT = Path(__file__).parents[1] / "container_init.py"
+
+
 def percentile(samples: list[float], q: float) -> float:
     """The q-th percentile (0..100) of ``samples``, nearest-rank; 0.0 for no samples."""
     if not samples:
@@ -164,6 +167,7 @@ class Node:
     args: tuple[str, ...]
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     daemons: list[int] = field(default_factory=list)
+    containers: list[Container] = field(default_factory=list)
 
     @property
     def plugin_dir(self) -> Path:
@@ -189,7 +193,9 @@ class Node:
     def control(self) -> SimControlClient:
         return SimControlClient(self.control_socket)
 
-    def start_agent(self) -> subprocess.Popen[bytes]:
+    def start_agent(self, *, container: bool = False) -> subprocess.Popen[bytes]:
+        """The agent, as a process of its own or (``container``) as the main process of an emulated container:
+        then ``node.container`` is it, and what it starts dies with it (``tests/container_init.py``)."""
         command = [
             sys.executable, "-m", "agent", "run",
             "--simulate", str(self.base / "node.yaml"),
@@ -200,11 +206,19 @@ class Node:
             "--metrics-address", "off",
             *self.args,
         ]  # fmt: skip
-        log = (self.base / f"agent{len(self.processes)}.log").open("w")
-        with log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log = self.base / f"agent{len(self.processes)}.log"
+        if container:
+            self.containers.append(Container.start(command, log, self.env))
+            process = self.containers[-1].init
+        else:
+            with log.open("w") as out:
+                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.env)
         self.processes.append(process)
         return process
+
+    @property
+    def container(self) -> Container:
+        return self.containers[-1]
 
     def log(self) -> str:
         return "".join(p.read_text(errors="replace") for p in sorted(self.base.glob("agent*.log")))
@@ -219,6 +233,8 @@ class Node:
         )
 
     def close(self) -> None:
+        for container in self.containers:
+            container.kill()
         for process in self.processes:
             if process.poll() is None:
                 process.kill()
@@ -232,6 +248,36 @@ class Node:
                 os.kill(pid, signal.SIGKILL)
         self.kubelet.stop()
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+@dataclass
+class Container:
+    """A process run as an emulated container's main process (``tests/container_init.py``): when it ends,
+    whatever it started ends too, double-forked daemons included — as when a pod's container restarts."""
+
+    init: subprocess.Popen[bytes]
+    pid_file: Path
+
+    @classmethod
+    def start(cls, command: list[str], log: Path, env: dict[str, str]) -> Container:
+        pid_file = log.with_suffix(".pid")
+        wrapped = [sys.executable, str(CONTAINER_INIT), "--pid-file", str(pid_file), "--", *command]
+        with log.open("w") as out:
+            init = subprocess.Popen(wrapped, stdout=out, stderr=subprocess.STDOUT, env=env)
+        container = cls(init, pid_file)
+        poll(lambda: container.pid_file.exists() and container.pid_file.read_text().strip(), 10, "container started")
+        return container
+
+    @property
+    def main_pid(self) -> int:
+        return int(self.pid_file.read_text())
+
+    def kill(self) -> None:
+        """The main process is SIGKILLed (a crash, an OOM kill, a forced restart): the container ends."""
+        if self.init.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.main_pid, signal.SIGKILL)
+            self.init.wait(timeout=10)
 
 
 def mps_daemons_under(root: Path) -> list[int]:
