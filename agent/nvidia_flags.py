@@ -299,7 +299,7 @@ class NvidiaFlags:
     """What ``tessera run`` takes from NVIDIA's settings, every one checked."""
 
     chosen: Mapping[str, Chosen]  # by Tessera's dest: the flag (or Tessera's variable), else NVIDIA's variable
-    fail_on_init_error: bool = False
+    fail_on_init_error: bool | None = None  # None: neither the flag nor FAIL_ON_INIT_ERROR was given
     warnings: tuple[str, ...] = ()
 
     def value(self, dest: str) -> str | None:
@@ -320,7 +320,7 @@ def read(args: argparse.Namespace, environ: Mapping[str, str]) -> NvidiaFlags:
     ``NvidiaFlagError`` for the first one that is invalid or refused."""
     chosen: dict[str, Chosen] = {}
     warnings: list[str] = []
-    fail_on_init_error = False
+    fail_on_init_error: bool | None = None
     for setting in SETTINGS:
         if setting.tessera:
             chosen[setting.dest] = _tessera_or_nvidia(setting, args, environ, warnings)

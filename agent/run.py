@@ -33,6 +33,7 @@ class OptionsError(ValueError):
 
 # NVIDIA's device plugin waits 5 s per nvmlEventSetWait too: an idle agent wakes for it once every 5 s
 PROCESS_EVENT_WAIT_MS = 5000
+MAX_CONFIG_PEEK = 1 << 20  # a sharing config is kilobytes; the agent refuses larger ones with a reason
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
@@ -94,8 +95,28 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> RunOptio
         health=policy,
         thread_join_seconds=0.0,  # the process exits right after stopping: daemon threads end with it
         health_event_wait_ms=PROCESS_EVENT_WAIT_MS,
-        fail_on_init_error=nvidia.fail_on_init_error,
+        fail_on_init_error=_fail_on_init_error(nvidia.fail_on_init_error, Path(config) if config else None),
     )
+
+
+def _fail_on_init_error(given: bool | None, config: Path | None) -> bool:
+    """NVIDIA's precedence: the flag or FAIL_ON_INIT_ERROR, else the config file's ``flags.failOnInitError``,
+    else Tessera's default (false). Only a config *file* is read here, before NVML starts; in a directory of
+    named configs the one in force is chosen later (by node label), so there the flag or variable decides."""
+    if given is not None:
+        return given
+    if config is None or not config.is_file():
+        return False
+    import yaml
+
+    try:
+        with config.open("rb") as stream:
+            document = yaml.safe_load(stream.read(MAX_CONFIG_PEEK))
+    except (OSError, yaml.YAMLError):
+        return False  # the agent reads the config again and names what is wrong with it
+    flags = document.get("flags") if isinstance(document, dict) else None
+    value = flags.get("failOnInitError") if isinstance(flags, dict) else None
+    return value is True
 
 
 def _strategies(value: str | None, source: str) -> tuple[str, ...] | None:

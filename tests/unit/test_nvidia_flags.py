@@ -313,6 +313,20 @@ def test_nvidias_variables_win_over_the_config_files_flags(tmp_path: Path):
     assert from_env.allocation.strategies == (DeviceListStrategy.ENVVAR,)
 
 
+def test_fail_on_init_error_from_the_config_file_unless_the_flag_or_variable_says(tmp_path: Path):
+    path = tmp_path / "config.yaml"
+    path.write_text("version: v1\nflags:\n  failOnInitError: true\n")
+    assert options("--config", str(path)).fail_on_init_error is True
+    assert options("--config", str(path), "--fail-on-init-error=false").fail_on_init_error is False
+    assert options("--config", str(path), FAIL_ON_INIT_ERROR="false").fail_on_init_error is False
+    path.write_text("version: v1\nflags:\n  failOnInitError: false\n")
+    assert options("--config", str(path), FAIL_ON_INIT_ERROR="true").fail_on_init_error is True
+    assert options("--config", str(path)).fail_on_init_error is False
+    path.write_text("version: v1\nflags: [not, a, mapping\n")  # broken: the agent names it; not fatal here
+    assert options("--config", str(path)).fail_on_init_error is False
+    assert options("--config", str(tmp_path)).fail_on_init_error is False  # a directory: chosen later
+
+
 # ----- NVIDIA's own manifests ---------------------------------------------------------------------------
 
 
