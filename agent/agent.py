@@ -69,7 +69,7 @@ from agent.mps.exits import ProcessExited
 from agent.mps.manager import MpsDaemonFailed, MpsDaemonReady, MpsDaemonStopped, MpsDrainChecked, MpsManager
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
 from agent.plugin.registration import KUBELET_SOCKET, RegistrationError, register_all
-from agent.plugin.server import ResourceServer
+from agent.plugin.server import ResourceServer, stop_servers
 from agent.plugin.watch import KubeletSocketChanged, PluginDirChanged, PluginDirWatcher, PluginSocketRemoved
 from agent.status import AgentStatus
 from agent.supervise import Backoff, WorkerCrashed, submit
@@ -371,8 +371,7 @@ class Agent:
         threads are told to stop. ``thread_join_seconds`` bounds the wait for threads blocked in the driver
         (``tessera run`` exits right after, so it does not wait for them); MPS daemons keep serving."""
         self.started.set()  # a caller waiting for the start learns that it is over
-        for server in self._servers.values():
-            server.stop(grace=0)
+        stop_servers(self._servers.values(), grace=0)  # together: every stream ends at once
         self._servers.clear()
         join = self.options.thread_join_seconds
         if self._event_watcher is not None:

@@ -9,30 +9,32 @@ ListAndWatch message, the allocator's per-device answers, the preferred-allocati
 once, when the snapshot is handed over (``_Served``); a handler reads the current ``_Served`` once and
 answers from it. Constant answers (options, PreStartContainer) are pre-serialized bytes.
 
-Server model: grpcio's thread-pool server. ``tests/bench/bench_plugin.py`` measures it against
-``grpc.aio`` with the same handlers and the same client on every run; aio was not faster for Allocate
-(latency or CPU per call), and the thread pool lets the reconcile thread hand over snapshots with a
-plain attribute write and a condition variable.
+Server model: ``grpc.aio``, every resource's server on the agent's one gRPC loop (``agent.grpc_loop``). Allocate
+costs the same as on grpcio's thread-pool server, but an idle thread-pool server wakes five to eight times a
+second and an aio server not at all (``tests/bench/bench_grpc_models.py``). The reconcile thread hands a
+snapshot over with a plain attribute write (handlers read it once per call) and wakes the streams through
+the loop; the handlers run on the loop thread and never block.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import stat
-import threading
-from collections.abc import Callable, Iterator, Mapping
-from concurrent import futures
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import grpc.aio
 
 from agent.api.deviceplugin.v1beta1 import api_pb2
 from agent.core.allocation import AllocationError, Allocator, ContainerAllocation, MpsClient
 from agent.core.preferred import PreferenceError, preferred
 from agent.core.snapshot import ResourceSnapshot
+from agent.grpc_loop import GrpcLoop, grpc_loop
 from agent.plugin.lock import LOCK_DIRECTORY
 from agent.plugin.names import socket_name
 
@@ -44,7 +46,7 @@ SOCKET_MODE = 0o600
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the terminating NUL
 SERVICE = "v1beta1.DevicePlugin"
 # ``stop`` first ends every ListAndWatch stream itself (a clean end of stream, within a millisecond), so
-# this only bounds a handler that is somehow still running; the stop returns as soon as none is.
+# this only bounds how long that may take and a handler that is somehow still running.
 STOP_GRACE = 0.1
 
 
@@ -110,20 +112,19 @@ class ResourceServer:
         *,
         on_stream_closed: Callable[[str], None] = lambda resource: None,
         on_stream_opened: Callable[[str], None] = lambda resource: None,
-        max_workers: int = 8,
+        loop: GrpcLoop | None = None,
     ) -> None:
         self.resource = snapshot.name
         self.socket_path = socket_dir / socket_name(snapshot.name)
         self._served = _Served.of(snapshot)
-        self._version = 0  # bumped when the ListAndWatch message changes
-        self._changed = threading.Condition()
+        self._loop = loop or grpc_loop()
+        # Loop-thread state: the event streams wait on (replaced at each wake-up), the streams being served.
+        self._wakeup = asyncio.Event()
         self._stopping = False
         self._open_streams = 0
         self._on_stream_closed = on_stream_closed
         self._on_stream_opened = on_stream_opened
-        self._max_workers = max_workers
-        self._server: grpc.Server | None = None
-        self._executor: futures.ThreadPoolExecutor | None = None
+        self._server: grpc.aio.Server | None = None
         self._socket_inode: int | None = None
         # A second name for the listening socket, in the directory the kubelet's clean-up never touches.
         self._standby = socket_dir / LOCK_DIRECTORY / self.socket_path.name
@@ -140,8 +141,16 @@ class ResourceServer:
                 f"cannot listen on {self.socket_path}: longer than {MAX_SOCKET_PATH} bytes (unix socket limit)"
             )
         self.socket_path.unlink(missing_ok=True)
-        executor = futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix=f"plugin-{self.socket_path.stem}")
-        server = grpc.server(executor)
+        self._loop.run(self._start())
+        self.socket_path.chmod(SOCKET_MODE)
+        self._socket_inode = self.socket_path.stat().st_ino
+        self._link_standby()
+        log.info(
+            "serving resource=%s socket=%s devices=%d", self.resource, self.socket_path, len(self.snapshot.devices)
+        )
+
+    async def _start(self) -> None:
+        server = grpc.aio.server()
         handlers = self.method_handlers()
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         server.add_registered_method_handlers(SERVICE, handlers)
@@ -150,16 +159,9 @@ class ResourceServer:
         except RuntimeError:  # grpcio raises when it cannot bind (older releases returned 0)
             bound = 0
         if bound == 0:
-            executor.shutdown(wait=False)
             raise OSError(f"cannot listen on {self.socket_path}")
-        server.start()
-        self.socket_path.chmod(SOCKET_MODE)
-        self._socket_inode = self.socket_path.stat().st_ino
-        self._server, self._executor = server, executor
-        self._link_standby()
-        log.info(
-            "serving resource=%s socket=%s devices=%d", self.resource, self.socket_path, len(self.snapshot.devices)
-        )
+        await server.start()
+        self._stopping, self._server = False, server
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """``v1beta1.DevicePlugin``'s methods, by name, answering from this server's current snapshot."""
@@ -181,9 +183,9 @@ class ResourceServer:
     def restore_socket(self) -> bool:
         """Serve again after the socket file was deleted (the kubelet deletes plugin sockets when it restarts),
         without a new gRPC server: the listening socket is still open, so its standby name is linked back
-        (tens of microseconds, where stopping and starting a server takes milliseconds). Streams and workers
-        carry on. False when that cannot be done (not serving, no standby name, the path is taken): then
-        stop this server and start a new one.
+        (tens of microseconds, where stopping and starting a server takes milliseconds). Streams carry on.
+        False when that cannot be done (not serving, no standby name, the path is taken): then stop this
+        server and start a new one.
         """
         if self._server is None or not self._standby_linked:
             return False
@@ -213,30 +215,34 @@ class ResourceServer:
     def update(self, snapshot: ResourceSnapshot) -> None:
         """Serve ``snapshot`` from now on; ListAndWatch streams send it only if the listing changed.
 
-        Called by the one reconcile thread. The derived answers are built before the swap, so a handler
-        sees either the old snapshot or the new one with everything belonging to it.
+        Called by the one reconcile thread. The derived answers are built before the swap (one attribute
+        write), so a handler sees either the old snapshot or the new one with everything belonging to it.
         """
         served = _Served.of(snapshot, self._served)
-        with self._changed:
-            changed = served.list_and_watch is not self._served.list_and_watch
-            self._served = served
-            if changed:
-                self._version += 1
-                self._changed.notify_all()
+        changed = served.list_and_watch is not self._served.list_and_watch
+        self._served = served
+        if changed and self._server is not None:
+            self._loop.call_soon(self._wake)
 
     def stop(self, grace: float = STOP_GRACE) -> None:
         """Stop at once: every ListAndWatch stream sends nothing more and ends (the kubelet sees a clean end
-        of stream), then the server goes; ``grace`` only bounds a handler that is still running."""
-        with self._changed:
-            self._stopping = True
-            self._changed.notify_all()
+        of stream), then the server goes and the socket with it."""
+        stop_servers((self,), grace)
+
+    async def _stop(self, grace: float) -> None:
+        """On the loop: end the streams, wait (at most ``grace``) until they are closed, stop the server."""
+        self._stopping = True
+        self._wake()
+        deadline = asyncio.get_running_loop().time() + grace
+        while self._open_streams and (left := deadline - asyncio.get_running_loop().time()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), left)  # a closing stream wakes the others
         if self._server is not None:
-            self._server.stop(grace).wait()
+            await self._server.stop(grace)
             self._server = None
             log.info("stopped resource=%s", self.resource)
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)  # idle workers exit now rather than at interpreter exit
-            self._executor = None
+
+    def _remove_socket(self) -> None:
         if self.socket_present():
             self.socket_path.unlink(missing_ok=True)
         if self._standby_linked:
@@ -245,44 +251,57 @@ class ResourceServer:
                 if self._standby.stat().st_ino == self._socket_inode:
                     self._standby.unlink()
 
-    def stream(self, context: grpc.ServicerContext) -> Iterator[bytes]:
+    async def stream(self) -> AsyncIterator[bytes]:
         """The serialized listing now and after every change, until the stream ends or the server stops.
 
-        No polling: ``update``, ``stop`` and the end of the RPC (a callback) all wake the waiting stream.
+        No polling: ``update`` and ``stop`` wake the waiting stream through the loop; the end of the RPC
+        cancels it where it waits.
         """
-        sent = -1
-        with self._changed:
-            self._open_streams += 1
+        sent: bytes | None = None
+        self._open_streams += 1
         try:
-            if not context.add_callback(self._wake):
-                return  # the RPC is already over
-            while True:
-                with self._changed:
-                    # the callback runs once the RPC is no longer active, under this lock: no wake-up is lost
-                    while self._version == sent and not self._stopping and context.is_active():
-                        self._changed.wait()
-                    if self._stopping or not context.is_active():
-                        return
-                    first, sent, message = sent == -1, self._version, self._served.list_and_watch
+            while not self._stopping:
+                message = self._served.list_and_watch
+                if message is sent:
+                    await self._wakeup.wait()
+                    continue
+                first, sent = sent is None, message
                 yield message  # resumed once gRPC has written it and wants the next
                 if first:
                     self._on_stream_opened(self.resource)
         finally:
-            with self._changed:
-                self._open_streams -= 1
-            if not self._stopping:
+            self._open_streams -= 1
+            if self._stopping:
+                self._wake()  # a stop waiting for the streams to close
+            else:
                 log.warning("ListAndWatch stream closed by the kubelet resource=%s", self.resource)
                 self._on_stream_closed(self.resource)
 
     @property
     def open_streams(self) -> int:
         """ListAndWatch streams being served now (a kubelet that restarted has opened a new one)."""
-        with self._changed:
-            return self._open_streams
+        return self._open_streams
 
     def _wake(self) -> None:
-        with self._changed:
-            self._changed.notify_all()
+        """On the loop: every waiting stream looks again."""
+        wakeup, self._wakeup = self._wakeup, asyncio.Event()
+        wakeup.set()
+
+
+def stop_servers(servers: Iterable[ResourceServer], grace: float = STOP_GRACE) -> None:
+    """Stop several servers at once (their streams end together), then remove their sockets."""
+    servers = list(servers)
+    running = [s for s in servers if s._server is not None]
+    if running:
+        loop = running[0]._loop
+
+        async def stop_all() -> None:
+            await asyncio.gather(*(s._stop(grace) for s in running))
+
+        loop.run(stop_all())
+    for server in servers:
+        server._stopping = True
+        server._remove_socket()
 
 
 class _DevicePluginHandlers:
@@ -312,30 +331,35 @@ class _DevicePluginHandlers:
             "PreStartContainer": grpc.unary_unary_rpc_method_handler(self.pre_start_container),
         }
 
-    def get_device_plugin_options(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    async def get_device_plugin_options(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return _OPTIONS
 
-    def list_and_watch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        return self._server.stream(context)
+    async def list_and_watch(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async for message in self._server.stream():  # (grpc.aio wants an async generator function here)
+            yield message
 
-    def allocate(self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext) -> api_pb2.AllocateResponse:
+    async def allocate(
+        self, request: api_pb2.AllocateRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.AllocateResponse:
         served = self._server._served  # one read: the whole request is answered from one snapshot
         if not request.container_requests:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"empty allocation request for {served.snapshot.name}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"empty allocation request for {served.snapshot.name}"
+            )
         response = api_pb2.AllocateResponse()
         for container in request.container_requests:
             try:
                 allocation = served.allocator.allocate(container.devices_ids)
             except AllocationError as error:
                 log.warning("allocation refused resource=%s reason=%r", served.snapshot.name, str(error))
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             fill_container_response(response.container_responses.add(), allocation)
             if log.isEnabledFor(logging.INFO):
                 log.info("allocated resource=%s devices=%s", served.snapshot.name, ",".join(container.devices_ids))
         return response
 
-    def get_preferred_allocation(
-        self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
+    async def get_preferred_allocation(
+        self, request: api_pb2.PreferredAllocationRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.PreferredAllocationResponse:
         snapshot = self._server._served.snapshot
         response = api_pb2.PreferredAllocationResponse()
@@ -351,11 +375,11 @@ class _DevicePluginHandlers:
                     snapshot.layout,
                 )
             except PreferenceError as error:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{snapshot.name}: {error}")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{snapshot.name}: {error}")
             response.container_responses.add().deviceIDs.extend(ids)
         return response
 
-    def pre_start_container(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    async def pre_start_container(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return _EMPTY
 
 

@@ -7,10 +7,11 @@ figures printed are the medians over the rounds of each round's p50 and p99. Eac
 the floor measured in the same round: an empty unary RPC (no request, no response, a handler that does
 nothing) to a Python gRPC server in another process, over a unix socket, from the same client.
 
-1. Server models, same handlers, same client. A plugin process serves the dgx-a100 ``nvidia.com/gpu``
-   snapshot with grpcio's thread-pool server (``ResourceServer``, as the agent does) and, alongside, with a
-   ``grpc.aio`` server wrapping the very same handlers; one empty-RPC server of each kind is the floor.
-   Latency p50/p99 and the server process's CPU per call (utime + stime from /proc).
+1. Allocate against the floor. A plugin process serves the dgx-a100 ``nvidia.com/gpu`` snapshot with
+   ``ResourceServer`` (``grpc.aio`` on the agent's gRPC loop, as the agent does); one empty-RPC server of
+   each kind (grpcio's thread pool, ``grpc.aio``) is the floor. Latency p50/p99 and the server process's CPU
+   per call (utime + stime from /proc). The idle cost of the two server models is
+   ``bench_grpc_models.py``'s.
 2. The part of re-registration the plugin owns, in a plugin process against the kubelet emulator: from the
    moment the agent decides to act (the kubelet restarted and deleted the plugin socket) to the emulator
    holding every device allocatable again, two ways, turn about: ``restore_socket()`` (link the socket's
@@ -56,9 +57,9 @@ from agent.core.resources import Device
 from agent.core.snapshot import ResourceSnapshot
 from agent.plugin.registration import register
 from agent.plugin.server import ResourceServer
-from agent.sim.control import SimControlClient
 from agent.sim.kubelet import KubeletEmulator
-from agent.sim.kubelet_common import CHANNEL_OPTIONS
+from agent.sim.kubelet.common import CHANNEL_OPTIONS
+from agent.sim.nvml.control import SimControlClient
 
 RESOURCE = "nvidia.com/gpu"
 GPUS = 8
@@ -165,35 +166,11 @@ def _serve_empty(model: str, path: str) -> None:
     asyncio.run(main())
 
 
-def _serve_plugin(model: str, directory: str) -> None:
-    """The dgx-a100 snapshot served by ``ResourceServer`` (thread pool), or its handlers under grpc.aio."""
+def _serve_plugin(directory: str) -> None:
+    """The dgx-a100 snapshot served by ``ResourceServer``, as the agent serves it."""
     Path(directory).mkdir(parents=True, exist_ok=True)
-    resource = ResourceServer(bench_snapshot(), Path(directory))
-    if model == "thread":
-        resource.start()
-        threading.Event().wait()
-        return
-
-    def to_aio(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        behaviour = handler.unary_unary
-
-        async def call(request: object, context: grpc.aio.ServicerContext) -> object:
-            return behaviour(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            call, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-        )
-
-    unary = {name: to_aio(h) for name, h in resource.method_handlers().items() if h.unary_unary is not None}
-
-    async def main() -> None:
-        server = grpc.aio.server()
-        server.add_registered_method_handlers("v1beta1.DevicePlugin", unary)
-        server.add_insecure_port(f"unix://{resource.socket_path}")
-        await server.start()
-        await server.wait_for_termination()
-
-    asyncio.run(main())
+    ResourceServer(bench_snapshot(), Path(directory)).start()
+    threading.Event().wait()
 
 
 def _plugin_agent(kubelet_socket: str) -> None:
@@ -302,20 +279,18 @@ def _allocate_request(ids: list[str]) -> bytes:
 
 
 def server_models(base: Path, calls: int, figures: dict[str, Figure]) -> None:
-    """Thread pool vs grpc.aio, for the empty RPC and for Allocate, in one interleaved run."""
+    """The empty RPC on both server models and Allocate on ``ResourceServer``, in one interleaved run."""
     ids = [d.id for d in bench_snapshot().devices]
     request = _allocate_request(ids[1:3])
     with (
         _process("--serve-empty", "thread", str(base / "empty-t.sock"), ready=base / "empty-t.sock") as empty_t,
         _process("--serve-empty", "aio", str(base / "empty-a.sock"), ready=base / "empty-a.sock") as empty_a,
-        _process("--serve-plugin", "thread", str(base / "t"), ready=base / "t" / "nvidia-gpu.sock") as plugin_t,
-        _process("--serve-plugin", "aio", str(base / "a"), ready=base / "a" / "nvidia-gpu.sock") as plugin_a,
+        _process("--serve-plugin", str(base / "a"), ready=base / "a" / "nvidia-gpu.sock") as plugin,
     ):
         targets = {
             "floor thread": Target(empty_t, base / "empty-t.sock", EMPTY_METHOD, b""),
             "floor aio": Target(empty_a, base / "empty-a.sock", EMPTY_METHOD, b""),
-            "allocate thread": Target(plugin_t, base / "t" / "nvidia-gpu.sock", ALLOCATE_METHOD, request),
-            "allocate aio": Target(plugin_a, base / "a" / "nvidia-gpu.sock", ALLOCATE_METHOD, request),
+            "allocate": Target(plugin, base / "a" / "nvidia-gpu.sock", ALLOCATE_METHOD, request),
         }
         _interleaved(list(targets.values()), calls)
         for name, target in targets.items():
@@ -440,7 +415,7 @@ def whole_agent(base: Path, args: argparse.Namespace, figures: dict[str, Figure]
         control = SimControlClient(base / "ctl.sock")
         ids = sorted(kubelet.devices(RESOURCE))
 
-        with _process("--serve-empty", "thread", str(base / "floor.sock"), ready=base / "floor.sock") as empty:
+        with _process("--serve-empty", "aio", str(base / "floor.sock"), ready=base / "floor.sock") as empty:
             floor = Target(empty, base / "floor.sock", EMPTY_METHOD, b"")
             socket = plugin_dir / "nvidia-gpu.sock"  # dialled as the kubelet does, with its channel options
             pairs = [[ids[n % GPUS], ids[(n + 1) % GPUS]] for n in range(GPUS)]
@@ -511,8 +486,7 @@ def _figures() -> dict[str, Figure]:
     names = {
         "floor thread": ("empty RPC, thread-pool server (the floor)", "-"),
         "floor aio": ("empty RPC, grpc.aio server", "-"),
-        "allocate thread": ("Allocate (2 GPUs), thread-pool server", "p50 <= 1.2x floor"),
-        "allocate aio": ("Allocate (2 GPUs), grpc.aio server", "-"),
+        "allocate": ("Allocate (2 GPUs), ResourceServer (grpc.aio)", "p50 <= 1.2x floor"),
         "own reregister": ("socket deleted: restore_socket + register -> kubelet has all", "p99 < 16 ms (all of it)"),
         "own relink": ("  restore_socket() (link the standby name back)", "-"),
         "own register": ("  Register (the kubelet dials back inside it)", "-"),
@@ -524,7 +498,7 @@ def _figures() -> dict[str, Figure]:
         "own update": ("update(snapshot) -> kubelet emulator has the new list", "-"),
         "own stop": ("ResourceServer.stop() with the kubelet's stream open", "-"),
         "start": ("process start -> registered, 8 GPUs healthy", "< 200 ms"),
-        "agent floor": ("empty RPC, thread-pool server (the floor)", "-"),
+        "agent floor": ("empty RPC, grpc.aio server (the floor)", "-"),
         "agent allocate": ("Allocate (2 GPUs) via the kubelet's connection", "p50 <= 1.2x floor"),
         "agent preferred": ("GetPreferredAllocation (2 of 8)", "-"),
         "agent prestart": ("PreStartContainer (a no-op on the agent)", "-"),
@@ -562,18 +536,9 @@ def report(figures: dict[str, Figure], rounds: int) -> None:
         f"machine: {os.cpu_count()} cores, Python {platform.python_version()}, grpcio {grpc.__version__}; "
         f"{rounds} rounds, medians of the per-round p50 / p99; 'x' = p50 / the floor's p50 in the same rounds"
     )
-    print("1. server models, same handlers, same client, interleaved (cpu/call: the server process)")
-    for key in ("floor thread", "floor aio"):
-        _print_row(figures[key], figures["floor thread"])
-    _print_row(figures["allocate thread"], figures["floor thread"])
-    _print_row(figures["allocate aio"], figures["floor aio"])
-    t, a = figures["allocate thread"], figures["allocate aio"]
-    if t.p50 and a.p50:
-        print(
-            f"  -> aio / thread pool for Allocate: p50 {statistics.median(a.p50) / statistics.median(t.p50):.2f}x, "
-            f"p99 {statistics.median(a.p99) / statistics.median(t.p99):.2f}x, "
-            f"cpu/call {statistics.median(a.cpu) / statistics.median(t.cpu):.2f}x (below 1 favours aio)"
-        )
+    print("1. Allocate against the floor, interleaved (cpu/call: the server process; x: against the aio floor)")
+    for key in ("floor thread", "floor aio", "allocate"):
+        _print_row(figures[key], figures["floor aio"])
     print("2. the plugin's share of re-registration and updates (a plugin process, the kubelet emulator)")
     for key in ("own reregister", "own relink", "own register", "own law", "own restart", "own stop0", "own serve"):
         _print_row(figures[key], figures["floor thread"])
@@ -599,14 +564,14 @@ def main() -> None:
     parser.add_argument("--agent-log-level", default="warning")
     parser.add_argument("--parts", default="models,own,agent", help="which parts to run (comma-separated)")
     parser.add_argument("--serve-empty", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--serve-plugin", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-plugin", help=argparse.SUPPRESS)
     parser.add_argument("--plugin-agent", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_empty:
         _serve_empty(*args.serve_empty)
         return
     if args.serve_plugin:
-        _serve_plugin(*args.serve_plugin)
+        _serve_plugin(args.serve_plugin)
         return
     if args.plugin_agent:
         _plugin_agent(args.plugin_agent)
