@@ -17,7 +17,7 @@ def gpu_backend(node: str) -> Iterator[object | None]:
     if node == LOCAL:
         yield None
         return
-    from agent.sim.install import simulated_node  # only simulated runs import the simulator
+    from agent.sim.nvml.install import simulated_node  # only simulated runs import the simulator
 
     with simulated_node(node) as driver:
         yield driver

@@ -399,7 +399,7 @@ def _command(args: argparse.Namespace) -> int:
         return _run(args)
     if args.command == "demo":
         from agent.demo import run_demo
-        from agent.sim.spec import SimSpecError
+        from agent.sim.nvml.spec import SimSpecError
 
         try:
             return run_demo(args.node, args.mig_strategy)
@@ -481,7 +481,7 @@ def _mig(args: argparse.Namespace) -> int:
     from agent.gpu.discovery import DiscoveryError
     from agent.gpu.nvml import NvmlUnavailable
     from agent.mig import commands
-    from agent.sim.spec import SimSpecError
+    from agent.sim.nvml.spec import SimSpecError
 
     try:
         with gpu_backend(args.node):
@@ -502,7 +502,7 @@ def _describe(args: argparse.Namespace) -> int:
     from agent.backend import gpu_backend
     from agent.gpu.discovery import DiscoveryError, discover
     from agent.gpu.nvml import NvmlUnavailable
-    from agent.sim.spec import SimSpecError
+    from agent.sim.nvml.spec import SimSpecError
 
     try:
         with gpu_backend(args.node):
@@ -572,7 +572,7 @@ def _plan(args: argparse.Namespace) -> int:
     from agent.gpu.nvml import NvmlUnavailable
     from agent.mig.commands import report_invalid
     from agent.mig.layout_file import LayoutFileError
-    from agent.sim.spec import SimSpecError
+    from agent.sim.nvml.spec import SimSpecError
 
     try:
         with gpu_backend(args.node) as node:

@@ -30,12 +30,12 @@ from agent.core.health import HealthPolicy
 from agent.core.plan import plan
 from agent.core.resources import MigStrategy, PlanError
 from agent.gpu.discovery import DiscoveryError, discover
-from agent.sim.driver import SimDriver
-from agent.sim.install import simulated_node
-from agent.sim.spec import NodeSpec, SimSpecError, load_node_spec, preset_names
+from agent.sim.nvml.driver import SimDriver
+from agent.sim.nvml.install import simulated_node
+from agent.sim.nvml.spec import NodeSpec, SimSpecError, load_node_spec, preset_names
 
 if TYPE_CHECKING:
-    from agent.sim.kubelet_common import Pod
+    from agent.sim.kubelet.common import Pod
 
 # The modules that load gRPC (the agent, the kubelet emulator) are imported in _Demo, after run_demo has set
 # GRPC_VERBOSITY: gRPC core reads it once, when it is loaded.

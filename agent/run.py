@@ -176,8 +176,8 @@ def _socket_path(flag: str, value: str | None) -> Path | None:
 def run_agent(options: AgentOptions, simulate: str | None, sim_control: str | None) -> int:
     with ExitStack() as stack:
         if simulate:
-            from agent.sim.install import simulated_node
-            from agent.sim.spec import SimSpecError
+            from agent.sim.nvml.install import simulated_node
+            from agent.sim.nvml.spec import SimSpecError
 
             try:
                 driver = stack.enter_context(simulated_node(simulate))
@@ -185,7 +185,7 @@ def run_agent(options: AgentOptions, simulate: str | None, sim_control: str | No
                 raise OptionsError(str(error)) from None
             log.warning("using a SIMULATED GPU driver spec=%s", simulate)
             if sim_control:
-                from agent.sim.control import SimControlServer
+                from agent.sim.nvml.control import SimControlServer
 
                 control = SimControlServer(driver, Path(sim_control))
                 control.start()

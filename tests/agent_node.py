@@ -19,8 +19,8 @@ from pathlib import Path
 
 from agent.agent import Agent, AgentOptions
 from agent.config.watch import ConfigSourceChanged
-from agent.sim.driver import SimDriver
 from agent.sim.kubelet import KubeletEmulator
+from agent.sim.nvml.driver import SimDriver
 
 
 @dataclass

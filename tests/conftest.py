@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.sim.driver import SimDriver
-from agent.sim.install import install, uninstall
-from agent.sim.spec import build_driver, load_node_spec, parse_node_spec
+from agent.sim.nvml.driver import SimDriver
+from agent.sim.nvml.install import install, uninstall
+from agent.sim.nvml.spec import build_driver, load_node_spec, parse_node_spec
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def mps_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding ``nvidia-cuda-mps-control``: the MPS control emulator under the real binary's name."""
     directory = tmp_path_factory.mktemp("mps-bin")
     launcher = directory / "nvidia-cuda-mps-control"
-    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agent.sim.mps_control "$@"\n')
+    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agent.sim.mps.control "$@"\n')
     launcher.chmod(0o755)
     return directory
 

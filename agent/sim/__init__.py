@@ -1,6 +1,10 @@
-"""The simulated node: a GPU driver beneath pynvml (and, in later issues, a kubelet and an MPS emulator).
+"""The simulated node: what the agent talks to on a GPU node, emulated in rooms that mirror what they stand in for.
 
-Nothing above pynvml knows it is simulated: ``install`` hands pynvml a library object that answers the
-same C symbols ``libnvidia-ml.so.1`` exports, writing into the same ctypes structs and returning the same
-``nvmlReturn_t`` codes.
+* ``agent.sim.nvml``: the GPU driver beneath pynvml. ``install`` hands pynvml a library object that answers the
+  same C symbols ``libnvidia-ml.so.1`` exports, writing into the same ctypes structs and returning the same
+  ``nvmlReturn_t`` codes, so nothing above pynvml knows it is simulated. Its ``control`` socket lets tests and the
+  demo act on a running agent's driver.
+* ``agent.sim.kubelet``: the kubelet's device manager (Registration, ListAndWatch, Allocate) and PodResources API.
+* ``agent.sim.mps``: the ``nvidia-cuda-mps-control`` executable.
+* ``agent/sim/presets``: node descriptions (YAML) that ``agent.sim.nvml.spec`` loads by name, for the demo and tests.
 """

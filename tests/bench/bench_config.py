@@ -27,9 +27,9 @@ from agent.core.plan import plan
 from agent.core.preferred import DeviceLayout, preferred
 from agent.core.resources import AllocationPolicy
 from agent.gpu.discovery import discover
-from agent.sim.install import install, uninstall
 from agent.sim.kubelet import KubeletEmulator
-from agent.sim.spec import build_driver, parse_node_spec
+from agent.sim.nvml.install import install, uninstall
+from agent.sim.nvml.spec import build_driver, parse_node_spec
 from tests.integration.test_config_reload import ConfigMapDir
 
 MIG_NODE = {

@@ -12,8 +12,8 @@ import sys
 import time
 
 from agent.gpu.discovery import discover
-from agent.sim.install import install, uninstall
-from agent.sim.spec import build_driver, parse_node_spec
+from agent.sim.nvml.install import install, uninstall
+from agent.sim.nvml.spec import build_driver, parse_node_spec
 
 RUNS = 15
 

@@ -777,7 +777,7 @@ def main() -> None:
         child_main(args.child[0], args.child[1], args.servers, args.grace)
         return
 
-    from agent.sim.kubelet_common import CHANNEL_OPTIONS  # the kubelet emulator's dial options
+    from agent.sim.kubelet.common import CHANNEL_OPTIONS  # the kubelet emulator's dial options
 
     models = args.models.split(",")
     if unknown := set(models) - set(MODELS):

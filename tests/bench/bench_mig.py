@@ -15,8 +15,8 @@ import time
 from agent.core.mig_layout import CreateInstance, DesiredLayout, DestroyInstance, SetMigMode, diff_node
 from agent.gpu.discovery import discover
 from agent.gpu.mig import create_instance, destroy_instance, set_mig_mode
-from agent.sim.install import install, uninstall
-from agent.sim.spec import build_driver, parse_node_spec
+from agent.sim.nvml.install import install, uninstall
+from agent.sim.nvml.spec import build_driver, parse_node_spec
 
 NODE = {
     "name": "dgx",

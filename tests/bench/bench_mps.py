@@ -30,7 +30,7 @@ def main() -> None:
     bin_dir = base / "bin"
     bin_dir.mkdir()
     launcher = bin_dir / "nvidia-cuda-mps-control"
-    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agent.sim.mps_control "$@"\n')
+    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agent.sim.mps.control "$@"\n')
     launcher.chmod(0o755)
     (base / "config.yaml").write_text(CONFIG)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TESSERA_", "MPS_", "CUDA_"))}

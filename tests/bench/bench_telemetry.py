@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.agent import Agent, AgentOptions
-from agent.sim.install import install, uninstall
 from agent.sim.kubelet import KubeletEmulator
-from agent.sim.spec import NodeSpec, build_driver, load_node_spec, parse_node_spec
+from agent.sim.nvml.install import install, uninstall
+from agent.sim.nvml.spec import NodeSpec, build_driver, load_node_spec, parse_node_spec
 from agent.telemetry.service import TelemetrySettings
 
 MIG_NODE = {

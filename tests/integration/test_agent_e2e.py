@@ -20,8 +20,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.sim.control import SimControlClient
 from agent.sim.kubelet import AdmissionError, KubeletEmulator
+from agent.sim.nvml.control import SimControlClient
 
 NODE = textwrap.dedent(
     """

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from agent.agent import Agent, AgentExit, AgentOptions
-from agent.sim.nvml_codes import Return
+from agent.sim.nvml.codes import Return
 from tests import bombs
 from tests.agent_node import Node, running_node
 

@@ -8,7 +8,7 @@ import pytest
 
 from agent.core.inventory import Placement
 from agent.gpu.discovery import discover
-from agent.sim.nvml_codes import Return
+from agent.sim.nvml.codes import Return
 
 GPU_UUID = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 MIG_UUID = re.compile(r"^MIG-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")

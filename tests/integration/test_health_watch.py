@@ -31,8 +31,8 @@ from agent.gpu.health import (
     read_ecc_uncorrected,
     recovery_evidence,
 )
-from agent.sim.driver import SimDriver
-from agent.sim.nvml_codes import Return
+from agent.sim.nvml.codes import Return
+from agent.sim.nvml.driver import SimDriver
 
 NODE = {"name": "health", "gpus": [{"model": "A100-SXM4-80GB", "count": 3}]}
 MIXED = {"name": "health-mixed", "gpus": [{"model": "A100-SXM4-80GB"}, {"model": "T4"}]}

@@ -18,7 +18,7 @@ from agent.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.api.podresources.v1 import api_pb2 as pr_pb2
 from agent.api.podresources.v1 import api_pb2_grpc as pr_grpc
 from agent.sim.kubelet import AdmissionError, ContainerStartError, KubeletEmulator
-from agent.sim.kubelet_common import is_extended_resource_name
+from agent.sim.kubelet.common import is_extended_resource_name
 
 RES = "example.com/gpu"
 

@@ -18,9 +18,9 @@ import pytest
 
 from agent.agent import Agent, AgentOptions
 from agent.config.labels import MIG_CONFIG_LABEL, NodeLabelChanged
-from agent.sim.driver import SimDriver
 from agent.sim.kubelet import KubeletEmulator
-from agent.sim.nvml_codes import Return
+from agent.sim.nvml.codes import Return
+from agent.sim.nvml.driver import SimDriver
 
 SMALL = "nvidia.com/mig-1g.10gb"
 LARGE = "nvidia.com/mig-3g.40gb"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.sim.control import SimControlClient
 from agent.sim.kubelet import AdmissionError, KubeletEmulator
+from agent.sim.nvml.control import SimControlClient
 
 RESOURCE = "nvidia.com/gpu"
 NODE = "name: mps-node\ngpus:\n  - model: A100-SXM4-80GB\n    count: 2\n"

@@ -1,4 +1,4 @@
-"""The nvidia-cuda-mps-control emulator (agent.sim.mps_control): real processes, a real unix socket, the real CLI.
+"""The nvidia-cuda-mps-control emulator (agent.sim.mps.control): real processes, a real unix socket, the real CLI.
 
 The emulator is put on PATH as ``nvidia-cuda-mps-control`` (a tiny ``#!/bin/sh`` exec script), exactly as Tessera's
 MPS manager finds the real binary. Every daemon a test starts is SIGKILLed in teardown if it is still alive.
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import agent
-from agent.sim.mps_control import ControlState, format_log_line
+from agent.sim.mps.control import ControlState, format_log_line
 
 BINARY = "nvidia-cuda-mps-control"
 LOG_LINE = re.compile(r"^\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\.\d{3} (Control|Other|Server) [ \d]{5}\d*\] .*$")
@@ -55,7 +55,7 @@ def process_alive(pid: int) -> bool:
 
 def is_emulator(pid: int) -> bool:
     try:
-        return b"agent.sim.mps_control" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"agent.sim.mps.control" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -70,7 +70,7 @@ def make_bin_dir(root: Path) -> Path:
         "#!/bin/sh\n"
         f"PYTHONPATH={shlex.quote(str(repo))}${{PYTHONPATH:+:$PYTHONPATH}}\n"
         "export PYTHONPATH\n"
-        f'exec {shlex.quote(sys.executable)} -m agent.sim.mps_control "$@"\n'
+        f'exec {shlex.quote(sys.executable)} -m agent.sim.mps.control "$@"\n'
     )
     script.chmod(0o755)
     return bin_dir

@@ -80,7 +80,7 @@ def emulator_daemons_under(*bases: Path) -> list[int]:
             continue
         try:
             argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            if b"agent.sim.mps_control" not in argv or b"-d" not in argv or not process_alive(int(entry)):
+            if b"agent.sim.mps.control" not in argv or b"-d" not in argv or not process_alive(int(entry)):
                 continue
             pipe = environ_of(int(entry)).get("CUDA_MPS_PIPE_DIRECTORY", "")
             if any(pipe.startswith(f"{base}/") or pipe.startswith(f"{base}-") for base in bases):

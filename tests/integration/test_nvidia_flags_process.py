@@ -14,7 +14,7 @@ import pytest
 from agent.cli import _parser
 from agent.gpu.nvml import NvmlUnavailable
 from agent.run import build_options, run_agent
-from agent.sim.nvml_codes import Return
+from agent.sim.nvml.codes import Return
 
 
 def tessera_run(plugin_dir: Path, *argv: str, **environ: str) -> subprocess.CompletedProcess[str]:

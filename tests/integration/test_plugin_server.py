@@ -26,7 +26,7 @@ from agent.plugin.lock import LOCK_DIRECTORY
 from agent.plugin.registration import RegistrationError, register, register_all
 from agent.plugin.server import ResourceServer
 from agent.sim.kubelet import KubeletEmulator
-from agent.sim.kubelet_common import CHANNEL_OPTIONS
+from agent.sim.kubelet.common import CHANNEL_OPTIONS
 
 GPU = "nvidia.com/gpu"
 

@@ -27,8 +27,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.agent import Agent, AgentOptions
-from agent.sim.driver import SimDriver
 from agent.sim.kubelet import KubeletEmulator, Pod
+from agent.sim.nvml.driver import SimDriver
 from agent.telemetry.service import TelemetrySettings
 
 HOST = "dgx-a100-7"

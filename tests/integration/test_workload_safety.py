@@ -21,8 +21,8 @@ import pytest
 from agent.config.effective import FlagOverrides
 from agent.config.labels import MIG_CONFIG_LABEL, NodeLabelChanged
 from agent.core.health import HealthPolicy
-from agent.sim.driver import SimDriver
-from agent.sim.nvml_codes import Return
+from agent.sim.nvml.codes import Return
+from agent.sim.nvml.driver import SimDriver
 from tests.agent_node import running_node
 
 GPU = "nvidia.com/gpu"

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.sim.control import SimControlClient
 from agent.sim.kubelet import KubeletEmulator
+from agent.sim.nvml.control import SimControlClient
 
 _FIGURES: list[tuple[str, dict[str, object]]] = []
 
@@ -142,7 +142,7 @@ def mps_daemons(pipe_dir: Path) -> list[int]:
             continue
         try:
             argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            if b"agent.sim.mps_control" not in argv or b"-d" not in argv:
+            if b"agent.sim.mps.control" not in argv or b"-d" not in argv:
                 continue
             if environ_of(int(entry)).get("CUDA_MPS_PIPE_DIRECTORY") != str(pipe_dir):
                 continue
@@ -288,7 +288,7 @@ def mps_daemons_under(root: Path) -> list[int]:
             continue
         try:
             argv = Path(f"/proc/{entry}/cmdline").read_bytes()
-            if b"agent.sim.mps_control" in argv and environ_of(int(entry)).get(
+            if b"agent.sim.mps.control" in argv and environ_of(int(entry)).get(
                 "CUDA_MPS_PIPE_DIRECTORY", ""
             ).startswith(str(root)):
                 found.append(int(entry))
@@ -328,7 +328,7 @@ def sim_uuids(node_yaml: str) -> dict[int, set[str]]:
     """GPU index -> the UUIDs of its devices (the GPU and its MIG devices), as the simulator derives them."""
     import yaml
 
-    from agent.sim.spec import build_driver, parse_node_spec
+    from agent.sim.nvml.spec import build_driver, parse_node_spec
 
     driver = build_driver(parse_node_spec(yaml.safe_load(node_yaml)))
     return {i: {gpu.uuid} | {ci.uuid for _, ci in gpu.mig_devices()} for i, gpu in enumerate(driver.gpus)}

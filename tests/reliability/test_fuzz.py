@@ -19,8 +19,8 @@ from agent.core.inventory import Inventory
 from agent.core.plan import plan
 from agent.core.resources import PlanError
 from agent.gpu.discovery import discover
-from agent.sim.install import simulated_node
-from agent.sim.spec import parse_node_spec
+from agent.sim.nvml.install import simulated_node
+from agent.sim.nvml.spec import parse_node_spec
 
 from .nodes import FOUR_GPUS
 

@@ -21,8 +21,8 @@ import pytest
 from agent.config.effective import FlagOverrides
 from agent.config.labels import MIG_CONFIG_LABEL, NodeLabelChanged
 from agent.core.health import HealthPolicy
-from agent.sim.driver import DestructiveCall, SimDriver
-from agent.sim.nvml_codes import Return
+from agent.sim.nvml.codes import Return
+from agent.sim.nvml.driver import DestructiveCall, SimDriver
 from agent.telemetry.service import TelemetrySettings
 from tests import bombs
 from tests.agent_node import Node, running_node

@@ -26,8 +26,8 @@ from agent.core.inventory import Inventory
 from agent.core.plan import plan
 from agent.core.resources import Device, MigStrategy, PlanConfig, PlanError, ResourcePlan
 from agent.gpu.discovery import discover
-from agent.sim.install import simulated_node
-from agent.sim.spec import parse_node_spec
+from agent.sim.nvml.install import simulated_node
+from agent.sim.nvml.spec import parse_node_spec
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -34,8 +34,8 @@ from agent.core.plan import glob_matches, plan
 from agent.core.preferred import preferred
 from agent.core.resources import AllocationPolicy, PlanError, Resource, ResourcePlan
 from agent.gpu.discovery import discover
-from agent.sim.install import simulated_node
-from agent.sim.spec import parse_node_spec
+from agent.sim.nvml.install import simulated_node
+from agent.sim.nvml.spec import parse_node_spec
 
 GPU = "nvidia.com/gpu"
 SHARED = "nvidia.com/gpu.shared"

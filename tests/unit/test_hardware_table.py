@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.sim.hardware import find_model, hardware_table
+from agent.sim.nvml.hardware import find_model, hardware_table
 
 PACKAGED = Path(__file__).parents[2] / "agent" / "data" / "mig-profiles.json"
 FACTS = Path(__file__).parents[3] / "shared" / "facts" / "mig-profiles.json"

@@ -76,9 +76,9 @@ def test_a_simulated_run_loads_no_pydantic_and_no_drain_machinery():
     """``tessera run --simulate``: the node spec is read without pydantic, and the PodResources stubs that
     drains use load with the first drain, not at start."""
     loaded = loaded_after(
-        RUN_PATH + "\nfrom agent.sim.install import simulated_node\nsimulated_node('dgx-a100').__enter__()"
+        RUN_PATH + "\nfrom agent.sim.nvml.install import simulated_node\nsimulated_node('dgx-a100').__enter__()"
     )
-    assert "agent.sim.driver" in loaded
+    assert "agent.sim.nvml.driver" in loaded
     assert not packages(loaded, "pydantic", "pydantic_core", "agent.drain", "agent.plugin.podresources")
 
 

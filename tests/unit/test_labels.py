@@ -15,9 +15,9 @@ from agent.core.inventory import Inventory
 from agent.core.plan import plan
 from agent.core.resources import MigStrategy, PlanConfig, PlanError, ResourcePlan
 from agent.gpu.discovery import discover
-from agent.sim.driver import SimDriver
-from agent.sim.hardware import hardware_table
-from agent.sim.spec import preset_names
+from agent.sim.nvml.driver import SimDriver
+from agent.sim.nvml.hardware import hardware_table
+from agent.sim.nvml.spec import preset_names
 from agent.telemetry.labels import (
     MIG_CONFIG_STATE_LABEL,
     gpu_family,

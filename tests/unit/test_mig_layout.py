@@ -31,7 +31,7 @@ from agent.core.mig_layout import (
     validate_layout,
 )
 from agent.gpu.discovery import discover
-from agent.sim.driver import SimDriver
+from agent.sim.nvml.driver import SimDriver
 from tests.unit.mig_ops import execute
 
 CATALOGS = {catalog.key: catalog for catalog in mig_catalogs()}

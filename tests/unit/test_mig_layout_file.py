@@ -23,7 +23,7 @@ from agent.mig.layout_file import (
     parse_layout_file,
     parse_layout_text,
 )
-from agent.sim.driver import SimDriver
+from agent.sim.nvml.driver import SimDriver
 from tests.unit.mig_ops import execute
 
 CATALOGS = {catalog.key: catalog for catalog in mig_catalogs()}

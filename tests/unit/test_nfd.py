@@ -12,7 +12,7 @@ import pytest
 from agent.core.plan import plan
 from agent.core.resources import PlanConfig
 from agent.gpu.discovery import discover
-from agent.sim.driver import SimDriver
+from agent.sim.nvml.driver import SimDriver
 from agent.telemetry import nfd
 from agent.telemetry.labels import node_labels
 from agent.telemetry.nfd import MAX_FEATURE_FILE_BYTES, render_feature_file, write_feature_file

@@ -18,8 +18,8 @@ from typing import Any
 import pynvml
 import pytest
 
-from agent.sim.driver import SimDriver
-from agent.sim.nvml_codes import Return
+from agent.sim.nvml.codes import Return
+from agent.sim.nvml.driver import SimDriver
 
 MIB = 1 << 20
 INVALID_ID = 0xFFFFFFFF

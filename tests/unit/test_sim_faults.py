@@ -17,10 +17,10 @@ from typing import Any
 import pynvml
 import pytest
 
-from agent.sim import driver as sim_driver
-from agent.sim.control import SimControlClient, SimControlServer
-from agent.sim.driver import DestructiveCall, NvmlFault, SimDriver
-from agent.sim.nvml_codes import Return
+from agent.sim.nvml import driver as sim_driver
+from agent.sim.nvml.codes import Return
+from agent.sim.nvml.control import SimControlClient, SimControlServer
+from agent.sim.nvml.driver import DestructiveCall, NvmlFault, SimDriver
 from tests.unit.test_sim_driver import blocked_in_wait, gpus, handle, mig_gpus, mig_handles, wait_until
 
 MIB = 1 << 20
@@ -615,7 +615,7 @@ def test_control_socket_refuses_an_endless_request_without_buffering_it(
     import json
     import socket
 
-    from agent.sim.control import MAX_REQUEST_BYTES
+    from agent.sim.nvml.control import MAX_REQUEST_BYTES
 
     driver = nvml_node(gpus("Tesla T4"))
     client = control(driver)

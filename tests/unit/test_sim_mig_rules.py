@@ -21,9 +21,9 @@ import pytest
 import agent.data
 import agent.sim
 from agent.core.mig_naming import mig_memory_gb, mig_profile_name
-from agent.sim.driver import SimDriver
-from agent.sim.hardware import hardware_table
-from agent.sim.spec import SimSpecError, build_driver, parse_node_spec
+from agent.sim.nvml.driver import SimDriver
+from agent.sim.nvml.hardware import hardware_table
+from agent.sim.nvml.spec import SimSpecError, build_driver, parse_node_spec
 
 MIB = 1 << 20
 GIB = 1 << 30

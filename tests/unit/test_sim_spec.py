@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.sim.spec import GpuGroupSpec, SimSpecError, build_driver, parse_node_spec
+from agent.sim.nvml.spec import GpuGroupSpec, SimSpecError, build_driver, parse_node_spec
 
 
 def problems(data: object) -> str:

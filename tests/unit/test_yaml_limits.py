@@ -20,7 +20,7 @@ from agent.config import yaml_limits
 from agent.config.model import ConfigError
 from agent.config.yaml_limits import MAX_ALIASES, MAX_BYTES, MAX_DEPTH, MAX_NODES, load_yaml, read_bounded
 from agent.mig.layout_file import LayoutFileError, parse_layout_file, parse_layout_text, read_layout_file
-from agent.sim.spec import SimSpecError, load_node_spec
+from agent.sim.nvml.spec import SimSpecError, load_node_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -45,7 +45,7 @@ import grpc
 
 from agent.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.api.podresources.v1 import api_pb2_grpc as pr_grpc
-from agent.sim.kubelet_common import (
+from agent.sim.kubelet.common import (
     CHECKPOINT_FILE,
     HEALTHY,
     KUBELET_SOCKET,
@@ -61,9 +61,9 @@ from agent.sim.kubelet_common import (
     TokenBucket,
     write_checkpoint,
 )
-from agent.sim.kubelet_podresources import PodResourcesServicer
-from agent.sim.kubelet_pods import PodsMixin
-from agent.sim.kubelet_registration import RegistrationMixin, RegistrationServicer
+from agent.sim.kubelet.podresources import PodResourcesServicer
+from agent.sim.kubelet.pods import PodsMixin
+from agent.sim.kubelet.registration import RegistrationMixin, RegistrationServicer
 
 __all__ = [
     "AdmissionError",

@@ -10,7 +10,7 @@ import grpc
 from agent.api.deviceplugin.v1beta1 import api_pb2 as dp
 from agent.api.podresources.v1 import api_pb2 as pr
 from agent.api.podresources.v1 import api_pb2_grpc as pr_grpc
-from agent.sim.kubelet_common import ContainerAllocation, Pod, TokenBucket
+from agent.sim.kubelet.common import ContainerAllocation, Pod, TokenBucket
 
 log = logging.getLogger("agent.sim.kubelet")
 

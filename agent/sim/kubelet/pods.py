@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 import grpc
 
 from agent.api.deviceplugin.v1beta1 import api_pb2
-from agent.sim.kubelet_common import (
+from agent.sim.kubelet.common import (
     CONN_CLOSING,
     AdmissionError,
     ContainerAllocation,

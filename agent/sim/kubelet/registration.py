@@ -12,7 +12,7 @@ import time
 import grpc
 
 from agent.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from agent.sim.kubelet_common import (
+from agent.sim.kubelet.common import (
     CHANNEL_OPTIONS,
     CONN_CLOSING,
     HEALTHY,

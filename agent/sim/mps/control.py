@@ -1,6 +1,6 @@
 """An executable emulator of NVIDIA's ``nvidia-cuda-mps-control`` (Legacy MPS v2 interface), stdlib only.
 
-Run it as ``python -m agent.sim.mps_control`` or as the console script ``tessera-sim-mps-control``; tests put it on
+Run it as ``python -m agent.sim.mps.control`` or as the console script ``tessera-sim-mps-control``; tests put it on
 ``PATH`` under the real name so that code driving ``nvidia-cuda-mps-control`` cannot tell the difference. It speaks
 over a real unix socket between real processes:
 

@@ -19,8 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from agent.sim.driver import SimDriver
-from agent.sim.nvml_codes import Return
+from agent.sim.nvml.codes import Return
+from agent.sim.nvml.driver import SimDriver
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 4096

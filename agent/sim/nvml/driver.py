@@ -23,8 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 
-from agent.sim.hardware import CiProfile, GiProfile, GpuModel
-from agent.sim.nvml_codes import (
+from agent.sim.nvml.codes import (
     ARCH_AMPERE,
     COMPUTE_MODES,
     ECC_COUNTER_AGGREGATE,
@@ -59,6 +58,7 @@ from agent.sim.nvml_codes import (
     XID_FALLEN_OFF_THE_BUS,
     Return,
 )
+from agent.sim.nvml.hardware import CiProfile, GiProfile, GpuModel
 
 _UUID_NAMESPACE = uuidlib.UUID("5d1e4c1e-7e55-4e7a-9a3c-7e55e7a0c0de")
 EVENT_QUEUE_LIMIT = 4096  # per event set; the oldest events are dropped past it, as a bounded kernel queue would

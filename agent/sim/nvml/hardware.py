@@ -144,8 +144,8 @@ def _gi_profile(raw: dict[str, Any]) -> GiProfile:
 
 
 def _read_data(name: str) -> str:
-    """The MIG table is the agent's too (agent/data), the rest is the simulator's own (agent/sim/data)."""
-    package = "agent.data" if name == "mig-profiles.json" else "agent.sim"
+    """The MIG table is the agent's too (agent/data), the rest is the simulator's own (agent/sim/nvml/data)."""
+    package = "agent.data" if name == "mig-profiles.json" else "agent.sim.nvml"
     folder = resources.files(package) if package == "agent.data" else resources.files(package).joinpath("data")
     return folder.joinpath(name).read_text(encoding="utf-8")
 

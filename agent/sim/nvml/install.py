@@ -12,9 +12,9 @@ from contextlib import contextmanager
 
 import pynvml
 
-from agent.sim.driver import SimDriver
-from agent.sim.libnvml import SimulatedNvmlLibrary
-from agent.sim.spec import NodeSpec, SimSpecError, build_driver, load_node_spec
+from agent.sim.nvml.driver import SimDriver
+from agent.sim.nvml.libnvml import SimulatedNvmlLibrary
+from agent.sim.nvml.spec import NodeSpec, SimSpecError, build_driver, load_node_spec
 
 
 def install(driver: SimDriver) -> SimulatedNvmlLibrary:

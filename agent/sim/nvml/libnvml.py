@@ -14,15 +14,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from agent.sim.driver import (
-    COMPUTE_LIST_KINDS,
-    MPS_LIST_KINDS,
-    NvmlFault,
-    SimComputeInstance,
-    SimDriver,
-    SimGpuInstance,
-)
-from agent.sim.nvml_codes import (
+from agent.sim.nvml.codes import (
     COMPUTE_INSTANCE_PROFILE_INFO_V2,
     ERROR_STRINGS,
     GPU_INSTANCE_PROFILE_INFO_V2,
@@ -39,6 +31,14 @@ from agent.sim.nvml_codes import (
     VALUE_TYPE_UINT,
     VALUE_TYPE_ULONGLONG,
     Return,
+)
+from agent.sim.nvml.driver import (
+    COMPUTE_LIST_KINDS,
+    MPS_LIST_KINDS,
+    NvmlFault,
+    SimComputeInstance,
+    SimDriver,
+    SimGpuInstance,
 )
 
 _MIB = 1 << 20

@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 from agent.config.model import ConfigError
 from agent.config.yaml_limits import load_yaml, read_bounded
-from agent.sim.driver import NvmlFault, SimDriver, SimGpu, SimGpuInstance, gpu_uuid
-from agent.sim.hardware import GpuModel, find_model, hardware_table
+from agent.sim.nvml.driver import NvmlFault, SimDriver, SimGpu, SimGpuInstance, gpu_uuid
+from agent.sim.nvml.hardware import GpuModel, find_model, hardware_table
 
 KIND = "a node spec"
 MAX_GPUS = 64  # per node, as count: a real node has at most 16
