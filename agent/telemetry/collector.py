@@ -26,9 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
-
 from agent.gpu.telemetry import GpuStats, read_stats
 from agent.plugin.podresources import DeviceHolder as Holder
 from agent.telemetry.attribution import Checkpoint, CheckpointReader, pod_uid_of
@@ -53,7 +50,7 @@ class TelemetryOptions:
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 
 
-class LastCollection(Collector):
+class LastCollection:
     """What ``/metrics`` serves: the last collection, swapped in whole, rendered on the first scrape after it.
 
     Rendering waits for a scrape: a node nobody scrapes never pays for it, and however often it is scraped a
@@ -78,9 +75,6 @@ class LastCollection(Collector):
             if self._rendered is None:
                 self._rendered = self._renderer.render(self._families)
             return self._rendered
-
-    def collect(self) -> Iterable[Metric]:
-        return [family.to_metric() for family in self._families]
 
     def publish(self, families: list[Family]) -> None:
         with self._lock:

@@ -50,8 +50,9 @@ class Telemetry:
         node_api: kubernetes.client.CoreV1Api | None = None,
     ) -> None:
         """``node_api`` (a Kubernetes ``CoreV1Api``) is where ``settings.label_node`` writes the labels."""
-        # Imported here, not with this module: an agent without metrics never loads prometheus_client,
-        # http.server or the PodResources stubs (``tessera run`` imports TelemetrySettings either way).
+        # Imported here, not with this module: an agent without metrics never loads http.server or the
+        # PodResources stubs (``tessera run`` imports TelemetrySettings either way). prometheus_client is
+        # loaded by none of them (exposition.py writes the text format itself).
         from agent.plugin.podresources import allocated_devices
         from agent.telemetry.collector import TelemetryCollector, TelemetryOptions
         from agent.telemetry.server import TelemetryServer

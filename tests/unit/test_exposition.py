@@ -1,21 +1,41 @@
-"""The collector's own text-format writer says exactly what prometheus_client's generate_latest says."""
+"""The collector's own text-format writer says exactly what prometheus_client's generate_latest says.
+
+prometheus_client is a test dependency only: the agent writes the text format itself and never imports it
+(checked here in a fresh interpreter, as tests/unit/test_imports.py checks the commands).
+"""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
+from prometheus_client.utils import floatToGoString
 
 from agent.telemetry.collector import LastCollection
-from agent.telemetry.exposition import Family, Renderer, counter, gauge
+from agent.telemetry.exposition import Family, Renderer, counter, gauge, go_float
+
+
+def to_metric(family: Family) -> Metric:
+    """The same family as prometheus_client's."""
+    cls = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
+    metric = cls(family.name, family.documentation, labels=list(family.labels))
+    for values, value in family.samples:
+        metric.add_metric(list(values), value)
+    return metric
 
 
 def reference(families: list[Family]) -> bytes:
     class Source:
-        def collect(self) -> list:
-            return [family.to_metric() for family in families]
+        def collect(self) -> list[Metric]:
+            return [to_metric(family) for family in families]
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Source())
@@ -78,4 +98,70 @@ def test_the_last_collection_is_rendered_on_demand_once() -> None:
     first = last.rendered
     assert first == reference(families)
     assert last.rendered is first  # a second scrape copies the same bytes
-    assert [m.name for m in last.collect()] == [f.name for f in families]
+    assert last.families is families
+
+
+# ----- the number format: prometheus_client's floatToGoString, without prometheus_client -------------------
+
+EDGES = [
+    0, -0.0, 1, -1, True, False, 0.5, 1e-9, 5e-324, -5e-324, 2.5e21, 1e22, 1e16, 1e15, 123456.789,
+    999999, 1000000, 1234567, 9999999.5, 85899345920, -85899345920, 2**53 + 1, 2**63, 10**30, 1.7976931348623157e308,
+    -1.7976931348623157e308, math.inf, -math.inf, math.nan, -math.nan, 0.1 + 0.2, 100.0, 12.5,
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", EDGES, ids=repr)
+def test_numbers_are_written_as_prometheus_client_writes_them(value: float) -> None:
+    assert go_float(value) == floatToGoString(value)
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True) | st.integers(min_value=-(2**70), max_value=2**70))
+def test_any_number_is_written_as_prometheus_client_writes_it(value: float) -> None:
+    assert go_float(value) == floatToGoString(value)
+
+
+def test_special_values_and_exponents_are_prometheus_text():
+    assert [go_float(v) for v in (math.inf, -math.inf, math.nan, 1, 85899345920, 1e-9)] == [
+        "+Inf", "-Inf", "NaN", "1.0", "8.589934592e+10", "1e-09"
+    ]  # fmt: skip
+
+
+def test_counters_are_written_with_total_and_no_created_sample():
+    errors = counter("tessera_config_reload_errors", "configs rejected since start", ["Hostname"])
+    errors.add_metric(("node-1",), 2)
+    text = Renderer().render([errors]).decode()
+    assert text == (
+        "# HELP tessera_config_reload_errors_total configs rejected since start\n"
+        "# TYPE tessera_config_reload_errors_total counter\n"
+        'tessera_config_reload_errors_total{Hostname="node-1"} 2.0\n'
+    )
+    assert text.encode() == reference([errors])
+
+
+# ----- prometheus_client stays out of the agent ---------------------------------------------------------------
+
+# The telemetry modules, then one collection of an empty node rendered and served over HTTP, as a scrape does.
+TELEMETRY_PATH = """
+import agent.telemetry.service, agent.telemetry.collector, agent.telemetry.exposition, agent.telemetry.server
+import urllib.request
+from pathlib import Path
+from agent.telemetry.collector import TelemetryCollector, TelemetryOptions
+from agent.telemetry.server import TelemetryServer
+options = TelemetryOptions(hostname="node-1", device_plugin_dir=Path("/nonexistent"))
+collector = TelemetryCollector(options, status=lambda: None, holders=dict)
+collector.collect_once()
+server = TelemetryServer("127.0.0.1:0", collector.last, lambda: (True, "ok"), lambda: (True, "ok"))
+server.start()
+body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read()
+server.stop()
+assert b"# TYPE tessera_config_reload_errors_total counter" in body, body
+"""
+
+
+def test_the_telemetry_path_never_loads_prometheus_client():
+    script = f"{TELEMETRY_PATH}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    loaded = set(json.loads(result.stdout.splitlines()[-1]))
+    assert {"agent.telemetry.collector", "agent.telemetry.server", "http.server"} <= loaded  # it saw the path
+    assert not [m for m in loaded if m == "prometheus_client" or m.startswith("prometheus_client.")]

@@ -44,7 +44,7 @@ def test_run_loads_no_kubernetes_client_no_metrics_and_no_other_command():
         "kubernetes",  # only with a node name, for the node label (agent.config.node_label)
         "urllib3",
         "agent.config.node_label",
-        "prometheus_client",  # only with metrics on, when the agent starts them
+        "prometheus_client",  # never: telemetry has its own exposition writer
         "agent.telemetry.collector",
         "http.server",
         "agent.config.schema",  # only when a config document is parsed
