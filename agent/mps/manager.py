@@ -44,7 +44,6 @@ from agent.mps.control import (
     thread_percentage_command,
 )
 from agent.mps.exits import ProcessExited, ProcessExitWatcher
-from agent.mps.keeper import start_through_keeper
 from agent.supervise import WorkerCrashed, submit
 
 log = logging.getLogger(__name__)
@@ -336,6 +335,8 @@ class MpsManager:
                 if self._keeper is None:
                     control.start()  # in this container: the daemon ends when it does
                 else:  # in the keeper's container: the daemon outlives this one
+                    from agent.mps.keeper import start_through_keeper  # only with a keeper, not on every start
+
                     start_through_keeper(self._keeper, root, spec)
             commands = [thread_percentage_command(spec.active_thread_percentage)]
             commands += [pinned_limit_command(uuid, mib) for uuid, mib in spec.pinned_memory_mib]
