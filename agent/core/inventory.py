@@ -66,6 +66,7 @@ class Gpu:
     nvlink_peers: tuple[int, ...] = ()  # indices of GPUs reachable over NVLink
     numa_node: int | None = None
     compute_mode: str | None = None  # None when the driver does not say (e.g. parent of a MIG GPU)
+    brand: str = ""  # go-nvlib's brand string ("Nvidia", "Tesla", ...); "" when NVML does not say
 
     @property
     def mig_change_pending(self) -> bool:

@@ -41,6 +41,13 @@ class GiProfileInfo:
     placements: tuple[Placement, ...]  # in memory slices
     media_extensions: bool  # +me (REV1 indices 7, 8): one per GPU
     full_ci_profile_id: int  # the compute instance profile spanning the whole GPU instance
+    # What NVML's GPU instance profile info says the instance holds (the DRA capacities of a MIG device)
+    multiprocessors: int = 0
+    copy_engines: int = 0
+    decoders: int = 0
+    encoders: int = 0
+    jpeg_engines: int = 0
+    ofa_engines: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +127,12 @@ def _profile(raw: dict[str, Any]) -> GiProfileInfo:
         placements=tuple(Placement(p["start"], p["size"]) for p in raw["placements"]),
         media_extensions=raw["profile_index"] in _MEDIA_EXTENSION_INDICES,
         full_ci_profile_id=full_ci["ci_profile_id"],
+        multiprocessors=raw["multiprocessor_count"],
+        copy_engines=raw["copy_engine_count"],
+        decoders=raw["decoder_count"],
+        encoders=raw["encoder_count"],
+        jpeg_engines=raw["jpeg_count"],
+        ofa_engines=raw["ofa_count"],
     )
 
 

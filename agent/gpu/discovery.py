@@ -32,6 +32,27 @@ _ARCHITECTURES = {
     pynvml.NVML_DEVICE_ARCH_HOPPER: "Hopper",
     pynvml.NVML_DEVICE_ARCH_BLACKWELL: "Blackwell",
 }
+# go-nvlib's GetBrandAsString, which NVIDIA's DRA driver publishes as the ``brand`` attribute. A brand nvlib
+# has no string for (DLA, NPU, vGameDev: nvlib returns an error) is left empty.
+_BRANDS = {
+    pynvml.NVML_BRAND_UNKNOWN: "Unknown",
+    pynvml.NVML_BRAND_QUADRO: "Quadro",
+    pynvml.NVML_BRAND_TESLA: "Tesla",
+    pynvml.NVML_BRAND_NVS: "NVS",
+    pynvml.NVML_BRAND_GRID: "Grid",
+    pynvml.NVML_BRAND_GEFORCE: "GeForce",
+    pynvml.NVML_BRAND_TITAN: "Titan",
+    pynvml.NVML_BRAND_NVIDIA_VAPPS: "NvidiaVApps",
+    pynvml.NVML_BRAND_NVIDIA_VPC: "NvidiaVPC",
+    pynvml.NVML_BRAND_NVIDIA_VCS: "NvidiaVCS",
+    pynvml.NVML_BRAND_NVIDIA_VWS: "NvidiaVWS",
+    pynvml.NVML_BRAND_NVIDIA_CLOUD_GAMING: "NvidiaCloudGaming",
+    pynvml.NVML_BRAND_QUADRO_RTX: "QuadroRTX",
+    pynvml.NVML_BRAND_NVIDIA_RTX: "NvidiaRTX",
+    pynvml.NVML_BRAND_NVIDIA: "Nvidia",
+    pynvml.NVML_BRAND_GEFORCE_RTX: "GeForceRTX",
+    pynvml.NVML_BRAND_TITAN_RTX: "TitanRTX",
+}
 _COMPUTE_MODES = {
     pynvml.NVML_COMPUTEMODE_DEFAULT: "DEFAULT",
     pynvml.NVML_COMPUTEMODE_PROHIBITED: "PROHIBITED",
@@ -139,6 +160,7 @@ def _describe_gpu(index: int, uuid: str, handle: object) -> Gpu:
     cc = _step("nvmlDeviceGetCudaComputeCapability", pynvml.nvmlDeviceGetCudaComputeCapability, handle)
     minor = _step("nvmlDeviceGetMinorNumber", pynvml.nvmlDeviceGetMinorNumber, handle)
     arch = _optional(pynvml.nvmlDeviceGetArchitecture, handle)
+    brand = _optional(pynvml.nvmlDeviceGetBrand, handle)
     mig_mode = _optional(pynvml.nvmlDeviceGetMigMode, handle)
     mig_capable = mig_mode is not None
     mig_enabled = bool(mig_capable and mig_mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE)
@@ -160,6 +182,7 @@ def _describe_gpu(index: int, uuid: str, handle: object) -> Gpu:
         mig_devices=tuple(_mig_devices(index, uuid, handle, memory.total)) if mig_enabled else (),
         numa_node=numa if numa is not None and numa >= 0 else None,
         compute_mode=_COMPUTE_MODES.get(compute_mode) if compute_mode is not None else None,
+        brand=_BRANDS.get(brand, "") if brand is not None else "",
     )
 
 

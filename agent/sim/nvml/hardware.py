@@ -17,6 +17,8 @@ except ImportError:  # pragma: no cover - PyYAML built without libyaml
 
 # NVML_DEVICE_ARCH_* by the first word of the architecture in the table.
 _ARCHITECTURE_IDS = {"Volta": 5, "Turing": 6, "Ampere": 7, "Ada": 8, "Hopper": 9, "Blackwell": 10}
+# nvmlBrandType_t by the name models.yaml uses (NVML_BRAND_<name>).
+_BRAND_IDS = {"QUADRO": 1, "TESLA": 2, "GEFORCE": 5, "NVIDIA_RTX": 13, "NVIDIA": 14}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,7 @@ class GpuModel:
     pci_device_id: int  # 0xDDDDVVVV
     sm_count: int
     nvlink_links: int
+    brand: int = _BRAND_IDS["NVIDIA"]  # what nvmlDeviceGetBrand answers (nvmlBrandType_t)
     memory_slices: int = 0
     compute_slices: int = 0
     gi_profiles: tuple[GiProfile, ...] = ()
@@ -97,6 +100,13 @@ def _cc(text: str) -> tuple[int, int]:
 
 def _architecture_id(architecture: str) -> int:
     return _ARCHITECTURE_IDS.get(architecture.split()[0], 0xFFFFFFFF)
+
+
+def _brand(raw: dict[str, Any]) -> int:
+    name = raw.get("brand", "NVIDIA")
+    if name not in _BRAND_IDS:
+        raise ValueError(f"models.yaml: unknown brand {name!r}; use one of {', '.join(_BRAND_IDS)}")
+    return _BRAND_IDS[name]
 
 
 def _ci_placements(ci: dict[str, Any], gi_slices: int) -> tuple[tuple[int, int], ...]:
@@ -169,6 +179,7 @@ def hardware_table() -> dict[str, GpuModel]:
             pci_device_id=int(raw["nvml_pci_device_id"], 16),
             sm_count=raw.get("sm_count") or more["sm_count"],
             nvlink_links=more["nvlink_links"],
+            brand=_brand(more),
             memory_slices=raw["memory_slices"],
             compute_slices=raw["compute_slices"],
             gi_profiles=profiles,
@@ -184,6 +195,7 @@ def hardware_table() -> dict[str, GpuModel]:
             pci_device_id=int(raw["nvml_pci_device_id"], 16),
             sm_count=raw["sm_count"],
             nvlink_links=raw["nvlink_links"],
+            brand=_brand(raw),
         )
     return table
 

@@ -329,6 +329,13 @@ def _architecture(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
     _set(out, lib.driver.gpus[index].model.architecture_id)
 
 
+@_export("nvmlDeviceGetBrand")
+def _brand(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
+    """``nvmlDeviceGetBrand(device, nvmlBrandType_t*)``; a MIG device answers with its GPU's brand."""
+    index, _ = lib.device(handle)
+    _set(out, lib.driver.gpus[index].model.brand)
+
+
 @_export("nvmlDeviceGetPciInfo_v3")
 def _pci_info(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
     index, _ = lib.device(handle)

@@ -1,0 +1,300 @@
+"""The prepared-claims checkpoint: what Tessera's DRA driver has prepared, encoded, checked and updated as values.
+
+Prepare and Unprepare must survive agent restarts and work after a claim is deleted (facts/dra.md A2, C8), so the
+driver keeps its own record of prepared claims. This is **Tessera's own file** (the shell keeps it as
+``tessera-checkpoint.json`` in the driver's plugin directory); it never reads or writes the kubelet's
+``dra_manager_state``, nor NVIDIA's ``checkpoint.json``, which a node moved from NVIDIA's driver may still have.
+
+The file is the kubelet checkpointmanager's shape, ``{"data": "<JSON text>", "checksum": "sha256:<hex>"}``: the
+checksum is SHA-256 over the exact bytes of ``data`` (UTF-8), so a torn write or a flipped byte anywhere is caught
+(the kubelet uses a 32-bit hash; SHA-256 costs nothing at this size and has no accidental collisions). ``data``
+holds::
+
+    {"kind": "TesseraDRACheckpoint", "version": 1, "nodeBootID": "<boot id>",
+     "preparedClaims": {"<claim uid>": {"checkpointState": "PrepareStarted" | "PrepareCompleted",
+                                        "namespace": "...", "name": "...",
+                                        "preparedDevices": [{"pool": "...", "device": "gpu-0",
+                                                             "requests": ["gpu"], "cdiDeviceIDs": ["..."],
+                                                             "adminAccess": false, "shareID": "..."}]}}}
+
+``decode`` refuses a wrong checksum, an unknown kind or version, or a malformed document with ``CheckpointError``;
+the caller then starts from ``empty(boot_id)`` and logs why. Unknown fields inside a good document are ignored, so
+a downgraded agent still reads a newer file (as NVIDIA decodes its checkpoint non-strictly). ``for_boot`` drops
+every claim when the node's boot ID changed: after a reboot nothing prepared is left (MIG devices, MPS daemons, the
+CDI specs on tmpfs), so Prepare must run in full again (NVIDIA does the same since v0.4.0).
+
+States (NVIDIA's): ``PrepareStarted`` is written before anything is done for a claim and ``PrepareCompleted`` once
+its CDI spec is written; a claim found ``PrepareStarted`` is rolled back and redone, one found ``PrepareCompleted``
+is answered from here. Only ``PrepareCompleted``, non-admin devices count as held against other claims.
+
+Pure: the functions take and return immutable ``Checkpoint`` values; the shell reads and writes the bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Literal
+
+from agent.core.dra.claims import ClaimRef, PlannedDevice, PreparePlan
+
+CHECKPOINT_FILE = "tessera-checkpoint.json"
+KIND = "TesseraDRACheckpoint"
+VERSION = 1
+PREPARE_STARTED = "PrepareStarted"
+PREPARE_COMPLETED = "PrepareCompleted"
+MAX_CHECKPOINT_BYTES = 64 * 1024 * 1024  # far above any real node (claims x 32 devices); a guard, not a limit
+
+State = Literal["PrepareStarted", "PrepareCompleted"]
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be trusted; the message says why. The caller starts empty and logs it."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedDevice:
+    """One device of a prepared claim, as the kubelet is told about it."""
+
+    pool: str
+    device: str
+    requests: tuple[str, ...]  # request names given to the kubelet (base names: "gpu" for "gpu/a100")
+    cdi_device_ids: tuple[str, ...] = ()  # empty while the claim is PrepareStarted
+    admin_access: bool = False
+    share_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedClaim:
+    state: State
+    namespace: str
+    name: str
+    devices: tuple[PreparedDevice, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    boot_id: str
+    claims: Mapping[str, PreparedClaim] = field(default_factory=lambda: MappingProxyType({}))  # by claim UID
+
+
+def empty(boot_id: str) -> Checkpoint:
+    return Checkpoint(boot_id=boot_id)
+
+
+# ----- encoding ---------------------------------------------------------------------------------------------------
+
+
+def encode(checkpoint: Checkpoint) -> bytes:
+    """The file's bytes: deterministic (sorted keys), so the same checkpoint always gives the same file."""
+    data = json.dumps(_to_json(checkpoint), sort_keys=True, separators=(",", ":"))
+    envelope = {"data": data, "checksum": _checksum(data)}
+    return (json.dumps(envelope, sort_keys=True) + "\n").encode()
+
+
+def decode(content: bytes) -> Checkpoint:
+    """The checkpoint in ``content``; ``CheckpointError`` if it is corrupt, tampered with or of unknown version."""
+    if len(content) > MAX_CHECKPOINT_BYTES:
+        raise CheckpointError(f"checkpoint is {len(content)} bytes, more than the {MAX_CHECKPOINT_BYTES} expected")
+    try:
+        envelope = json.loads(content)
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(f"checkpoint is not valid JSON: {error}") from None
+    if not isinstance(envelope, dict) or not isinstance(envelope.get("data"), str):
+        raise CheckpointError('checkpoint has no "data" string; it was not written by Tessera')
+    data, checksum = envelope["data"], envelope.get("checksum")
+    if not isinstance(checksum, str) or not hmac.compare_digest(checksum, _checksum(data)):
+        raise CheckpointError(f"checkpoint checksum mismatch (stored {checksum!r}): the file is corrupt")
+    try:
+        document = json.loads(data)
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(f"checkpoint data is not valid JSON: {error}") from None
+    if not isinstance(document, dict) or document.get("kind") != KIND:
+        kind = document.get("kind") if isinstance(document, dict) else None
+        raise CheckpointError(f"checkpoint kind is {kind!r}, not {KIND!r}")
+    if document.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint version {document.get('version')!r} is unknown; this agent reads version {VERSION} "
+            "(was it written by a newer Tessera?)"
+        )
+    try:
+        return _from_json(document)
+    except (TypeError, ValueError, KeyError, AttributeError) as error:
+        raise CheckpointError(f"checkpoint data is malformed: {error}") from None
+
+
+def for_boot(checkpoint: Checkpoint, boot_id: str) -> Checkpoint:
+    """The checkpoint valid for this boot: all of it, or nothing after a reboot (a different boot ID)."""
+    if checkpoint.boot_id == boot_id:
+        return checkpoint
+    if not checkpoint.boot_id:
+        return replace(checkpoint, boot_id=boot_id)  # no boot ID recorded: adopt this one, as NVIDIA does
+    return empty(boot_id)
+
+
+# ----- updates ----------------------------------------------------------------------------------------------------
+
+
+def prepare_started(checkpoint: Checkpoint, plan: PreparePlan) -> Checkpoint:
+    """Record that Prepare begins for the plan's claim (replacing an earlier attempt), before anything is done."""
+    devices = tuple(_device(d, ()) for d in plan.devices)
+    return _with(checkpoint, plan.claim, PreparedClaim(PREPARE_STARTED, plan.claim.namespace, plan.claim.name, devices))
+
+
+def prepare_completed(
+    checkpoint: Checkpoint, plan: PreparePlan, cdi_device_ids: Mapping[str, Sequence[str]]
+) -> Checkpoint:
+    """Record that the plan's claim is prepared; ``cdi_device_ids`` maps each device name to its CDI IDs."""
+    missing = [d.device for d in plan.devices if not cdi_device_ids.get(d.device)]
+    if missing:
+        raise ValueError(f"claim {plan.claim}: no CDI device IDs for {', '.join(missing)}")
+    devices = tuple(_device(d, tuple(cdi_device_ids[d.device])) for d in plan.devices)
+    claim = PreparedClaim(PREPARE_COMPLETED, plan.claim.namespace, plan.claim.name, devices)
+    return _with(checkpoint, plan.claim, claim)
+
+
+def unprepared(checkpoint: Checkpoint, claim_uid: str) -> Checkpoint:
+    """Forget the claim (nothing happens for an unknown one: Unprepare of an unknown claim succeeds)."""
+    if claim_uid not in checkpoint.claims:
+        return checkpoint
+    claims = {uid: c for uid, c in checkpoint.claims.items() if uid != claim_uid}
+    return replace(checkpoint, claims=MappingProxyType(claims))
+
+
+# ----- queries ----------------------------------------------------------------------------------------------------
+
+
+def completed(checkpoint: Checkpoint, claim_uid: str) -> PreparedClaim | None:
+    """The claim if its Prepare completed: Prepare answers it from here, redoing nothing."""
+    claim = checkpoint.claims.get(claim_uid)
+    return claim if claim is not None and claim.state == PREPARE_COMPLETED else None
+
+
+def held_devices(checkpoint: Checkpoint) -> dict[str, ClaimRef]:
+    """Device name → the claim holding it: claims whose Prepare completed, devices without admin access."""
+    held: dict[str, ClaimRef] = {}
+    for uid, claim in sorted(checkpoint.claims.items()):
+        if claim.state != PREPARE_COMPLETED:
+            continue
+        for device in claim.devices:
+            if not device.admin_access:
+                held.setdefault(device.device, ClaimRef(claim.namespace, claim.name, uid))
+    return held
+
+
+def holder(checkpoint: Checkpoint, device: str, *, other_than: str) -> ClaimRef | None:
+    """The completed claim other than ``other_than`` that holds ``device`` without admin access, if any."""
+    for uid, claim in sorted(checkpoint.claims.items()):
+        if uid == other_than or claim.state != PREPARE_COMPLETED:
+            continue
+        if any(d.device == device and not d.admin_access for d in claim.devices):
+            return ClaimRef(claim.namespace, claim.name, uid)
+    return None
+
+
+# ----- helpers ----------------------------------------------------------------------------------------------------
+
+
+def _checksum(data: str) -> str:
+    return "sha256:" + hashlib.sha256(data.encode()).hexdigest()
+
+
+def _with(checkpoint: Checkpoint, ref: ClaimRef, claim: PreparedClaim) -> Checkpoint:
+    return replace(checkpoint, claims=MappingProxyType({**checkpoint.claims, ref.uid: claim}))
+
+
+def _device(planned: PlannedDevice, cdi_ids: tuple[str, ...]) -> PreparedDevice:
+    return PreparedDevice(
+        pool=planned.pool,
+        device=planned.device,
+        requests=(planned.request_name,),
+        cdi_device_ids=cdi_ids,
+        admin_access=planned.admin_access,
+        share_id=planned.share_id,
+    )
+
+
+def _to_json(checkpoint: Checkpoint) -> dict[str, Any]:
+    return {
+        "kind": KIND,
+        "version": VERSION,
+        "nodeBootID": checkpoint.boot_id,
+        "preparedClaims": {
+            uid: {
+                "checkpointState": claim.state,
+                "namespace": claim.namespace,
+                "name": claim.name,
+                "preparedDevices": [
+                    {
+                        "pool": d.pool,
+                        "device": d.device,
+                        "requests": list(d.requests),
+                        "cdiDeviceIDs": list(d.cdi_device_ids),
+                        "adminAccess": d.admin_access,
+                        **({"shareID": d.share_id} if d.share_id else {}),
+                    }
+                    for d in claim.devices
+                ],
+            }
+            for uid, claim in checkpoint.claims.items()
+        },
+    }
+
+
+def _from_json(document: Mapping[str, Any]) -> Checkpoint:
+    boot_id = _str(document.get("nodeBootID", ""), "nodeBootID")
+    raw_claims = document.get("preparedClaims") or {}
+    if not isinstance(raw_claims, dict):
+        raise TypeError("preparedClaims is not an object")
+    claims: dict[str, PreparedClaim] = {}
+    for uid, raw in raw_claims.items():
+        where = f"preparedClaims[{uid}]"
+        if not isinstance(raw, dict):
+            raise TypeError(f"{where} is not an object")
+        state = raw.get("checkpointState")
+        if state not in (PREPARE_STARTED, PREPARE_COMPLETED):
+            raise ValueError(f"{where}.checkpointState is {state!r}")
+        raw_devices = raw.get("preparedDevices") or []
+        if not isinstance(raw_devices, list):
+            raise TypeError(f"{where}.preparedDevices is not a list")
+        devices = tuple(_device_from_json(d, f"{where}.preparedDevices[{i}]") for i, d in enumerate(raw_devices))
+        claims[uid] = PreparedClaim(
+            state=state,
+            namespace=_str(raw.get("namespace"), f"{where}.namespace"),
+            name=_str(raw.get("name"), f"{where}.name"),
+            devices=devices,
+        )
+    return Checkpoint(boot_id=boot_id, claims=MappingProxyType(claims))
+
+
+def _device_from_json(raw: Any, where: str) -> PreparedDevice:
+    if not isinstance(raw, dict):
+        raise TypeError(f"{where} is not an object")
+    admin = raw.get("adminAccess", False)
+    if not isinstance(admin, bool):
+        raise TypeError(f"{where}.adminAccess is not a boolean")
+    share_id = raw.get("shareID")
+    return PreparedDevice(
+        pool=_str(raw.get("pool"), f"{where}.pool"),
+        device=_str(raw.get("device"), f"{where}.device"),
+        requests=_strs(raw.get("requests", []), f"{where}.requests"),
+        cdi_device_ids=_strs(raw.get("cdiDeviceIDs", []), f"{where}.cdiDeviceIDs"),
+        admin_access=admin,
+        share_id=None if share_id is None else _str(share_id, f"{where}.shareID"),
+    )
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{where} is not a string")
+    return value
+
+
+def _strs(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{where} is not a list of strings")
+    return tuple(value)

@@ -1,0 +1,250 @@
+"""The DRA device model: the node's GPUs and MIG devices as NVIDIA's DRA driver names and describes them.
+
+A claim or DeviceClass written for NVIDIA's driver (``gpu.nvidia.com``) must select Tessera's devices
+unchanged, so names, attributes and capacities follow NVIDIA's driver (facts ``dra.md`` C2, C3):
+
+- A GPU that is not MIG-enabled is one device ``gpu-<minor>``. A MIG-enabled GPU is not offered whole; each
+  MIG device that exists is one device ``gpu-<parentMinor>-mig-<profile>-<giProfileId>-<placementStart>``
+  (static MIG), ``<profile>`` spelled by NVIDIA's ``ToCanonicalName`` rule: dots removed, lower case, every
+  character outside ``[a-z0-9-.]`` replaced by ``-``, then leading/trailing ``-`` and a trailing ``.`` trimmed
+  (``1g.10gb+me`` -> ``1g10gb-me``).
+- MIG devices whose compute instance is smaller than their GPU instance (``1c.3g.40gb``) are left out: NVIDIA's
+  driver only knows profiles with C == G, and two compute instances of one GPU instance would get one name.
+- Attributes are NVIDIA's, with unqualified names in the driver's domain: ``type``, ``uuid``, ``productName``,
+  ``brand`` (go-nvlib's string, e.g. ``Nvidia``), ``architecture`` (go-nvlib's string: ``Ada Lovelace``, not
+  NVML's short ``Ada``), ``cudaComputeCapability`` (version ``8.0.0``), ``driverVersion`` (the NVML string
+  normalised as Masterminds/semver's ``NewVersion(...).String()`` does: ``580.95.05`` -> ``580.95.5``; the
+  facts mark this normalisation (?), the rule here is the library's), ``cudaDriverVersion`` (``<major>.<minor>``
+  from NVML's int: 13000 -> ``13.0.0``) and ``resource.kubernetes.io/pciBusID`` (go-nvlib's spelling:
+  ``0000:18:00.0``). MIG devices add ``parentUUID`` and ``profile`` and carry their GPU's attributes.
+- Left out, and why: ``resource.kubernetes.io/pcieRoot`` is read from sysfs (the ``/sys/bus/pci/devices/<bus>``
+  link), which NVML does not say; the shell may pass it in ``pcie_roots``. ``addressingMode`` (coherent-memory
+  systems only) is not in the inventory. ``brand`` when NVML does not report one. An attribute whose value
+  cannot be a version (a driver string semver cannot read) is left out rather than failing the GPU.
+- Capacities, in base units: a GPU's ``memory`` in bytes (from the inventory's MiB, which NVML's byte count
+  always is a whole multiple of on these products). A MIG device's ``multiprocessors``, ``copyEngines``,
+  ``decoders``, ``encoders``, ``jpegEngines``, ``ofaEngines`` (its GPU instance profile: SM count and memory as
+  NVML reported them for the device, engine counts from the packaged MIG facts; omitted for a model the facts
+  do not know), ``memory`` (bytes) and ``memorySlice<i>`` = 1 for each memory slice its placement covers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from agent.core.inventory import Gpu, Inventory, MigDevice
+from agent.core.mig_catalog import mig_catalog
+
+DEFAULT_DRIVER = "gpu.nvidia.com"
+STANDARD_DOMAIN = "resource.kubernetes.io"
+PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+GPU = "gpu"
+MIG = "mig"
+
+_MIB = 1 << 20
+_NVLIB_ARCHITECTURES = {"Ada": "Ada Lovelace"}  # NVML's short names where go-nvlib spells them otherwise
+_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]$")  # the only form the attribute accepts
+# Masterminds/semver NewVersion: optional "v", one to three numbers, pre-release and build metadata.
+_LOOSE_SEMVER = re.compile(
+    r"^v?(\d+)(?:\.(\d+))?(?:\.(\d+))?"
+    r"(?:-([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?(?:\+([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?$"
+)
+
+
+class Version(str):
+    """An attribute value of the ``version`` kind (semver 2.0.0), e.g. ``Version("8.0.0")``; a plain ``str`` is
+    a ``string`` attribute."""
+
+    __slots__ = ()
+
+
+AttributeValue = bool | int | str  # a Version is a str; tell the kinds apart with attribute_kind()
+AttributeKind = Literal["bool", "int", "string", "version"]
+
+
+def attribute_kind(value: AttributeValue) -> AttributeKind:
+    """The API's name for the kind of ``value`` (``bool`` is tested before ``int``: True is an int in Python)."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, Version):
+        return "version"
+    if isinstance(value, str):
+        return "string"
+    raise TypeError(f"a DRA attribute is a bool, an int, a str or a Version, not {type(value).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class DraDevice:
+    """One device of this node's pool, as a ResourceSlice lists it."""
+
+    name: str  # unique in the pool, a DNS label
+    kind: Literal["gpu", "mig"]
+    uuid: str
+    parent_uuid: str | None  # the GPU of a MIG device
+    gpu_minor: int  # /dev/nvidia<minor> of the GPU (the parent's for a MIG device)
+    attributes: Mapping[str, AttributeValue]  # unqualified names belong to the driver's domain
+    capacity: Mapping[str, int]  # base units (bytes, counts)
+    # counter set -> counter -> amount this device uses up (partitionable devices; dynamic MIG, not static MIG)
+    consumes_counters: Mapping[str, Mapping[str, int]] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def gpu_uuid(self) -> str:
+        """The physical GPU this device lives on."""
+        return self.parent_uuid or self.uuid
+
+
+def dra_devices(
+    inventory: Inventory,
+    *,
+    gpu_uuids: Collection[str] | None = None,
+    pcie_roots: Mapping[str, str] | None = None,
+) -> tuple[DraDevice, ...]:
+    """The devices of ``inventory`` (only the GPUs in ``gpu_uuids`` when given), by GPU minor then name.
+
+    ``pcie_roots`` maps a PCI bus ID in the attribute's spelling (``0000:18:00.0``) to its PCIe root
+    (``pci0000:00``); GPUs without an entry get no ``pcieRoot`` attribute.
+    """
+    devices: list[DraDevice] = []
+    for gpu in sorted(inventory.gpus, key=lambda g: g.minor_number):
+        if gpu_uuids is not None and gpu.uuid not in gpu_uuids:
+            continue
+        common = _common_attributes(gpu, inventory, pcie_roots or {})
+        if not gpu.mig_enabled:
+            devices.append(_gpu_device(gpu, common))
+            continue
+        migs = [_mig_device(gpu, mig, common) for mig in gpu.mig_devices if mig.is_full_instance]
+        devices.extend(sorted(migs, key=lambda d: d.name))
+    return tuple(devices)
+
+
+def gpu_device_name(gpu: Gpu) -> str:
+    return f"gpu-{gpu.minor_number}"
+
+
+def mig_device_name(gpu: Gpu, mig: MigDevice) -> str:
+    """NVIDIA's ``MigSpecTuple.ToCanonicalName``."""
+    return f"gpu-{gpu.minor_number}-mig-{canonical_profile(mig.profile)}-{mig.gi_profile_id}-{mig.placement.start}"
+
+
+def canonical_profile(profile: str) -> str:
+    """A profile string as it appears in a device name: ``1g.10gb`` -> ``1g10gb``, ``1g.10gb+me`` -> ``1g10gb-me``."""
+    name = re.sub(r"[^a-z0-9-.]", "-", profile.replace(".", "").lower())
+    return name.strip("-").removesuffix(".")[:253]
+
+
+def pci_bus_id(nvml_bus_id: str) -> str | None:
+    """go-nvlib's ``GetPCIBusID``: lower case, the 8-digit NVML domain cut to 4; None unless it is then a BDF."""
+    bus = nvml_bus_id.lower()
+    if bus != "0000":
+        bus = bus.removeprefix("0000")
+    return bus if _BDF.match(bus) else None
+
+
+def semver(text: str) -> Version | None:
+    """``text`` as Masterminds/semver's ``NewVersion(text).String()`` spells it (missing parts 0, leading zeros
+    dropped, a ``v`` prefix removed); None where that parser fails (four parts, empty)."""
+    match = _LOOSE_SEMVER.match(text.strip())
+    if match is None:
+        return None
+    major, minor, patch, pre, build = match.groups()
+    if pre is not None and any(p.isdigit() and len(p) > 1 and p[0] == "0" for p in pre.split(".")):
+        return None  # semver: numeric pre-release identifiers have no leading zeros
+    version = f"{int(major)}.{int(minor or 0)}.{int(patch or 0)}"
+    return Version(version + (f"-{pre}" if pre else "") + (f"+{build}" if build else ""))
+
+
+def cuda_driver_version(value: int) -> Version:
+    """NVML's CUDA driver version int as NVIDIA's driver publishes it: 12040 -> ``12.4.0``."""
+    return Version(f"{value // 1000}.{value % 1000 // 10}.0")
+
+
+def qualified(name: str, driver: str = DEFAULT_DRIVER) -> tuple[str, str]:
+    """(domain, identifier) of an attribute or capacity name; an unqualified name is in the driver's domain."""
+    domain, _, identifier = name.rpartition("/")
+    return (domain or driver, identifier)
+
+
+def cel_device(device: DraDevice, driver: str = DEFAULT_DRIVER) -> dict[str, object]:
+    """The ``device`` a CEL selector sees: ``device.driver``, ``device.attributes[domain].name`` and
+    ``device.capacity[domain].name`` (capacities as ints in base units, versions as ``Version``)."""
+    attributes: dict[str, dict[str, AttributeValue]] = {}
+    for name, value in device.attributes.items():
+        domain, identifier = qualified(name, driver)
+        attributes.setdefault(domain, {})[identifier] = value
+    capacity: dict[str, dict[str, int]] = {}
+    for name, amount in device.capacity.items():
+        domain, identifier = qualified(name, driver)
+        capacity.setdefault(domain, {})[identifier] = amount
+    return {"driver": driver, "attributes": attributes, "capacity": capacity}
+
+
+# ----- building -------------------------------------------------------------------------------------
+
+
+def _common_attributes(gpu: Gpu, inventory: Inventory, pcie_roots: Mapping[str, str]) -> dict[str, AttributeValue]:
+    """What a GPU and its MIG devices share (NVIDIA's ``CommonAttributesMig`` takes the parent's values)."""
+    major, minor = gpu.compute_capability
+    attributes: dict[str, AttributeValue] = {
+        "productName": gpu.name,
+        "architecture": _NVLIB_ARCHITECTURES.get(gpu.architecture, gpu.architecture),
+        "cudaComputeCapability": Version(f"{major}.{minor}.0"),
+    }
+    if gpu.brand:
+        attributes["brand"] = gpu.brand
+    driver_version = semver(inventory.driver_version)
+    if driver_version is not None:
+        attributes["driverVersion"] = driver_version
+    if inventory.cuda_driver_version is not None:
+        attributes["cudaDriverVersion"] = cuda_driver_version(inventory.cuda_driver_version)
+    bus = pci_bus_id(gpu.pci_bus_id)
+    if bus is not None:
+        attributes[PCI_BUS_ID] = bus
+        if bus in pcie_roots:
+            attributes[PCIE_ROOT] = pcie_roots[bus]
+    return attributes
+
+
+def _gpu_device(gpu: Gpu, common: Mapping[str, AttributeValue]) -> DraDevice:
+    return DraDevice(
+        name=gpu_device_name(gpu),
+        kind=GPU,
+        uuid=gpu.uuid,
+        parent_uuid=None,
+        gpu_minor=gpu.minor_number,
+        attributes=MappingProxyType({"type": GPU, "uuid": gpu.uuid, **common}),
+        capacity=MappingProxyType({"memory": gpu.memory_mib * _MIB}),
+    )
+
+
+def _mig_device(gpu: Gpu, mig: MigDevice, common: Mapping[str, AttributeValue]) -> DraDevice:
+    attributes = {"type": MIG, "uuid": mig.uuid, "parentUUID": gpu.uuid, "profile": mig.profile, **common}
+    capacity = {"multiprocessors": mig.multiprocessor_count}
+    catalog = mig_catalog(gpu.pci_device_id)
+    profile = catalog.profile_by_id(mig.gi_profile_id) if catalog is not None else None
+    if profile is not None:
+        capacity |= {
+            "copyEngines": profile.copy_engines,
+            "decoders": profile.decoders,
+            "encoders": profile.encoders,
+            "jpegEngines": profile.jpeg_engines,
+            "ofaEngines": profile.ofa_engines,
+        }
+    capacity["memory"] = mig.memory_mib * _MIB
+    start = mig.placement.start
+    capacity |= {f"memorySlice{i}": 1 for i in range(start, start + mig.placement.size)}
+    return DraDevice(
+        name=mig_device_name(gpu, mig),
+        kind=MIG,
+        uuid=mig.uuid,
+        parent_uuid=gpu.uuid,
+        gpu_minor=gpu.minor_number,
+        attributes=MappingProxyType(attributes),
+        capacity=MappingProxyType(capacity),
+    )
