@@ -215,6 +215,16 @@ class HealthSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DraSection:
+    """Tessera: the DRA front end. ``gpus`` (``all``, or GPU indices and UUIDs) are served to DRA claims as the
+    ResourceSlices of driver ``driver_name``; every other GPU stays with the device plugin. Off by default."""
+
+    enabled: bool = False
+    driver_name: str = "gpu.nvidia.com"
+    gpus: Literal["all"] | list[int | str] = "all"
+
+
+@dataclass(frozen=True, kw_only=True)
 class ConfigModel:
     """A whole config; ``ConfigModel()`` is every default (no config given)."""
 
@@ -226,6 +236,7 @@ class ConfigModel:
     match: list[str] | None = None  # Tessera: the GPU products this config is for (globs)
     mig_layout: MigLayoutSection | None = None  # Tessera: the MIG layout manager
     health: HealthSection | None = None  # Tessera: per-XID health overrides
+    dra: DraSection | None = None  # Tessera: which GPUs the DRA front end serves
 
     @property
     def replicated(self) -> tuple[str, ReplicatedResources] | None:

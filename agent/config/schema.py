@@ -37,6 +37,7 @@ from agent.config.model import (
 from agent.core.health import XidEffect, parse_effect, parse_xid_key
 
 _UUID = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+_GPU_UUID = re.compile(rf"^GPU-{_UUID}$")
 _DEVICE_REF = re.compile(rf"^(\d+|\d+:\d+|GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/\d+/\d+)$")
 
 
@@ -305,6 +306,41 @@ class HealthSection(_Section):
         return out
 
 
+class DraSection(_Section):
+    """Tessera: the DRA front end. ``gpus`` (``all``, or GPU indices and UUIDs) are served to DRA claims as the
+    ResourceSlices of driver ``driverName``; every other GPU stays with the device plugin. Off by default."""
+
+    enabled: StrictBool = False
+    driver_name: GoString = Field("gpu.nvidia.com", alias="driverName")
+    gpus: Literal["all"] | list[StrictInt | GoString] = "all"
+
+    @field_validator("driver_name")
+    @classmethod
+    def _driver(cls, value: str) -> str:
+        from agent.dra.names import check_driver_name
+
+        return check_driver_name(value)
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, value: object) -> object:
+        if value == "all":
+            return value
+        assert isinstance(value, list)
+        problems = [
+            f"{entry!r} is neither a GPU index nor a GPU UUID"
+            for entry in value
+            if not (isinstance(entry, int) and entry >= 0) and not (isinstance(entry, str) and _GPU_UUID.match(entry))
+        ]
+        if len(set(map(str, value))) != len(value):
+            problems.append("a GPU is named twice")
+        if not value:
+            problems.append('an empty list serves no GPU: use enabled: false, or "all"')
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+
 # ----- the document ---------------------------------------------------------------------------------
 
 
@@ -317,6 +353,7 @@ class ConfigModel(_Section):
     match: list[GoString] | None = None  # Tessera: the GPU products this config is for (globs)
     mig_layout: MigLayoutSection | None = Field(None, alias="migLayout")  # Tessera: the MIG layout manager
     health: HealthSection | None = None  # Tessera: per-XID health overrides
+    dra: DraSection | None = None  # Tessera: which GPUs the DRA front end serves
 
     @field_validator("version")
     @classmethod

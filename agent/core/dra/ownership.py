@@ -1,0 +1,78 @@
+"""Which front end serves each GPU: the DRA driver or the device plugin, never both.
+
+The config's ``dra`` section names the GPUs DRA serves (``all``, or indices and UUIDs); every other GPU stays
+with the device plugin. A GPU that moves from one front end to the other moves only when nothing uses it
+(``transition``): until then it stays where it is, so no running workload loses its device and no device is
+ever offered twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from agent.core.inventory import Inventory
+
+
+class OwnershipError(ValueError):
+    """The ``dra.gpus`` list names GPUs this node does not have; the message names them and what exists."""
+
+
+def dra_gpus(gpus: Literal["all"] | Sequence[int | str] | None, inventory: Inventory) -> frozenset[str]:
+    """The UUIDs of the GPUs the config's ``dra.gpus`` gives to DRA on this node (None: DRA is off)."""
+    if gpus is None:
+        return frozenset()
+    if gpus == "all":
+        return frozenset(g.uuid for g in inventory.gpus)
+    by_index = {g.index: g.uuid for g in inventory.gpus}
+    uuids = {g.uuid for g in inventory.gpus}
+    chosen, unknown = set(), []
+    for entry in gpus:
+        uuid = by_index.get(entry) if isinstance(entry, int) else (entry if entry in uuids else None)
+        if uuid is None:
+            unknown.append(str(entry))
+        else:
+            chosen.add(uuid)
+    if unknown:
+        have = ", ".join(f"{g.index} ({g.uuid})" for g in inventory.gpus) or "none"
+        raise OwnershipError(f"dra.gpus: {', '.join(unknown)} is not a GPU of this node; it has {have}")
+    return frozenset(chosen)
+
+
+def without(inventory: Inventory, uuids: Set[str]) -> Inventory:
+    """The inventory the device plugin plans from: the GPUs DRA serves left out."""
+    if not uuids:
+        return inventory
+    return replace(inventory, gpus=tuple(g for g in inventory.gpus if g.uuid not in uuids))
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """Where each GPU is served now, and the moves that wait because the GPU is in use."""
+
+    dra: frozenset[str]  # served by DRA now
+    waiting: dict[str, str]  # GPU UUID -> why its move waits ("to DRA: ...", "to the device plugin: ...")
+
+
+def transition(
+    current: Set[str],
+    wanted: Set[str],
+    busy_in_plugin: Set[str],
+    busy_in_dra: Set[str],
+    reasons: dict[str, str] | None = None,
+) -> Transition:
+    """Move every GPU whose front end changes, unless it is in use where it is now (``busy_*``: GPU UUIDs with
+    a kubelet allocation or a process on them, or with a prepared claim); those stay and wait."""
+    reasons = reasons or {}
+    dra, waiting = set(current & wanted), {}
+    for uuid in wanted - current:
+        if uuid in busy_in_plugin:
+            waiting[uuid] = f"to DRA: {reasons.get(uuid, 'in use by a device-plugin pod')}"
+        else:
+            dra.add(uuid)
+    for uuid in current - wanted:
+        if uuid in busy_in_dra:
+            dra.add(uuid)
+            waiting[uuid] = f"to the device plugin: {reasons.get(uuid, 'a prepared claim holds it')}"
+    return Transition(frozenset(dra), waiting)
