@@ -1,0 +1,653 @@
+"""The DRA driver's gRPC service: NodePrepareResources / NodeUnprepareResources and the device health stream.
+
+One ``grpc.aio`` server on the agent's gRPC loop, on the driver's DRA socket (mode 0600), serves three services:
+``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` (kubelet 1.34+), ``...dra.v1beta1.DRAPlugin`` (older kubelets; the same
+behaviour, without ``Device.share_id``) and ``v1alpha1.DRAResourceHealth``.
+
+Prepare and Unprepare: the handlers only translate. The work (reading claims from the API server, writing CDI specs
+and the checkpoint, each with an fsync) blocks, so it runs on one worker thread (``_Claims``), never on the loop;
+one worker means one claim at a time across all calls and both API versions, as NVIDIA's driver serialises them
+with its node-wide lock, so the checkpoint has a single writer and a Prepare racing an Unprepare of the same claim
+is simply ordered. The promises, which the kubelet relies on (facts/dra.md A2, C8):
+
+- Every claim of a batch gets an entry; one claim's error (its ``error`` field, naming the claim and the reason)
+  never fails the others. An empty request (NVIDIA's liveness probe sends one) gets an empty answer.
+- Prepare is idempotent: a claim already prepared gets the same answer from the checkpoint, nothing redone (its CDI
+  spec is written again if it is gone). The kubelet calls Prepare again after its own restart, for a second pod
+  sharing the claim, and after a reboot.
+- Nothing is left half-prepared: ``PrepareStarted`` is recorded before anything is done, ``PrepareCompleted`` once
+  the CDI spec is written; a failure in between removes the spec and the record. A ``PrepareStarted`` record found
+  later (the agent died mid-way) is rolled back and the claim prepared again.
+- A device held by another prepared claim is refused (``agent.core.dra.claims.plan_prepare``), across agent restarts.
+- Unprepare works from the checkpoint alone (the claim may be deleted from the API server by then) and does not
+  assume this process prepared the claim; an unknown claim is a success.
+
+Health (KEP-4680): ``NodeWatchResources`` sends the complete device list of the pool with each device's health at
+once, again on every change the owner hands over with ``update``, and again every third of
+``health_check_timeout_seconds`` even without a change: the kubelet reads a device as Unknown once it has not
+been reported for that long (facts A4). 60 s is long enough that a busy node never flaps to Unknown and short
+enough that a wedged agent shows within a minute; when the agent dies the stream ends and the kubelet clears the
+driver's health at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import stat
+import time
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType, ModuleType
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from agent.api.dra.v1 import api_pb2 as dra_v1
+from agent.api.dra.v1beta1 import api_pb2 as dra_v1beta1
+from agent.api.drahealth.v1alpha1 import api_pb2 as dra_health
+from agent.core.allocation import DEFAULT_CDI_KIND
+from agent.core.dra.cdi import CdiError, DeviceNode, cdi_device_ids, check_claim_uid, claim_spec, gpu_nodes
+from agent.core.dra.checkpoint import (
+    PREPARE_COMPLETED,
+    Checkpoint,
+    PreparedClaim,
+    PreparedDevice,
+    held_devices,
+    prepare_completed,
+    prepare_started,
+    unprepared,
+)
+from agent.core.dra.claims import ClaimError, ClaimRef, PreparableDevice, plan_prepare
+from agent.core.dra.devices import DraDevice
+from agent.dra.cdi_store import CdiStore, CdiStoreError
+from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
+from agent.dra.claims_api import ClaimReader, ClaimsUnavailable
+from agent.dra.names import MAX_SOCKET_PATH, check_driver_name
+from agent.grpc_loop import GrpcLoop, grpc_loop
+
+log = logging.getLogger(__name__)
+
+SOCKET_MODE = 0o600
+SOCKET_DIR_MODE = 0o750
+HEALTH_TIMEOUT_SECONDS = 60
+MAX_HEALTH_MESSAGE = 1024  # the kubelet truncates longer messages
+STOP_GRACE = 0.1
+DRA_V1 = dra_v1.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
+DRA_V1BETA1 = dra_v1beta1.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
+HEALTH = dra_health.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name
+
+DeviceNodes = Callable[[PreparableDevice], Sequence[DeviceNode]]
+Outcome = tuple[PreparedDevice, ...] | ClaimError  # one claim's Prepare: its devices, or why not
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceView:
+    """The pool's devices and their health as the owner last handed them over (immutable; swapped whole)."""
+
+    devices: Mapping[str, DraDevice]
+    unhealthy: Mapping[str, str]  # device name -> why (e.g. "XID 79"), shown in the health message
+    health: tuple[tuple[str, int, str], ...]  # (device, HealthStatus, message), in the owner's device order
+
+    @classmethod
+    def of(
+        cls, devices: Mapping[str, DraDevice], unhealthy: Mapping[str, str], unknown: Collection[str] = ()
+    ) -> DeviceView:
+        def status(name: str) -> tuple[str, int, str]:
+            if name in unhealthy:
+                return name, dra_health.UNHEALTHY, unhealthy[name][:MAX_HEALTH_MESSAGE]
+            return name, dra_health.UNKNOWN if name in unknown else dra_health.HEALTHY, ""
+
+        health = tuple(status(name) for name in devices)
+        return cls(MappingProxyType(dict(devices)), MappingProxyType(dict(unhealthy)), health)
+
+
+def default_device_nodes(node_wide: bool) -> DeviceNodes:
+    """The device nodes a claim's CDI entry gives each device: ``/dev/nvidia<minor>`` of its GPU.
+
+    A MIG device also needs its GPU-instance and compute-instance capability nodes; the node-wide CDI entry
+    (``nvidia.com/gpu=<MIG UUID>``, from ``nvidia-ctk cdi generate``) carries them, so with ``node_wide`` the GPU's
+    node is enough. Without it the caller must pass a ``device_nodes`` that reads them
+    (``agent.core.dra.cdi.mig_nodes``): a MIG claim is refused rather than given a device it cannot open.
+    """
+
+    def nodes(device: PreparableDevice) -> Sequence[DeviceNode]:
+        if device.kind == "mig" and not node_wide:
+            raise CdiError(
+                f"MIG device {device.name} needs its capability device nodes, which this agent cannot read "
+                "without the node-wide CDI spec; enable node-wide CDI (nvidia-ctk cdi generate)"
+            )
+        return gpu_nodes(device.gpu_minor)
+
+    return nodes
+
+
+class _Claims:
+    """Prepare and Unprepare, one claim at a time; every method runs on the service's one worker thread.
+
+    ``checkpoint`` is the prepared claims as last saved; it is replaced whole (an immutable value), so other
+    threads may read it at any time.
+    """
+
+    def __init__(
+        self,
+        *,
+        driver: str,
+        pool: str,
+        read_claim: ClaimReader,
+        cdi: CdiStore,
+        checkpoints: CheckpointStore,
+        view: Callable[[], DeviceView | None],
+        node_wide: bool,
+        node_cdi_kind: str,
+        common_edits: Mapping[str, Any] | None,
+        device_nodes: DeviceNodes,
+    ) -> None:
+        self._driver, self._pool = driver, pool
+        self._read_claim = read_claim
+        self._cdi, self._store = cdi, checkpoints
+        self._view = view
+        self._node_wide, self._node_cdi_kind = node_wide, node_cdi_kind
+        self._common_edits = common_edits
+        self._device_nodes = device_nodes
+        self.checkpoint: Checkpoint = checkpoints.load()
+
+    # ----- Prepare ------------------------------------------------------------------------------------------------
+
+    def prepare(self, refs: Sequence[ClaimRef], deadline: float | None) -> dict[str, Outcome]:
+        outcomes: dict[str, Outcome] = {}
+        for ref in refs:
+            if deadline is not None and time.monotonic() > deadline:
+                outcomes[ref.uid] = ClaimError(
+                    ref, "not prepared: the kubelet's call timed out before its turn; the kubelet retries", True
+                )
+                continue
+            try:
+                outcome = self._prepare(ref)
+            except Exception as error:  # a bug must cost one claim, never the batch or the worker
+                log.exception("unexpected error preparing claim=%s/%s uid=%s", ref.namespace, ref.name, ref.uid)
+                self._roll_back_started(ref)
+                outcome = ClaimError(ref, f"internal error while preparing: {type(error).__name__}: {error}", True)
+            _log_prepare(ref, outcome)
+            outcomes[ref.uid] = outcome
+        return outcomes
+
+    def _prepare(self, ref: ClaimRef) -> Outcome:
+        try:
+            check_claim_uid(ref.uid)
+        except CdiError as error:
+            return ClaimError(ref, str(error))
+        existing = self.checkpoint.claims.get(ref.uid)
+        if existing is not None and existing.state == PREPARE_COMPLETED:
+            return self._prepared_before(ref, existing)
+        if existing is not None:
+            log.warning(
+                "claim was left PrepareStarted by an earlier attempt; rolling it back claim=%s/%s uid=%s",
+                ref.namespace,
+                ref.name,
+                ref.uid,
+            )
+            if (problem := self._roll_back(ref)) is not None:
+                return ClaimError(ref, f"cannot roll back an earlier, unfinished prepare: {problem}", True)
+        view = self._view()
+        if view is None:
+            return ClaimError(ref, "this node's devices are not known yet (the agent is starting); retry", True)
+        try:
+            claim = self._read_claim(ref.namespace, ref.name, ref.uid)
+        except ClaimsUnavailable as error:
+            return ClaimError(ref, f"cannot read the claim: {error}; the kubelet retries", True)
+        plan = plan_prepare(
+            ref,
+            claim,
+            driver=self._driver,
+            pool=self._pool,
+            devices=view.devices,
+            unhealthy=view.unhealthy,
+            held_by=held_devices(self.checkpoint),
+        )
+        if isinstance(plan, ClaimError):
+            return plan
+        try:
+            spec, ids = self._spec(ref.uid, [(d.device, d.info) for d in plan.devices])
+        except CdiError as error:
+            return ClaimError(ref, f"cannot build its CDI spec: {error}")
+        started = prepare_started(self.checkpoint, plan)
+        try:
+            self._store.save(started)
+        except CheckpointSaveError as error:
+            return ClaimError(ref, f"{error}; nothing was prepared", True)
+        self.checkpoint = started
+        try:
+            self._cdi.write(ref.uid, spec)
+            completed = prepare_completed(self.checkpoint, plan, ids)
+            self._store.save(completed)
+        except (CdiStoreError, CheckpointSaveError) as error:
+            if (problem := self._roll_back(ref)) is not None:
+                return ClaimError(ref, f"{error}; rolling back failed too ({problem}): the next attempt retries it")
+            return ClaimError(ref, f"{error}; nothing was left prepared")
+        self.checkpoint = completed
+        return completed.claims[ref.uid].devices
+
+    def _prepared_before(self, ref: ClaimRef, claim: PreparedClaim) -> Outcome:
+        """The same answer as the first time; the CDI spec written again if it is gone (a reboot empties tmpfs)."""
+        if self._cdi.exists(ref.uid):
+            return claim.devices
+        view = self._view()
+        devices = view.devices if view is not None else {}
+        missing = [d.device for d in claim.devices if d.device not in devices]
+        if missing:
+            return ClaimError(
+                ref,
+                f"its CDI spec {self._cdi.path(ref.uid)} is gone and its devices {', '.join(missing)} no longer exist "
+                "on this node, so it cannot be written again; delete the pod so the claim is unprepared",
+            )
+        try:
+            spec, _ = self._spec(ref.uid, [(d.device, devices[d.device]) for d in claim.devices])
+            path = self._cdi.write(ref.uid, spec)
+        except (CdiError, CdiStoreError) as error:
+            return ClaimError(ref, f"its CDI spec is gone and cannot be written again: {error}")
+        log.info("CDI spec written again claim=%s/%s uid=%s path=%s", ref.namespace, ref.name, ref.uid, path)
+        return claim.devices
+
+    def _spec(
+        self, claim_uid: str, devices: Sequence[tuple[str, PreparableDevice]]
+    ) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]]:
+        nodes = {name: tuple(self._device_nodes(info)) for name, info in devices}
+        spec = claim_spec(claim_uid, nodes, common_edits=self._common_edits)
+        ids = {
+            name: cdi_device_ids(
+                claim_uid, name, info.uuid, node_wide=self._node_wide, node_cdi_kind=self._node_cdi_kind
+            )
+            for name, info in devices
+        }
+        return spec, ids
+
+    def _roll_back(self, ref: ClaimRef) -> str | None:
+        """Undo a prepare that did not complete (spec, then record); the reason when the spec cannot be removed."""
+        try:
+            self._cdi.remove(ref.uid)
+        except CdiStoreError as error:
+            log.error("cannot roll back claim=%s/%s uid=%s error=%r", ref.namespace, ref.name, ref.uid, str(error))
+            return str(error)
+        rolled = unprepared(self.checkpoint, ref.uid)
+        self.checkpoint = rolled  # at once: a PrepareStarted record the disk may still hold is rolled back again
+        try:
+            self._store.save(rolled)
+        except CheckpointSaveError as error:
+            log.error("claim rolled back, checkpoint not saved uid=%s error=%r", ref.uid, str(error))
+        return None
+
+    def _roll_back_started(self, ref: ClaimRef) -> None:
+        existing = self.checkpoint.claims.get(ref.uid)
+        if existing is not None and existing.state != PREPARE_COMPLETED:
+            with contextlib.suppress(Exception):
+                self._roll_back(ref)
+
+    # ----- Unprepare ----------------------------------------------------------------------------------------------
+
+    def unprepare(self, refs: Sequence[ClaimRef], deadline: float | None) -> dict[str, str]:
+        """Claim UID -> error message; ``""`` for success."""
+        errors: dict[str, str] = {}
+        for ref in refs:
+            if deadline is not None and time.monotonic() > deadline:
+                late = ClaimError(ref, "not unprepared: the kubelet's call timed out before its turn; it retries")
+                errors[ref.uid] = late.message
+                continue
+            try:
+                errors[ref.uid] = self._unprepare(ref)
+            except Exception as error:
+                log.exception("unexpected error unpreparing claim=%s/%s uid=%s", ref.namespace, ref.name, ref.uid)
+                errors[ref.uid] = ClaimError(ref, f"internal error while unpreparing: {error}").message
+        return errors
+
+    def _unprepare(self, ref: ClaimRef) -> str:
+        claim = self.checkpoint.claims.get(ref.uid)
+        try:
+            check_claim_uid(ref.uid)
+        except CdiError:
+            if claim is None:
+                log.info("unprepare of an unknown claim claim=%s/%s uid=%r", ref.namespace, ref.name, ref.uid)
+                return ""  # no file of ours can carry such a name, and nothing is recorded for it
+        try:
+            removed = self._cdi.remove(ref.uid)
+        except CdiStoreError as error:
+            return _failed_unprepare(ref, str(error))
+        if claim is None:
+            log.info(
+                "unprepare of an unknown claim claim=%s/%s uid=%s stale_spec_removed=%s",
+                ref.namespace,
+                ref.name,
+                ref.uid,
+                removed,
+            )
+            return ""
+        rolled = unprepared(self.checkpoint, ref.uid)
+        try:
+            self._store.save(rolled)
+        except CheckpointSaveError as error:
+            return _failed_unprepare(ref, str(error))
+        self.checkpoint = rolled
+        log.info(
+            "claim unprepared claim=%s/%s uid=%s devices=%s state=%s",
+            ref.namespace,
+            ref.name,
+            ref.uid,
+            ",".join(d.device for d in claim.devices),
+            claim.state,
+        )
+        return ""
+
+    def sweep(self) -> list[str]:
+        """Remove the CDI specs of ours that no recorded claim owns (``CdiStore.stale``); their claim UIDs."""
+        removed = []
+        for uid in self._cdi.stale(self.checkpoint.claims.keys()):
+            try:
+                if self._cdi.remove(uid):
+                    removed.append(uid)
+            except CdiStoreError as error:
+                log.warning("cannot remove a stale CDI spec uid=%s error=%r", uid, str(error))
+        if removed:
+            log.info("stale CDI specs removed claims=%s", ",".join(removed))
+        return removed
+
+
+def _failed_unprepare(ref: ClaimRef, reason: str) -> str:
+    log.error("claim not unprepared claim=%s/%s uid=%s reason=%r", ref.namespace, ref.name, ref.uid, reason)
+    return ClaimError(ref, f"{reason}; the kubelet retries").message
+
+
+def _log_prepare(ref: ClaimRef, outcome: Outcome) -> None:
+    if isinstance(outcome, ClaimError):
+        log.log(
+            logging.WARNING if outcome.retriable else logging.ERROR,
+            "claim not prepared claim=%s/%s uid=%s retriable=%s reason=%r",
+            ref.namespace,
+            ref.name,
+            ref.uid,
+            outcome.retriable,
+            outcome.reason,
+        )
+    else:
+        log.info(
+            "claim prepared claim=%s/%s uid=%s devices=%s cdi_device_ids=%s",
+            ref.namespace,
+            ref.name,
+            ref.uid,
+            ",".join(d.device for d in outcome),
+            ",".join(i for d in outcome for i in d.cdi_device_ids),
+        )
+
+
+class DraService:
+    """Serves the kubelet's DRA services for one driver and pool on ``socket_path``.
+
+    The owner (the reconcile thread) calls ``start``, ``update`` whenever the devices or their health change,
+    ``prepared`` to learn which devices claims hold, and ``stop``. A stopped service may be started again.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path,
+        *,
+        driver: str,
+        pool: str,
+        read_claim: ClaimReader,
+        cdi: CdiStore,
+        checkpoints: CheckpointStore,
+        node_wide_cdi: bool = True,
+        node_cdi_kind: str = DEFAULT_CDI_KIND,
+        cdi_common_edits: Mapping[str, Any] | None = None,
+        device_nodes: DeviceNodes | None = None,
+        health_timeout_seconds: int = HEALTH_TIMEOUT_SECONDS,
+        loop: GrpcLoop | None = None,
+    ) -> None:
+        """``pool`` is the node's name; ``node_wide_cdi`` adds each device's ``<node_cdi_kind>=<uuid>`` CDI ID
+        (the spec ``nvidia-ctk cdi generate`` writes brings the driver libraries; see ``agent.core.dra.cdi``).
+        The checkpoint is read here, so ``prepared`` answers before ``start``."""
+        if health_timeout_seconds < 3:
+            raise ValueError("health_timeout_seconds must be at least 3 (the stream reports every third of it)")
+        self.socket_path = socket_path
+        self.driver = check_driver_name(driver)
+        self.pool = pool
+        self._health_timeout = health_timeout_seconds
+        self._loop = loop or grpc_loop()
+        self._view: DeviceView | None = None
+        self._claims = _Claims(
+            driver=driver,
+            pool=pool,
+            read_claim=read_claim,
+            cdi=cdi,
+            checkpoints=checkpoints,
+            view=lambda: self._view,
+            node_wide=node_wide_cdi,
+            node_cdi_kind=node_cdi_kind,
+            common_edits=cdi_common_edits,
+            device_nodes=device_nodes or default_device_nodes(node_wide_cdi),
+        )
+        self._executor: ThreadPoolExecutor | None = None
+        self._server: grpc.aio.Server | None = None
+        self._socket_inode: int | None = None
+        # Loop-thread state: the event health streams wait on (replaced at each wake-up), open streams.
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self._open_streams = 0
+
+    # ----- owner's side -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Serve on a fresh socket (a stale one of ours is removed first)."""
+        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
+            raise OSError(f"cannot listen on {self.socket_path}: longer than {MAX_SOCKET_PATH} bytes")
+        self.socket_path.parent.mkdir(mode=SOCKET_DIR_MODE, parents=True, exist_ok=True)
+        self.socket_path.unlink(missing_ok=True)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dra-claims")
+        self._loop.run(self._start())
+        self.socket_path.chmod(SOCKET_MODE)
+        self._socket_inode = self.socket_path.stat().st_ino
+        log.info(
+            "DRA service serving socket=%s driver=%s pool=%s prepared_claims=%d",
+            self.socket_path,
+            self.driver,
+            self.pool,
+            len(self._claims.checkpoint.claims),
+        )
+
+    def stop(self, grace: float = STOP_GRACE) -> None:
+        """Stop serving: health streams end, the server goes, the claim being worked on finishes (claims queued
+        behind it are dropped: their calls have ended), the socket is removed."""
+        if self._server is not None:
+            self._loop.run(self._stop(grace))
+        if self._executor is not None:
+            executor, self._executor = self._executor, None
+            executor.shutdown(wait=True, cancel_futures=True)
+        with contextlib.suppress(OSError):
+            info = self.socket_path.stat()
+            if stat.S_ISSOCK(info.st_mode) and info.st_ino == self._socket_inode:
+                self.socket_path.unlink()
+
+    def update(
+        self, devices: Mapping[str, DraDevice], unhealthy: Mapping[str, str], *, unknown: Collection[str] = ()
+    ) -> None:
+        """The pool's devices by name and the unhealthy ones with why (``unknown``: health cannot be told).
+
+        Called by the reconcile thread: the view is built, swapped in with one attribute write (Prepare reads it
+        once per claim), and the health streams are woken through the loop when what they report changed.
+        """
+        view = DeviceView.of(devices, unhealthy, unknown)
+        previous, self._view = self._view, view
+        if self._server is not None and (previous is None or previous.health != view.health):
+            self._loop.call_soon(self._wake)
+
+    def prepared(self) -> dict[str, tuple[str, ...]]:
+        """Claim UID -> its device names, for every claim recorded (completed or still being prepared): a GPU
+        holding one must stay with DRA."""
+        return {uid: tuple(d.device for d in c.devices) for uid, c in self._claims.checkpoint.claims.items()}
+
+    def sweep_stale_specs(self) -> list[str]:
+        """Remove CDI specs of ours that no recorded claim owns, on the worker (between calls); their claim UIDs.
+
+        Not done at start on its own: during a rolling update the other instance may be writing one right now."""
+        if self._executor is None:
+            return self._claims.sweep()
+        return self._executor.submit(self._claims.sweep).result()
+
+    @property
+    def serving(self) -> bool:
+        return self._server is not None
+
+    @property
+    def open_health_streams(self) -> int:
+        return self._open_streams
+
+    # ----- the loop's side ----------------------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        server = grpc.aio.server()
+        for service, handlers in (
+            (DRA_V1, self._plugin_handlers(dra_v1)),
+            (DRA_V1BETA1, self._plugin_handlers(dra_v1beta1)),
+            (HEALTH, {"NodeWatchResources": grpc.unary_stream_rpc_method_handler(self._watch_resources)}),
+        ):
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+            server.add_registered_method_handlers(service, handlers)
+        try:
+            bound = server.add_insecure_port(f"unix://{self.socket_path}")
+        except RuntimeError:  # grpcio raises when it cannot bind (older releases returned 0)
+            bound = 0
+        if bound == 0:
+            raise OSError(f"cannot listen on {self.socket_path}")
+        await server.start()
+        self._stopping, self._server = False, server
+
+    async def _stop(self, grace: float) -> None:
+        self._stopping = True
+        self._wake()
+        deadline = asyncio.get_running_loop().time() + grace
+        while self._open_streams and (left := deadline - asyncio.get_running_loop().time()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), left)  # a closing stream wakes the others
+        if self._server is not None:
+            server, self._server = self._server, None
+            await server.stop(grace)
+            log.info("DRA service stopped socket=%s", self.socket_path)
+
+    def _plugin_handlers(self, api: ModuleType) -> dict[str, grpc.RpcMethodHandler]:
+        share_ids = "share_id" in api.Device.DESCRIPTOR.fields_by_name  # v1 only
+
+        async def prepare(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            response = api.NodePrepareResourcesResponse()
+            if not request.claims:
+                return response  # NVIDIA's liveness probe: the service answers
+            outcomes = await self._on_worker(context, self._claims.prepare, _refs(request.claims))
+            for uid, outcome in outcomes.items():
+                entry = response.claims[uid]
+                if isinstance(outcome, ClaimError):
+                    entry.error = outcome.message
+                    continue
+                for device in outcome:
+                    added = entry.devices.add(
+                        request_names=device.requests,
+                        pool_name=device.pool,
+                        device_name=device.device,
+                        cdi_device_ids=device.cdi_device_ids,
+                    )
+                    if share_ids and device.share_id:
+                        added.share_id = device.share_id
+            return response
+
+        async def unprepare(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            response = api.NodeUnprepareResourcesResponse()
+            if not request.claims:
+                return response
+            errors = await self._on_worker(context, self._claims.unprepare, _refs(request.claims))
+            for uid, error in errors.items():
+                response.claims[uid].SetInParent()  # an entry even without an error: the kubelet counts them
+                if error:
+                    response.claims[uid].error = error
+            return response
+
+        return {
+            "NodePrepareResources": grpc.unary_unary_rpc_method_handler(
+                prepare,
+                request_deserializer=api.NodePrepareResourcesRequest.FromString,
+                response_serializer=api.NodePrepareResourcesResponse.SerializeToString,
+            ),
+            "NodeUnprepareResources": grpc.unary_unary_rpc_method_handler(
+                unprepare,
+                request_deserializer=api.NodeUnprepareResourcesRequest.FromString,
+                response_serializer=api.NodeUnprepareResourcesResponse.SerializeToString,
+            ),
+        }
+
+    async def _on_worker(
+        self,
+        context: grpc.aio.ServicerContext,
+        work: Callable[[list[ClaimRef], float | None], Any],
+        refs: list[ClaimRef],
+    ) -> Any:
+        """Run ``work(refs, deadline)`` on the worker thread and wait for it without blocking the loop."""
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        executor = self._executor
+        if executor is None or self._stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the DRA driver is stopping")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(executor, work, refs, deadline)
+        except RuntimeError:  # the executor was shut down while the call waited: the agent is stopping
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the DRA driver is stopping")
+
+    async def _watch_resources(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """The complete device list now, on every change, and every third of the timeout; until the stream ends.
+
+        No polling: ``update`` and ``stop`` wake the waiting stream through the loop; the resend is a timed wait.
+        """
+        loop = asyncio.get_running_loop()
+        resend = self._health_timeout / 3
+        sent: tuple[tuple[str, int, str], ...] | None = None
+        last = 0.0
+        self._open_streams += 1
+        try:
+            while not self._stopping:
+                view, wakeup = self._view, self._wakeup
+                if view is not None and (view.health != sent or loop.time() - last >= resend):
+                    sent, last = view.health, loop.time()
+                    yield self._health_message(view)
+                    continue
+                timeout = None if view is None else resend - (loop.time() - last)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wakeup.wait(), timeout)
+        finally:
+            self._open_streams -= 1
+            if self._stopping:
+                self._wake()  # a stop waiting for the streams to close
+
+    def _health_message(self, view: DeviceView) -> bytes:
+        now = int(time.time())
+        response = dra_health.NodeWatchResourcesResponse()
+        for name, health, message in view.health:
+            response.devices.add(
+                device=dra_health.DeviceIdentifier(pool_name=self.pool, device_name=name),
+                health=health,
+                last_updated_time=now,
+                health_check_timeout_seconds=self._health_timeout,
+                message=message,
+            )
+        return response.SerializeToString()
+
+    def _wake(self) -> None:
+        """On the loop: every waiting health stream looks again."""
+        wakeup, self._wakeup = self._wakeup, asyncio.Event()
+        wakeup.set()
+
+
+def _refs(claims: Sequence[Any]) -> list[ClaimRef]:
+    """The batch's claims, each UID once (the answer is a map by UID)."""
+    refs: dict[str, ClaimRef] = {}
+    for claim in claims:
+        refs.setdefault(claim.uid, ClaimRef(claim.namespace, claim.name, claim.uid))
+    return list(refs.values())
