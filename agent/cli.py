@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, NoReturn
 from agent import __version__
 
 if TYPE_CHECKING:
+    from agent.config.model import ConfigModel
+    from agent.core.inventory import Inventory
     from agent.core.resources import ResourcePlan
     from agent.mig.commands import MigPreview
 
@@ -81,7 +83,21 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--mig-label", help="the value of the node's nvidia.com/mig.config label (which layout of migLayout)"
     )
-    _env_flag(plan, "--format", "TESSERA_FORMAT", default="table", choices=["table", "json"], help="output format")
+    _env_flag(
+        plan, "--format", "TESSERA_FORMAT", default="table", choices=["table", "json", "yaml"], help="output format"
+    )
+    plan.add_argument(
+        "--dra",
+        action="store_true",
+        help="print the ResourceSlices the DRA driver would publish (the config's dra.gpus, else every GPU)",
+    )
+    plan.add_argument("--node-name", help="with --dra: the Node (pool and nodeName; default: the node spec's name)")
+    plan.add_argument("--node-uid", help="with --dra: the Node's UID for ownerReferences (kubectl get node N -o ...)")
+    plan.add_argument(
+        "--kubernetes-version",
+        default="1.35",
+        help="with --dra: the API server's version; 1.34 puts counters and devices in one slice (default 1.35)",
+    )
 
     mig = commands.add_parser("mig", help="MIG layouts in mig-parted's format: export, assert, apply")
     mig_commands = mig.add_subparsers(dest="mig_command", required=True)
@@ -576,7 +592,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         with gpu_backend(args.node) as node:
-            result, layout, notes = _preview(args, node)
+            result, layout, notes, inventory, model = _preview(args, node)
+            if args.dra:
+                return _print_dra_preview(args, inventory, model, notes)
     except SimSpecError as error:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -592,11 +610,11 @@ def _plan(args: argparse.Namespace) -> int:
 
     for note in notes:
         print(f"tessera: {note}", file=sys.stderr)
-    if args.format == "json":
+    if args.format in ("json", "yaml"):
         document = result.to_json()
         if layout is not None:
             document["mig_layout"] = layout.to_json()
-        print(json.dumps(document, indent=2))
+        print(json.dumps(document, indent=2) if args.format == "json" else _yaml(document), end="\n")
     else:
         if layout is not None:
             print("\n".join([*layout.lines(), ""]))
@@ -604,8 +622,11 @@ def _plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _preview(args: argparse.Namespace, node: object | None) -> tuple[ResourcePlan, MigPreview | None, list[str]]:
-    """(the plan, the MIG layout's preview or None, notes for stderr), inside the GPU backend."""
+def _preview(
+    args: argparse.Namespace, node: object | None
+) -> tuple[ResourcePlan, MigPreview | None, list[str], Inventory, ConfigModel]:
+    """(the plan, the MIG layout's preview or None, notes for stderr, the GPUs after the layout, the config),
+    inside the GPU backend."""
     from agent.config.effective import FlagOverrides, effective
     from agent.config.model import ConfigModel
     from agent.config.source import load_config, read_config_set
@@ -649,4 +670,74 @@ def _preview(args: argparse.Namespace, node: object | None) -> tuple[ResourcePla
     if args.mig_label and layout is None:  # with layouts, the label picks one (or is an error): here there are none
         notes.append("warning: --mig-label is not used: it picks a layout of the config's migLayout, and there is none")
     result = plan(effective(model, FlagOverrides(mig_strategy=args.mig_strategy)).plan, inventory)
-    return result, layout, notes
+    return result, layout, notes, inventory, model
+
+
+PLACEHOLDER_NODE_UID = "00000000-0000-0000-0000-000000000000"
+
+
+def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: ConfigModel, notes: list[str]) -> int:
+    """``tessera plan --dra``: the node's ResourceSlices as complete ``resource.k8s.io/v1`` objects, as the agent
+    would publish them (a YAML stream, a JSON List, or a table of the devices)."""
+    from agent.core.dra.devices import dra_devices
+    from agent.core.dra.ownership import OwnershipError, dra_gpus
+    from agent.core.dra.slices import SliceError, layout_for, resource_slices
+
+    section = model.dra
+    driver = section.driver_name if section is not None else "gpu.nvidia.com"
+    try:
+        if section is not None and section.enabled:
+            chosen = dra_gpus(section.gpus, inventory)
+        else:
+            chosen = dra_gpus("all", inventory)
+            if args.config:
+                notes.append("the config does not enable dra: showing every GPU as DRA would publish it")
+        node_name = args.node_name or _spec_node_name(args.node)
+        devices = dra_devices(inventory, gpu_uuids=chosen)
+        layout = layout_for(f"v{args.kubernetes_version.lstrip('v')}.0")
+        slices = resource_slices(node_name, args.node_uid or PLACEHOLDER_NODE_UID, driver, devices, 1, layout)
+    except (OwnershipError, SliceError, ValueError) as error:
+        print(f"tessera: {error}", file=sys.stderr)
+        return EXIT_INVALID
+    kept = [str(g.index) for g in inventory.gpus if g.uuid not in chosen]
+    if kept:
+        notes.append(f"GPUs {', '.join(kept)} stay with the device plugin (tessera plan without --dra shows them)")
+    if not args.node_uid:
+        notes.append(
+            "ownerReferences name the Node by a placeholder UID; give --node-uid "
+            f"\"$(kubectl get node {node_name} -o jsonpath='{{.metadata.uid}}')\" for the real one"
+        )
+    for note in notes:
+        print(f"tessera: {note}", file=sys.stderr)
+    if args.format == "yaml":
+        print("---\n".join(_yaml(s) for s in slices), end="")
+    elif args.format == "json":
+        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": slices}, indent=2))
+    else:
+        for index, item in enumerate(slices):
+            spec = item["spec"]
+            print(f"slice {index} of pool {spec['pool']['name']} (driver {spec['driver']}, {layout} layout)")
+            for device in spec.get("devices", []):
+                attributes = device["attributes"]
+                kind = attributes["type"]["string"]
+                what = attributes.get("profile", attributes.get("productName", {})).get("string", "")
+                memory = device.get("capacity", {}).get("memory", {}).get("value", "-")
+                print(f"  {device['name']:<28} {kind:<4} {what:<26} memory {memory}")
+    return EXIT_OK
+
+
+def _spec_node_name(node: str | None) -> str:
+    """The node spec's name (a preset's or a spec file's), else this host's name."""
+    import socket
+
+    if node and node != "local":
+        from agent.sim.nvml.spec import load_node_spec
+
+        return load_node_spec(node).name
+    return socket.gethostname()
+
+
+def _yaml(document: object) -> str:
+    import yaml
+
+    return yaml.safe_dump(document, sort_keys=False, default_flow_style=False)
