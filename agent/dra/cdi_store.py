@@ -2,9 +2,9 @@
 
 One file per claim, named by ``agent.core.dra.cdi.spec_file_name`` (NVIDIA's transient spec name,
 ``k8s.gpu.nvidia.com-claim_<claimUID>.yaml``). The container runtime reads the directory when a container is
-created, so a file must never be seen half-written: it is written under a temporary name in the same directory
-(a name starting with ``.`` and not ending in ``.yaml``/``.json``, which CDI's directory scan skips), fsynced,
-renamed over the final name, and the directory fsynced so the rename itself survives a crash.
+created, so a file must never be seen half-written: ``agent.atomic.write_atomically`` writes it under a temporary
+name in the same directory (starting with ``.`` and not ending in ``.yaml``/``.json``, which CDI's directory scan
+skips), fsyncs it, renames it over the final name and fsyncs the directory so the rename itself survives a crash.
 
 Format: YAML. The name ends in ``.yaml`` (NVIDIA's name, which users and tools look for), and CDI readers choose
 their parser by that suffix: the Go library happens to parse JSON in a ``.yaml`` file too (JSON is YAML), but
@@ -21,16 +21,15 @@ file and the OS reason; the DRA service turns them into a per-claim error.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import secrets
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from agent.atomic import write_atomically
 from agent.core.dra.cdi import claim_uid_of_spec_file, spec_file_name
 
 log = logging.getLogger(__name__)
@@ -63,26 +62,13 @@ class CdiStore:
         final = self.path(claim_uid)
         content = yaml.safe_dump(_plain(spec), sort_keys=False, default_flow_style=False).encode()
         self._ensure_root()
-        temporary = self.root / f".{final.name}.tmp-{secrets.token_hex(4)}"
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-            try:
-                os.fchmod(fd, FILE_MODE)  # the umask must not make it unreadable to the runtime
-                view = memoryview(content)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            temporary.replace(final)
+            write_atomically(final, content, FILE_MODE)  # the mode whatever the umask: the runtime must read it
         except OSError as error:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
             raise CdiStoreError(
                 f"cannot write CDI spec {final} in the CDI directory {self.root}: {_why(error)}; the directory "
                 "(--cdi-root) must be writable by the agent, mounted read-write from the host"
             ) from None
-        _fsync_dir(self.root)
         return final
 
     def remove(self, claim_uid: str) -> bool:
@@ -137,19 +123,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     return value
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable; a filesystem that cannot fsync a directory is not an error."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _why(error: OSError) -> str:

@@ -3,9 +3,9 @@
 What is in the file and how it is checked is ``agent.core.dra.checkpoint``; this module only moves bytes, and
 decides what happens when they cannot be trusted.
 
-Writing: the new content goes to a temporary file in the same directory (so the rename cannot cross filesystems),
-is fsynced, renamed over the checkpoint, and the directory is fsynced: after a crash at any point the file is the
-old checkpoint or the new one, never a mix. The file is 0600 and a directory this module creates 0700: it names
+Writing: ``agent.atomic.write_atomically`` (a temporary file in the same directory, fsynced, renamed over the
+checkpoint, the directory fsynced): after a crash at any point the file is the old checkpoint or the new one, never
+a mix. The file is 0600 and a directory this module creates 0700: it names
 the claims and namespaces of the node's pods, which only the agent (root) needs to read.
 
 Reading: a missing file is an empty checkpoint (first start). A file that cannot be decoded (torn, edited, wrong
@@ -16,19 +16,18 @@ creates a sandbox (facts/dra.md A2), so until then a device could be prepared fo
 price of a corrupt file, and why the error says so.
 
 The node's boot ID (``/proc/sys/kernel/random/boot_id``) is read once; ``load`` drops every claim recorded in an
-earlier boot (``agent.core.dra.checkpoint.for_boot``): after a reboot nothing that was prepared still exists.
+earlier boot (``agent.core.dra.checkpoint.for_boot``): after a reboot nothing that was prepared still exists. When
+it cannot be read, no reboot can be told apart and the claims are kept (``for_boot`` with an unknown boot ID).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from agent.atomic import remove_temporaries, write_atomically
 from agent.core.dra.checkpoint import CHECKPOINT_FILE, Checkpoint, CheckpointError, decode, empty, encode, for_boot
 
 log = logging.getLogger(__name__)
@@ -81,7 +80,7 @@ class CheckpointStore:
 
     def load(self) -> Checkpoint:
         """The checkpoint for this boot; empty when there is none, it is corrupt, or it is from an earlier boot."""
-        self._remove_temporaries()
+        remove_temporaries(self.path)  # left by a crash mid-save; the checkpoint itself is intact
         boot_id = self.boot_id
         try:
             content = self.path.read_bytes()
@@ -94,8 +93,6 @@ class CheckpointStore:
             checkpoint = decode(content)
         except CheckpointError as error:
             return self._set_aside(str(error), boot_id)
-        if not boot_id:
-            return checkpoint  # no boot ID to compare: keep what was prepared
         current = for_boot(checkpoint, boot_id)
         if current.claims != checkpoint.claims:
             log.warning(
@@ -113,28 +110,15 @@ class CheckpointStore:
         """Replace the file with ``checkpoint``, atomically; ``CheckpointSaveError`` leaves the old file in place."""
         content = encode(checkpoint)
         directory = self.path.parent
-        temporary = directory / f".{self.path.name}.tmp-{secrets.token_hex(4)}"
         try:
             if not directory.is_dir():
                 directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-                directory.chmod(DIR_MODE)
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-            try:
-                os.fchmod(fd, FILE_MODE)
-                view = memoryview(content)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            temporary.replace(self.path)
+                directory.chmod(DIR_MODE)  # mkdir's mode is filtered by the umask
+            write_atomically(self.path, content, FILE_MODE)
         except OSError as error:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
             raise CheckpointSaveError(
                 f"cannot write the DRA checkpoint {self.path}: {error.strerror or error}"
             ) from None
-        _fsync_dir(directory)
 
     def _set_aside(self, reason: str, boot_id: str) -> Checkpoint:
         """Log why the file is unusable, keep it for a human under a new name, and start empty."""
@@ -157,22 +141,3 @@ class CheckpointStore:
             kept,
         )
         return empty(boot_id)
-
-    def _remove_temporaries(self) -> None:
-        """Temporary files a crash mid-save left behind (the checkpoint itself is intact: see ``save``)."""
-        with contextlib.suppress(OSError):
-            for stale in self.path.parent.glob(f".{self.path.name}.tmp-*"):
-                with contextlib.suppress(OSError):
-                    stale.unlink()
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)

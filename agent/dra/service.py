@@ -4,23 +4,12 @@ One ``grpc.aio`` server on the agent's gRPC loop, on the driver's DRA socket (mo
 ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` (kubelet 1.34+), ``...dra.v1beta1.DRAPlugin`` (older kubelets; the same
 behaviour, without ``Device.share_id``) and ``v1alpha1.DRAResourceHealth``.
 
-Prepare and Unprepare: the handlers only translate. The work (reading claims from the API server, writing CDI specs
-and the checkpoint, each with an fsync) blocks, so it runs on one worker thread (``_Claims``), never on the loop;
-one worker means one claim at a time across all calls and both API versions, as NVIDIA's driver serialises them
-with its node-wide lock, so the checkpoint has a single writer and a Prepare racing an Unprepare of the same claim
-is simply ordered. The promises, which the kubelet relies on (facts/dra.md A2, C8):
-
-- Every claim of a batch gets an entry; one claim's error (its ``error`` field, naming the claim and the reason)
-  never fails the others. An empty request (NVIDIA's liveness probe sends one) gets an empty answer.
-- Prepare is idempotent: a claim already prepared gets the same answer from the checkpoint, nothing redone (its CDI
-  spec is written again if it is gone). The kubelet calls Prepare again after its own restart, for a second pod
-  sharing the claim, and after a reboot.
-- Nothing is left half-prepared: ``PrepareStarted`` is recorded before anything is done, ``PrepareCompleted`` once
-  the CDI spec is written; a failure in between removes the spec and the record. A ``PrepareStarted`` record found
-  later (the agent died mid-way) is rolled back and the claim prepared again.
-- A device held by another prepared claim is refused (``agent.core.dra.claims.plan_prepare``), across agent restarts.
-- Unprepare works from the checkpoint alone (the claim may be deleted from the API server by then) and does not
-  assume this process prepared the claim; an unknown claim is a success.
+Prepare and Unprepare: the handlers only translate. The work blocks (reading claims from the API server, writing
+CDI specs and the checkpoint, each with an fsync), so it runs on one worker thread, never on the loop: the
+``agent.dra.prepare.ClaimWorker``, whose docstring holds the promises the kubelet relies on (one entry per claim,
+idempotence, nothing left half-prepared, Unprepare from the checkpoint alone). One worker means one claim at a
+time across all calls and both API versions. An empty request (NVIDIA's liveness probe sends one) gets an empty
+answer without reaching the worker; a call that arrives while the service stops is refused as UNAVAILABLE.
 
 Health (KEP-4680): ``NodeWatchResources`` sends the complete device list of the pool with each device's health at
 once, again on every change the owner hands over with ``update``, and again every third of
@@ -52,23 +41,14 @@ from agent.api.dra.v1 import api_pb2 as dra_v1
 from agent.api.dra.v1beta1 import api_pb2 as dra_v1beta1
 from agent.api.drahealth.v1alpha1 import api_pb2 as dra_health
 from agent.core.allocation import DEFAULT_CDI_KIND
-from agent.core.dra.cdi import CdiError, DeviceNode, cdi_device_ids, check_claim_uid, claim_spec, gpu_nodes
-from agent.core.dra.checkpoint import (
-    PREPARE_COMPLETED,
-    Checkpoint,
-    PreparedClaim,
-    PreparedDevice,
-    held_devices,
-    prepare_completed,
-    prepare_started,
-    unprepared,
-)
-from agent.core.dra.claims import ClaimError, ClaimRef, PreparableDevice, plan_prepare
+from agent.core.dra.claims import ClaimError, ClaimRef
 from agent.core.dra.devices import DraDevice
-from agent.dra.cdi_store import CdiStore, CdiStoreError
-from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
-from agent.dra.claims_api import ClaimReader, ClaimsUnavailable
+from agent.dra.cdi_store import CdiStore
+from agent.dra.checkpoint_store import CheckpointStore
+from agent.dra.claims_api import ClaimReader
+from agent.dra.devnodes import DeviceNodes, default_device_nodes
 from agent.dra.names import MAX_SOCKET_PATH, check_driver_name
+from agent.dra.prepare import ClaimWorker
 from agent.grpc_loop import GrpcLoop, grpc_loop
 
 log = logging.getLogger(__name__)
@@ -81,9 +61,6 @@ STOP_GRACE = 0.1
 DRA_V1 = dra_v1.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
 DRA_V1BETA1 = dra_v1beta1.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
 HEALTH = dra_health.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name
-
-DeviceNodes = Callable[[PreparableDevice], Sequence[DeviceNode]]
-Outcome = tuple[PreparedDevice, ...] | ClaimError  # one claim's Prepare: its devices, or why not
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,282 +82,6 @@ class DeviceView:
 
         health = tuple(status(name) for name in devices)
         return cls(MappingProxyType(dict(devices)), MappingProxyType(dict(unhealthy)), health)
-
-
-def default_device_nodes(node_wide: bool) -> DeviceNodes:
-    """The device nodes a claim's CDI entry gives each device: ``/dev/nvidia<minor>`` of its GPU.
-
-    A MIG device also needs its GPU-instance and compute-instance capability nodes; the node-wide CDI entry
-    (``nvidia.com/gpu=<MIG UUID>``, from ``nvidia-ctk cdi generate``) carries them, so with ``node_wide`` the GPU's
-    node is enough. Without it the caller must pass a ``device_nodes`` that reads them
-    (``agent.core.dra.cdi.mig_nodes``): a MIG claim is refused rather than given a device it cannot open.
-    """
-
-    def nodes(device: PreparableDevice) -> Sequence[DeviceNode]:
-        if device.kind == "mig" and not node_wide:
-            raise CdiError(
-                f"MIG device {device.name} needs its capability device nodes, which this agent cannot read "
-                "without the node-wide CDI spec; enable node-wide CDI (nvidia-ctk cdi generate)"
-            )
-        return gpu_nodes(device.gpu_minor)
-
-    return nodes
-
-
-class _Claims:
-    """Prepare and Unprepare, one claim at a time; every method runs on the service's one worker thread.
-
-    ``checkpoint`` is the prepared claims as last saved; it is replaced whole (an immutable value), so other
-    threads may read it at any time.
-    """
-
-    def __init__(
-        self,
-        *,
-        driver: str,
-        pool: str,
-        read_claim: ClaimReader,
-        cdi: CdiStore,
-        checkpoints: CheckpointStore,
-        view: Callable[[], DeviceView | None],
-        node_wide: bool,
-        node_cdi_kind: str,
-        common_edits: Mapping[str, Any] | None,
-        device_nodes: DeviceNodes,
-    ) -> None:
-        self._driver, self._pool = driver, pool
-        self._read_claim = read_claim
-        self._cdi, self._store = cdi, checkpoints
-        self._view = view
-        self._node_wide, self._node_cdi_kind = node_wide, node_cdi_kind
-        self._common_edits = common_edits
-        self._device_nodes = device_nodes
-        self.checkpoint: Checkpoint = checkpoints.load()
-
-    # ----- Prepare ------------------------------------------------------------------------------------------------
-
-    def prepare(self, refs: Sequence[ClaimRef], deadline: float | None) -> dict[str, Outcome]:
-        outcomes: dict[str, Outcome] = {}
-        for ref in refs:
-            if deadline is not None and time.monotonic() > deadline:
-                outcomes[ref.uid] = ClaimError(
-                    ref, "not prepared: the kubelet's call timed out before its turn; the kubelet retries", True
-                )
-                continue
-            try:
-                outcome = self._prepare(ref)
-            except Exception as error:  # a bug must cost one claim, never the batch or the worker
-                log.exception("unexpected error preparing claim=%s/%s uid=%s", ref.namespace, ref.name, ref.uid)
-                self._roll_back_started(ref)
-                outcome = ClaimError(ref, f"internal error while preparing: {type(error).__name__}: {error}", True)
-            _log_prepare(ref, outcome)
-            outcomes[ref.uid] = outcome
-        return outcomes
-
-    def _prepare(self, ref: ClaimRef) -> Outcome:
-        try:
-            check_claim_uid(ref.uid)
-        except CdiError as error:
-            return ClaimError(ref, str(error))
-        existing = self.checkpoint.claims.get(ref.uid)
-        if existing is not None and existing.state == PREPARE_COMPLETED:
-            return self._prepared_before(ref, existing)
-        if existing is not None:
-            log.warning(
-                "claim was left PrepareStarted by an earlier attempt; rolling it back claim=%s/%s uid=%s",
-                ref.namespace,
-                ref.name,
-                ref.uid,
-            )
-            if (problem := self._roll_back(ref)) is not None:
-                return ClaimError(ref, f"cannot roll back an earlier, unfinished prepare: {problem}", True)
-        view = self._view()
-        if view is None:
-            return ClaimError(ref, "this node's devices are not known yet (the agent is starting); retry", True)
-        try:
-            claim = self._read_claim(ref.namespace, ref.name, ref.uid)
-        except ClaimsUnavailable as error:
-            return ClaimError(ref, f"cannot read the claim: {error}; the kubelet retries", True)
-        plan = plan_prepare(
-            ref,
-            claim,
-            driver=self._driver,
-            pool=self._pool,
-            devices=view.devices,
-            unhealthy=view.unhealthy,
-            held_by=held_devices(self.checkpoint),
-        )
-        if isinstance(plan, ClaimError):
-            return plan
-        try:
-            spec, ids = self._spec(ref.uid, [(d.device, d.info) for d in plan.devices])
-        except CdiError as error:
-            return ClaimError(ref, f"cannot build its CDI spec: {error}")
-        started = prepare_started(self.checkpoint, plan)
-        try:
-            self._store.save(started)
-        except CheckpointSaveError as error:
-            return ClaimError(ref, f"{error}; nothing was prepared", True)
-        self.checkpoint = started
-        try:
-            self._cdi.write(ref.uid, spec)
-            completed = prepare_completed(self.checkpoint, plan, ids)
-            self._store.save(completed)
-        except (CdiStoreError, CheckpointSaveError) as error:
-            if (problem := self._roll_back(ref)) is not None:
-                return ClaimError(ref, f"{error}; rolling back failed too ({problem}): the next attempt retries it")
-            return ClaimError(ref, f"{error}; nothing was left prepared")
-        self.checkpoint = completed
-        return completed.claims[ref.uid].devices
-
-    def _prepared_before(self, ref: ClaimRef, claim: PreparedClaim) -> Outcome:
-        """The same answer as the first time; the CDI spec written again if it is gone (a reboot empties tmpfs)."""
-        if self._cdi.exists(ref.uid):
-            return claim.devices
-        view = self._view()
-        devices = view.devices if view is not None else {}
-        missing = [d.device for d in claim.devices if d.device not in devices]
-        if missing:
-            return ClaimError(
-                ref,
-                f"its CDI spec {self._cdi.path(ref.uid)} is gone and its devices {', '.join(missing)} no longer exist "
-                "on this node, so it cannot be written again; delete the pod so the claim is unprepared",
-            )
-        try:
-            spec, _ = self._spec(ref.uid, [(d.device, devices[d.device]) for d in claim.devices])
-            path = self._cdi.write(ref.uid, spec)
-        except (CdiError, CdiStoreError) as error:
-            return ClaimError(ref, f"its CDI spec is gone and cannot be written again: {error}")
-        log.info("CDI spec written again claim=%s/%s uid=%s path=%s", ref.namespace, ref.name, ref.uid, path)
-        return claim.devices
-
-    def _spec(
-        self, claim_uid: str, devices: Sequence[tuple[str, PreparableDevice]]
-    ) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]]:
-        nodes = {name: tuple(self._device_nodes(info)) for name, info in devices}
-        spec = claim_spec(claim_uid, nodes, common_edits=self._common_edits)
-        ids = {
-            name: cdi_device_ids(
-                claim_uid, name, info.uuid, node_wide=self._node_wide, node_cdi_kind=self._node_cdi_kind
-            )
-            for name, info in devices
-        }
-        return spec, ids
-
-    def _roll_back(self, ref: ClaimRef) -> str | None:
-        """Undo a prepare that did not complete (spec, then record); the reason when the spec cannot be removed."""
-        try:
-            self._cdi.remove(ref.uid)
-        except CdiStoreError as error:
-            log.error("cannot roll back claim=%s/%s uid=%s error=%r", ref.namespace, ref.name, ref.uid, str(error))
-            return str(error)
-        rolled = unprepared(self.checkpoint, ref.uid)
-        self.checkpoint = rolled  # at once: a PrepareStarted record the disk may still hold is rolled back again
-        try:
-            self._store.save(rolled)
-        except CheckpointSaveError as error:
-            log.error("claim rolled back, checkpoint not saved uid=%s error=%r", ref.uid, str(error))
-        return None
-
-    def _roll_back_started(self, ref: ClaimRef) -> None:
-        existing = self.checkpoint.claims.get(ref.uid)
-        if existing is not None and existing.state != PREPARE_COMPLETED:
-            with contextlib.suppress(Exception):
-                self._roll_back(ref)
-
-    # ----- Unprepare ----------------------------------------------------------------------------------------------
-
-    def unprepare(self, refs: Sequence[ClaimRef], deadline: float | None) -> dict[str, str]:
-        """Claim UID -> error message; ``""`` for success."""
-        errors: dict[str, str] = {}
-        for ref in refs:
-            if deadline is not None and time.monotonic() > deadline:
-                late = ClaimError(ref, "not unprepared: the kubelet's call timed out before its turn; it retries")
-                errors[ref.uid] = late.message
-                continue
-            try:
-                errors[ref.uid] = self._unprepare(ref)
-            except Exception as error:
-                log.exception("unexpected error unpreparing claim=%s/%s uid=%s", ref.namespace, ref.name, ref.uid)
-                errors[ref.uid] = ClaimError(ref, f"internal error while unpreparing: {error}").message
-        return errors
-
-    def _unprepare(self, ref: ClaimRef) -> str:
-        claim = self.checkpoint.claims.get(ref.uid)
-        try:
-            check_claim_uid(ref.uid)
-        except CdiError:
-            if claim is None:
-                log.info("unprepare of an unknown claim claim=%s/%s uid=%r", ref.namespace, ref.name, ref.uid)
-                return ""  # no file of ours can carry such a name, and nothing is recorded for it
-        try:
-            removed = self._cdi.remove(ref.uid)
-        except CdiStoreError as error:
-            return _failed_unprepare(ref, str(error))
-        if claim is None:
-            log.info(
-                "unprepare of an unknown claim claim=%s/%s uid=%s stale_spec_removed=%s",
-                ref.namespace,
-                ref.name,
-                ref.uid,
-                removed,
-            )
-            return ""
-        rolled = unprepared(self.checkpoint, ref.uid)
-        try:
-            self._store.save(rolled)
-        except CheckpointSaveError as error:
-            return _failed_unprepare(ref, str(error))
-        self.checkpoint = rolled
-        log.info(
-            "claim unprepared claim=%s/%s uid=%s devices=%s state=%s",
-            ref.namespace,
-            ref.name,
-            ref.uid,
-            ",".join(d.device for d in claim.devices),
-            claim.state,
-        )
-        return ""
-
-    def sweep(self) -> list[str]:
-        """Remove the CDI specs of ours that no recorded claim owns (``CdiStore.stale``); their claim UIDs."""
-        removed = []
-        for uid in self._cdi.stale(self.checkpoint.claims.keys()):
-            try:
-                if self._cdi.remove(uid):
-                    removed.append(uid)
-            except CdiStoreError as error:
-                log.warning("cannot remove a stale CDI spec uid=%s error=%r", uid, str(error))
-        if removed:
-            log.info("stale CDI specs removed claims=%s", ",".join(removed))
-        return removed
-
-
-def _failed_unprepare(ref: ClaimRef, reason: str) -> str:
-    log.error("claim not unprepared claim=%s/%s uid=%s reason=%r", ref.namespace, ref.name, ref.uid, reason)
-    return ClaimError(ref, f"{reason}; the kubelet retries").message
-
-
-def _log_prepare(ref: ClaimRef, outcome: Outcome) -> None:
-    if isinstance(outcome, ClaimError):
-        log.log(
-            logging.WARNING if outcome.retriable else logging.ERROR,
-            "claim not prepared claim=%s/%s uid=%s retriable=%s reason=%r",
-            ref.namespace,
-            ref.name,
-            ref.uid,
-            outcome.retriable,
-            outcome.reason,
-        )
-    else:
-        log.info(
-            "claim prepared claim=%s/%s uid=%s devices=%s cdi_device_ids=%s",
-            ref.namespace,
-            ref.name,
-            ref.uid,
-            ",".join(d.device for d in outcome),
-            ",".join(i for d in outcome for i in d.cdi_device_ids),
-        )
 
 
 class DraService:
@@ -408,7 +109,10 @@ class DraService:
     ) -> None:
         """``pool`` is the node's name; ``node_wide_cdi`` adds each device's ``<node_cdi_kind>=<uuid>`` CDI ID
         (the spec ``nvidia-ctk cdi generate`` writes brings the driver libraries; see ``agent.core.dra.cdi``).
-        The checkpoint is read here, so ``prepared`` answers before ``start``."""
+        ``device_nodes`` gives each device's nodes for its claim entry; by default
+        ``agent.dra.devnodes.default_device_nodes``: the GPU's node, and without node-wide CDI a MIG device's
+        capability nodes read from the driver's ``/proc``. The checkpoint is read here, so ``prepared`` answers
+        before ``start``."""
         if health_timeout_seconds < 3:
             raise ValueError("health_timeout_seconds must be at least 3 (the stream reports every third of it)")
         self.socket_path = socket_path
@@ -417,7 +121,7 @@ class DraService:
         self._health_timeout = health_timeout_seconds
         self._loop = loop or grpc_loop()
         self._view: DeviceView | None = None
-        self._claims = _Claims(
+        self._claims = ClaimWorker(
             driver=driver,
             pool=pool,
             read_claim=read_claim,

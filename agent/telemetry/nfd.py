@@ -6,22 +6,21 @@ that reader does, and what follows for the writer:
 
 - lines are trimmed, ``#`` starts a comment (``# +expiry-time=...`` is a directive) and a line without ``=`` means
   ``key=true``: Tessera writes plain ``key=value`` lines, sorted, with no header, so old NFD versions read it too;
-- files whose name starts with ``.`` are skipped: the temporary file is ``.<name>.<random>.tmp``, so a half-written
+- files whose name starts with ``.`` are skipped: the temporary file is ``.<name>.tmp-<random>``, so a half-written
   file is never read, and a hidden target name (which NFD would ignore) is refused;
 - files over 64 KiB are skipped whole: a larger content is refused here rather than silently dropped there;
-- NFD re-reads the directory every sleep interval (60 s by default): the file is replaced atomically (temporary
-  file in the same directory, fsync, ``os.replace``, directory fsync) and only when its content changes, so NFD
-  never sees a partial file and an unchanged node never touches the disk.
+- NFD re-reads the directory every sleep interval (60 s by default): the file is replaced atomically
+  (``agent.atomic.write_atomically``: temporary file in the same directory, fsync, rename, directory fsync) and only
+  when its content changes, so NFD never sees a partial file and an unchanged node never touches the disk.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from agent.atomic import write_atomically
 from agent.telemetry.labels import is_label_key, is_label_value
 
 FEATURES_DIR = Path("/etc/kubernetes/node-feature-discovery/features.d")
@@ -63,7 +62,7 @@ def write_feature_file(path: Path, labels: Mapping[str, str]) -> bool:
     with contextlib.suppress(FileNotFoundError):
         if target.read_bytes() == data:
             return False
-    _replace(target, data)
+    write_atomically(target, data, FILE_MODE)
     return True
 
 
@@ -119,30 +118,3 @@ def _checked(path: Path) -> Path:
     if path.is_dir():
         raise IsADirectoryError(f"cannot write the feature file {path}: it is a directory")
     return path
-
-
-def _replace(path: Path, data: bytes) -> None:
-    """Atomically replace ``path`` with ``data``: a hidden temporary file in the same directory, then rename."""
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    temporary = Path(name)
-    try:
-        with os.fdopen(fd, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fchmod(stream.fileno(), FILE_MODE)
-            os.fsync(stream.fileno())
-        temporary.replace(path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable; some filesystems cannot fsync a directory, which is then only best effort."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -31,6 +31,7 @@ from agent.core.dra.opaque import API_VERSION
 from agent.dra.cdi_store import CdiStore
 from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore, checkpoint_path
 from agent.dra.claims_api import ClaimsUnavailable, KubernetesClaimReader
+from agent.dra.devnodes import capability_files, default_device_nodes
 from agent.dra.names import dra_socket
 from agent.dra.service import DraService
 from agent.gpu.discovery import discover
@@ -316,6 +317,44 @@ def test_a_mig_device_gets_its_gpus_node_and_its_own_node_wide_id(node: Node):
     assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia2"}]
 
 
+def driver_proc(root: Path, device: DraDevice, gi_minor: int, ci_minor: int) -> Path:
+    """``root`` as the NVIDIA driver's /proc with the capability files of ``device`` (a MIG device)."""
+    gi_access, ci_access = capability_files(root, device.gpu_minor, device.gi_id, device.ci_id)
+    ci_access.parent.mkdir(parents=True)
+    gi_access.write_text(f"DeviceFileMinor: {gi_minor}\nDeviceFileMode: 292\n")
+    ci_access.write_text(f"DeviceFileMinor: {ci_minor}\nDeviceFileMode: 292\n")
+    (root / "devices").write_text("Character devices:\n195 nvidia\n508 nvidia-caps\n\nBlock devices:\n  7 loop\n")
+    return root
+
+
+def test_without_node_wide_cdi_a_mig_device_gets_its_capability_nodes_from_the_driver(node: Node):
+    proc = driver_proc(node.base / "proc", node.devices[MIG], gi_minor=21, ci_minor=22)
+    node.restart(node_wide_cdi=False, device_nodes=default_device_nodes(False, proc))
+    other_mig = next(name for name, d in node.devices.items() if d.kind == "mig" and name != MIG)
+    node.claims.add(claim(1, MIG, request="mig"), claim(2, other_mig, request="mig"), claim(3, "gpu-0"))
+    response = node.kubelet.prepare(ref(1), ref(2), ref(3))
+    [device] = response.claims[uid(1)].devices
+    assert list(device.cdi_device_ids) == [f"k8s.gpu.nvidia.com/claim={uid(1)}-{MIG}"]  # the claim spec alone
+    spec = yaml.safe_load(node.spec_file(1).read_text())
+    assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [
+        {"path": "/dev/nvidia2"},
+        {"path": "/dev/nvidia-caps/nvidia-cap21", "type": "c", "major": 508, "minor": 21, "permissions": "rw"},
+        {"path": "/dev/nvidia-caps/nvidia-cap22", "type": "c", "major": 508, "minor": 22, "permissions": "rw"},
+    ]
+    gi = node.devices[other_mig].gi_id  # the driver published no capability files for it
+    assert f"cannot read {proc}/driver/nvidia/capabilities/gpu2/mig/gi{gi}/access" in entry_error(response, 2)
+    assert not node.spec_file(2).exists() and uid(2) not in node.recorded()
+    assert entry_error(response, 3) == "" and device_names(response, 3) == ["gpu-0"]
+
+
+@pytest.mark.skipif(Path("/proc/driver/nvidia").exists(), reason="a real NVIDIA driver is loaded here")
+def test_by_default_without_node_wide_cdi_the_capability_nodes_are_read_from_the_hosts_proc(node: Node):
+    node.restart(node_wide_cdi=False)
+    node.claims.add(claim(1, MIG, request="mig"))
+    error = entry_error(node.kubelet.prepare(ref(1)), 1)
+    assert "cannot read /proc/driver/nvidia/capabilities/gpu2/mig/gi" in error
+
+
 def test_a_second_prepare_gives_the_same_answer_and_leaves_the_spec_alone(node: Node):
     node.claims.add(claim(1, "gpu-0", "gpu-1"))
     first = node.kubelet.prepare(ref(1))
@@ -495,7 +534,7 @@ def test_before_the_devices_are_known_prepare_asks_for_a_retry_and_health_waits(
 
 def test_each_prepare_and_unprepare_is_logged_with_the_claim_and_its_devices(node: Node, caplog):
     node.claims.add(claim(1, "gpu-0", "gpu-1"))
-    with caplog.at_level(logging.INFO, logger="agent.dra.service"):
+    with caplog.at_level(logging.INFO, logger="agent.dra.prepare"):
         node.kubelet.prepare(ref(1))
         node.kubelet.unprepare(ref(1))
     lines = [r.getMessage() for r in caplog.records]

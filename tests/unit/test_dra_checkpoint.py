@@ -28,6 +28,8 @@ class Dev:
     uuid: str
     parent_uuid: str | None = None
     gpu_minor: int = 0
+    gi_id: int | None = None
+    ci_id: int | None = None
 
 
 GPU0 = Dev("gpu-0", "gpu", "GPU-aaaa")
@@ -158,6 +160,14 @@ def test_a_new_boot_id_empties_the_checkpoint():
 def test_a_checkpoint_without_a_boot_id_adopts_the_current_one():
     checkpoint = cpt.for_boot(cpt.prepare_started(cpt.empty(""), a_plan(CLAIM_A, GPU0)), BOOT)
     assert checkpoint.boot_id == BOOT and UID_A in checkpoint.claims
+
+
+def test_an_unknown_current_boot_id_keeps_the_checkpoint_whole():
+    """The boot ID could not be read: no reboot can be told apart, so nothing prepared is forgotten."""
+    checkpoint = prepared(a_plan(CLAIM_A, GPU0))
+    assert cpt.for_boot(checkpoint, "") is checkpoint
+    unrecorded = cpt.prepare_started(cpt.empty(""), a_plan(CLAIM_B, GPU1))
+    assert cpt.for_boot(unrecorded, "") is unrecorded
 
 
 def test_unprepare_forgets_the_claim_and_an_unknown_claim_changes_nothing():

@@ -24,6 +24,8 @@ class Dev:
     uuid: str
     parent_uuid: str | None = None
     gpu_minor: int = 0
+    gi_id: int | None = None
+    ci_id: int | None = None
 
 
 DEVICES = {

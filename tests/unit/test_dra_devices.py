@@ -171,6 +171,17 @@ def test_mig_device_attributes_carry_the_parents_and_its_own(inventory):
     }
 
 
+def test_mig_devices_carry_their_instance_ids_for_the_capability_nodes_and_gpus_none(inventory):
+    inv = inventory(node(a100(), a100(MIXED_A100)))
+    devices = by_name(dra_devices(inv))
+    full = devices["gpu-0"]
+    assert (full.gi_id, full.ci_id) == (None, None)
+    for mig in inv.gpus[1].mig_devices:
+        [device] = [d for d in devices.values() if d.uuid == mig.uuid]
+        assert (device.gpu_minor, device.gi_id, device.ci_id) == (inv.gpus[1].minor_number, mig.gi_id, mig.ci_id)
+    assert len({(d.gi_id, d.ci_id) for d in devices.values() if d.kind == "mig"}) == len(MIXED_A100)
+
+
 def test_mig_capacities_come_from_the_gpu_instance_profile(inventory):
     devices = by_name(dra_devices(inventory(node(a100(MIXED_A100)))))
     assert dict(devices["gpu-0-mig-1g10gb-19-3"].capacity) == {

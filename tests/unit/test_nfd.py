@@ -13,7 +13,6 @@ from agent.core.plan import plan
 from agent.core.resources import PlanConfig
 from agent.gpu.discovery import discover
 from agent.sim.nvml.driver import SimDriver
-from agent.telemetry import nfd
 from agent.telemetry.labels import node_labels
 from agent.telemetry.nfd import MAX_FEATURE_FILE_BYTES, render_feature_file, write_feature_file
 
@@ -87,7 +86,7 @@ def test_temporary_file_is_hidden_from_nfd_and_fsynced(tmp_path: Path, monkeypat
         real_fsync(fd)
 
     monkeypatch.setattr(Path, "replace", spy_replace)
-    monkeypatch.setattr(nfd.os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "fsync", spy_fsync)
     write_feature_file(target, LABELS)
     assert len(seen) == 1 and seen[0].startswith(".tessera.")  # NFD skips files starting with '.'
     assert len(synced) == 2  # the file, then its directory

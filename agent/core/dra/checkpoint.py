@@ -21,7 +21,8 @@ holds::
 the caller then starts from ``empty(boot_id)`` and logs why. Unknown fields inside a good document are ignored, so
 a downgraded agent still reads a newer file (as NVIDIA decodes its checkpoint non-strictly). ``for_boot`` drops
 every claim when the node's boot ID changed: after a reboot nothing prepared is left (MIG devices, MPS daemons, the
-CDI specs on tmpfs), so Prepare must run in full again (NVIDIA does the same since v0.4.0).
+CDI specs on tmpfs), so Prepare must run in full again (NVIDIA does the same since v0.4.0). When the current boot
+ID is unknown it keeps them: no reboot can be told apart.
 
 States (NVIDIA's): ``PrepareStarted`` is written before anything is done for a claim and ``PrepareCompleted`` once
 its CDI spec is written; a claim found ``PrepareStarted`` is rolled back and redone, one found ``PrepareCompleted``
@@ -128,8 +129,12 @@ def decode(content: bytes) -> Checkpoint:
 
 
 def for_boot(checkpoint: Checkpoint, boot_id: str) -> Checkpoint:
-    """The checkpoint valid for this boot: all of it, or nothing after a reboot (a different boot ID)."""
-    if checkpoint.boot_id == boot_id:
+    """The checkpoint valid for this boot: all of it, or nothing after a reboot (a different boot ID).
+
+    ``boot_id`` empty means this boot's ID is unknown (it could not be read): no reboot can be told apart, so the
+    checkpoint is kept as it is; dropping it would forget devices that are still prepared.
+    """
+    if not boot_id or checkpoint.boot_id == boot_id:
         return checkpoint
     if not checkpoint.boot_id:
         return replace(checkpoint, boot_id=boot_id)  # no boot ID recorded: adopt this one, as NVIDIA does

@@ -60,6 +60,10 @@ class PreparableDevice(Protocol):
     def parent_uuid(self) -> str | None: ...
     @property
     def gpu_minor(self) -> int: ...
+    @property
+    def gi_id(self) -> int | None: ...  # a MIG device's GPU instance ID; None for a full GPU
+    @property
+    def ci_id(self) -> int | None: ...  # a MIG device's compute instance ID; None for a full GPU
 
 
 class ClaimRef(NamedTuple):

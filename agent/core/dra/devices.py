@@ -93,6 +93,10 @@ class DraDevice:
     capacity: Mapping[str, int]  # base units (bytes, counts)
     # counter set -> counter -> amount this device uses up (partitionable devices; dynamic MIG, not static MIG)
     consumes_counters: Mapping[str, Mapping[str, int]] = field(default_factory=lambda: MappingProxyType({}))
+    # a MIG device's GPU instance and compute instance IDs (None for a full GPU): they name its capability device
+    # nodes, /proc/driver/nvidia/capabilities/gpu<gpu_minor>/mig/gi<gi_id>[/ci<ci_id>]/access (facts/dra.md C7)
+    gi_id: int | None = None
+    ci_id: int | None = None
 
     @property
     def gpu_uuid(self) -> str:
@@ -247,4 +251,6 @@ def _mig_device(gpu: Gpu, mig: MigDevice, common: Mapping[str, AttributeValue]) 
         gpu_minor=gpu.minor_number,
         attributes=MappingProxyType(attributes),
         capacity=MappingProxyType(capacity),
+        gi_id=mig.gi_id,
+        ci_id=mig.ci_id,
     )

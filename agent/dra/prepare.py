@@ -1,0 +1,315 @@
+"""Prepare and Unprepare of the DRA driver's claims: the work behind the kubelet's calls, one claim at a time.
+
+``agent.dra.service`` translates the kubelet's gRPC calls and runs every method here on its one worker thread, so
+one claim is worked on at a time across all calls and both API versions (as NVIDIA's driver serialises them with
+its node-wide lock): the checkpoint has a single writer, and a Prepare racing an Unprepare of the same claim is
+simply ordered. Each step (reading the claim from the API server, writing its CDI spec and the checkpoint, each
+with an fsync) blocks, which is why none of it runs on the gRPC loop. The promises, which the kubelet relies on
+(facts/dra.md A2, C8):
+
+- Every claim of a batch gets an entry; one claim's error (naming the claim and the reason) never fails the others.
+- Prepare is idempotent: a claim already prepared gets the same answer from the checkpoint, nothing redone (its CDI
+  spec is written again if it is gone). The kubelet calls Prepare again after its own restart, for a second pod
+  sharing the claim, and after a reboot.
+- Nothing is left half-prepared: ``PrepareStarted`` is recorded before anything is done, ``PrepareCompleted`` once
+  the CDI spec is written; a failure in between removes the spec and the record. A ``PrepareStarted`` record found
+  later (the agent died mid-way) is rolled back and the claim prepared again.
+- A device held by another prepared claim is refused (``agent.core.dra.claims.plan_prepare``), across agent restarts.
+- Unprepare works from the checkpoint alone (the claim may be deleted from the API server by then) and does not
+  assume this process prepared the claim; an unknown claim is a success.
+- A call's deadline is honoured per claim: a claim whose turn comes after the kubelet gave up is not started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from agent.core.dra.cdi import CdiError, cdi_device_ids, check_claim_uid, claim_spec
+from agent.core.dra.checkpoint import (
+    PREPARE_COMPLETED,
+    Checkpoint,
+    PreparedClaim,
+    PreparedDevice,
+    held_devices,
+    prepare_completed,
+    prepare_started,
+    unprepared,
+)
+from agent.core.dra.claims import ClaimError, ClaimRef, PreparableDevice, plan_prepare
+from agent.dra.cdi_store import CdiStore, CdiStoreError
+from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
+from agent.dra.claims_api import ClaimReader, ClaimsUnavailable
+from agent.dra.devnodes import DeviceNodes
+
+log = logging.getLogger(__name__)
+
+Outcome = tuple[PreparedDevice, ...] | ClaimError  # one claim's Prepare: its devices, or why not
+
+
+class Devices(Protocol):
+    """The pool's devices as the owner last handed them over (``agent.dra.service.DeviceView`` has this)."""
+
+    @property
+    def devices(self) -> Mapping[str, PreparableDevice]: ...
+    @property
+    def unhealthy(self) -> Mapping[str, str]: ...  # device name -> why
+
+
+class ClaimWorker:
+    """Prepare and Unprepare, one claim at a time; every method runs on the service's one worker thread.
+
+    ``checkpoint`` is the prepared claims as last saved; it is replaced whole (an immutable value), so other
+    threads may read it at any time.
+    """
+
+    def __init__(
+        self,
+        *,
+        driver: str,
+        pool: str,
+        read_claim: ClaimReader,
+        cdi: CdiStore,
+        checkpoints: CheckpointStore,
+        view: Callable[[], Devices | None],
+        node_wide: bool,
+        node_cdi_kind: str,
+        common_edits: Mapping[str, Any] | None,
+        device_nodes: DeviceNodes,
+    ) -> None:
+        self._driver, self._pool = driver, pool
+        self._read_claim = read_claim
+        self._cdi, self._store = cdi, checkpoints
+        self._view = view
+        self._node_wide, self._node_cdi_kind = node_wide, node_cdi_kind
+        self._common_edits = common_edits
+        self._device_nodes = device_nodes
+        self.checkpoint: Checkpoint = checkpoints.load()
+
+    # ----- Prepare ------------------------------------------------------------------------------------------------
+
+    def prepare(self, refs: Sequence[ClaimRef], deadline: float | None) -> dict[str, Outcome]:
+        outcomes: dict[str, Outcome] = {}
+        for ref in refs:
+            if deadline is not None and time.monotonic() > deadline:
+                outcomes[ref.uid] = ClaimError(
+                    ref, "not prepared: the kubelet's call timed out before its turn; the kubelet retries", True
+                )
+                continue
+            try:
+                outcome = self._prepare(ref)
+            except Exception as error:  # a bug must cost one claim, never the batch or the worker
+                log.exception("unexpected error preparing claim=%s/%s uid=%s", ref.namespace, ref.name, ref.uid)
+                self._roll_back_started(ref)
+                outcome = ClaimError(ref, f"internal error while preparing: {type(error).__name__}: {error}", True)
+            _log_prepare(ref, outcome)
+            outcomes[ref.uid] = outcome
+        return outcomes
+
+    def _prepare(self, ref: ClaimRef) -> Outcome:
+        try:
+            check_claim_uid(ref.uid)
+        except CdiError as error:
+            return ClaimError(ref, str(error))
+        existing = self.checkpoint.claims.get(ref.uid)
+        if existing is not None and existing.state == PREPARE_COMPLETED:
+            return self._prepared_before(ref, existing)
+        if existing is not None:
+            log.warning(
+                "claim was left PrepareStarted by an earlier attempt; rolling it back claim=%s/%s uid=%s",
+                ref.namespace,
+                ref.name,
+                ref.uid,
+            )
+            if (problem := self._roll_back(ref)) is not None:
+                return ClaimError(ref, f"cannot roll back an earlier, unfinished prepare: {problem}", True)
+        view = self._view()
+        if view is None:
+            return ClaimError(ref, "this node's devices are not known yet (the agent is starting); retry", True)
+        try:
+            claim = self._read_claim(ref.namespace, ref.name, ref.uid)
+        except ClaimsUnavailable as error:
+            return ClaimError(ref, f"cannot read the claim: {error}; the kubelet retries", True)
+        plan = plan_prepare(
+            ref,
+            claim,
+            driver=self._driver,
+            pool=self._pool,
+            devices=view.devices,
+            unhealthy=view.unhealthy,
+            held_by=held_devices(self.checkpoint),
+        )
+        if isinstance(plan, ClaimError):
+            return plan
+        try:
+            spec, ids = self._spec(ref.uid, [(d.device, d.info) for d in plan.devices])
+        except CdiError as error:
+            return ClaimError(ref, f"cannot build its CDI spec: {error}")
+        started = prepare_started(self.checkpoint, plan)
+        try:
+            self._store.save(started)
+        except CheckpointSaveError as error:
+            return ClaimError(ref, f"{error}; nothing was prepared", True)
+        self.checkpoint = started
+        try:
+            self._cdi.write(ref.uid, spec)
+            completed = prepare_completed(self.checkpoint, plan, ids)
+            self._store.save(completed)
+        except (CdiStoreError, CheckpointSaveError) as error:
+            if (problem := self._roll_back(ref)) is not None:
+                return ClaimError(ref, f"{error}; rolling back failed too ({problem}): the next attempt retries it")
+            return ClaimError(ref, f"{error}; nothing was left prepared")
+        self.checkpoint = completed
+        return completed.claims[ref.uid].devices
+
+    def _prepared_before(self, ref: ClaimRef, claim: PreparedClaim) -> Outcome:
+        """The same answer as the first time; the CDI spec written again if it is gone (a reboot empties tmpfs)."""
+        if self._cdi.exists(ref.uid):
+            return claim.devices
+        view = self._view()
+        devices = view.devices if view is not None else {}
+        missing = [d.device for d in claim.devices if d.device not in devices]
+        if missing:
+            return ClaimError(
+                ref,
+                f"its CDI spec {self._cdi.path(ref.uid)} is gone and its devices {', '.join(missing)} no longer exist "
+                "on this node, so it cannot be written again; delete the pod so the claim is unprepared",
+            )
+        try:
+            spec, _ = self._spec(ref.uid, [(d.device, devices[d.device]) for d in claim.devices])
+            path = self._cdi.write(ref.uid, spec)
+        except (CdiError, CdiStoreError) as error:
+            return ClaimError(ref, f"its CDI spec is gone and cannot be written again: {error}")
+        log.info("CDI spec written again claim=%s/%s uid=%s path=%s", ref.namespace, ref.name, ref.uid, path)
+        return claim.devices
+
+    def _spec(
+        self, claim_uid: str, devices: Sequence[tuple[str, PreparableDevice]]
+    ) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]]:
+        nodes = {name: tuple(self._device_nodes(info)) for name, info in devices}
+        spec = claim_spec(claim_uid, nodes, common_edits=self._common_edits)
+        ids = {
+            name: cdi_device_ids(
+                claim_uid, name, info.uuid, node_wide=self._node_wide, node_cdi_kind=self._node_cdi_kind
+            )
+            for name, info in devices
+        }
+        return spec, ids
+
+    def _roll_back(self, ref: ClaimRef) -> str | None:
+        """Undo a prepare that did not complete (spec, then record); the reason when the spec cannot be removed."""
+        try:
+            self._cdi.remove(ref.uid)
+        except CdiStoreError as error:
+            log.error("cannot roll back claim=%s/%s uid=%s error=%r", ref.namespace, ref.name, ref.uid, str(error))
+            return str(error)
+        rolled = unprepared(self.checkpoint, ref.uid)
+        self.checkpoint = rolled  # at once: a PrepareStarted record the disk may still hold is rolled back again
+        try:
+            self._store.save(rolled)
+        except CheckpointSaveError as error:
+            log.error("claim rolled back, checkpoint not saved uid=%s error=%r", ref.uid, str(error))
+        return None
+
+    def _roll_back_started(self, ref: ClaimRef) -> None:
+        existing = self.checkpoint.claims.get(ref.uid)
+        if existing is not None and existing.state != PREPARE_COMPLETED:
+            with contextlib.suppress(Exception):
+                self._roll_back(ref)
+
+    # ----- Unprepare ----------------------------------------------------------------------------------------------
+
+    def unprepare(self, refs: Sequence[ClaimRef], deadline: float | None) -> dict[str, str]:
+        """Claim UID -> error message; ``""`` for success."""
+        errors: dict[str, str] = {}
+        for ref in refs:
+            if deadline is not None and time.monotonic() > deadline:
+                late = ClaimError(ref, "not unprepared: the kubelet's call timed out before its turn; it retries")
+                errors[ref.uid] = late.message
+                continue
+            try:
+                errors[ref.uid] = self._unprepare(ref)
+            except Exception as error:
+                log.exception("unexpected error unpreparing claim=%s/%s uid=%s", ref.namespace, ref.name, ref.uid)
+                errors[ref.uid] = ClaimError(ref, f"internal error while unpreparing: {error}").message
+        return errors
+
+    def _unprepare(self, ref: ClaimRef) -> str:
+        claim = self.checkpoint.claims.get(ref.uid)
+        try:
+            check_claim_uid(ref.uid)
+        except CdiError:
+            if claim is None:
+                log.info("unprepare of an unknown claim claim=%s/%s uid=%r", ref.namespace, ref.name, ref.uid)
+                return ""  # no file of ours can carry such a name, and nothing is recorded for it
+        try:
+            removed = self._cdi.remove(ref.uid)
+        except CdiStoreError as error:
+            return _failed_unprepare(ref, str(error))
+        if claim is None:
+            log.info(
+                "unprepare of an unknown claim claim=%s/%s uid=%s stale_spec_removed=%s",
+                ref.namespace,
+                ref.name,
+                ref.uid,
+                removed,
+            )
+            return ""
+        rolled = unprepared(self.checkpoint, ref.uid)
+        try:
+            self._store.save(rolled)
+        except CheckpointSaveError as error:
+            return _failed_unprepare(ref, str(error))
+        self.checkpoint = rolled
+        log.info(
+            "claim unprepared claim=%s/%s uid=%s devices=%s state=%s",
+            ref.namespace,
+            ref.name,
+            ref.uid,
+            ",".join(d.device for d in claim.devices),
+            claim.state,
+        )
+        return ""
+
+    def sweep(self) -> list[str]:
+        """Remove the CDI specs of ours that no recorded claim owns (``CdiStore.stale``); their claim UIDs."""
+        removed = []
+        for uid in self._cdi.stale(self.checkpoint.claims.keys()):
+            try:
+                if self._cdi.remove(uid):
+                    removed.append(uid)
+            except CdiStoreError as error:
+                log.warning("cannot remove a stale CDI spec uid=%s error=%r", uid, str(error))
+        if removed:
+            log.info("stale CDI specs removed claims=%s", ",".join(removed))
+        return removed
+
+
+def _failed_unprepare(ref: ClaimRef, reason: str) -> str:
+    log.error("claim not unprepared claim=%s/%s uid=%s reason=%r", ref.namespace, ref.name, ref.uid, reason)
+    return ClaimError(ref, f"{reason}; the kubelet retries").message
+
+
+def _log_prepare(ref: ClaimRef, outcome: Outcome) -> None:
+    if isinstance(outcome, ClaimError):
+        log.log(
+            logging.WARNING if outcome.retriable else logging.ERROR,
+            "claim not prepared claim=%s/%s uid=%s retriable=%s reason=%r",
+            ref.namespace,
+            ref.name,
+            ref.uid,
+            outcome.retriable,
+            outcome.reason,
+        )
+    else:
+        log.info(
+            "claim prepared claim=%s/%s uid=%s devices=%s cdi_device_ids=%s",
+            ref.namespace,
+            ref.name,
+            ref.uid,
+            ",".join(d.device for d in outcome),
+            ",".join(i for d in outcome for i in d.cdi_device_ids),
+        )
