@@ -6,6 +6,7 @@ admission, Allocate and container start) and ``podresources`` (the PodResources 
 emulator and the records it hands out, re-exported here: ``from agent.sim.kubelet import KubeletEmulator``.
 """
 
+from agent.sim.kubelet.dra import DraKubeletEmulator as DraKubeletEmulator
 from agent.sim.kubelet.emulator import (
     AdmissionError,
     ContainerAllocation,
