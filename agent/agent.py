@@ -28,7 +28,7 @@ from agent.config.labels import (
     NodeAnnotationChanged,
     NodeLabelChanged,
 )
-from agent.config.model import ConfigError, ConfigModel
+from agent.config.model import ConfigError, ConfigModel, DraSection
 from agent.config.source import LoadedConfig, load_config, read_config_set
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
 from agent.core.announce import announcements
@@ -78,6 +78,9 @@ from agent.telemetry.service import Telemetry, TelemetrySettings
 if TYPE_CHECKING:
     import kubernetes.client
 
+    from agent.dra.manager import DraManager
+    from agent.dra.types import DraSettings
+
 log = logging.getLogger(__name__)
 
 SAFETY_SECONDS = 30.0  # the loop wakes at least this often with nothing to do: a missed event cannot strand it
@@ -103,6 +106,10 @@ class AgentOptions:
     node_name: str | None = None  # this node, for its nvidia.com/device-plugin.config label
     mps_control: str | None = None  # the nvidia-cuda-mps-control binary (default: found on PATH)
     mps_keeper: Path | None = None  # a `tessera mps-keeper` socket: MPS daemons start in its container
+    dra_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")  # the kubelet's plugin watcher
+    dra_plugins_dir: Path = Path("/var/lib/kubelet/plugins")  # <dir>/<driver>/: the DRA socket and checkpoint
+    cdi_root: Path = Path("/var/run/cdi")  # CDI specs of prepared DRA claims
+    pod_uid: str | None = None  # this agent's pod: DRA socket names that allow a rolling update
     mig_config: Path | None = None  # a MIG layout file (mig-parted's format); else the config's migLayout
     mig_config_name: str | None = None  # which layout (else the node label nvidia.com/mig.config, else the config's)
     kubeconfig: str | None = None  # outside a pod: how to reach the Kubernetes API
@@ -195,6 +202,7 @@ class Agent:
         self._kube_api: kubernetes.client.CoreV1Api | None = None  # when there is a node name and an API
         self._mps = MpsManager(options.mps_control, self.post, options.pod_resources_socket, options.mps_keeper)
         self._mig = MigManager(self.post, options.pod_resources_socket)
+        self._dra: DraManager | None = None  # made when a config first gives GPUs to DRA
         self._mig_label: str | None = None
         self._cordon_values: dict[str, str | None] = {}  # cordon annotation key -> value (None: absent)
         self._cordon: Cordon = NO_CORDON
@@ -277,7 +285,7 @@ class Agent:
         period, a MIG or MPS drain re-check), at most ``SAFETY_SECONDS``. Nothing else wakes it but events."""
         now = self._clock()
         deadlines = [self._next_liveness, self._resync_at, self._rediscover_at, self._mps.next_deadline(),
-                     self._mig.next_deadline()]  # fmt: skip
+                     self._mig.next_deadline(), self._dra.next_deadline() if self._dra else None]  # fmt: skip
         quiet = self._policy.quiet_seconds
         if quiet is not None:
             deadlines += [fault.last_event + quiet for fault in self._health.faults.values()]
@@ -388,6 +396,8 @@ class Agent:
         self._registrar.shutdown(wait=join is None, cancel_futures=True)
         self._mps.shutdown()
         self._mig.shutdown()
+        if self._dra is not None:
+            self._dra.shutdown()
         if self._lock is not None:
             self._lock.release()
         log.info("stopped")
@@ -479,6 +489,8 @@ class Agent:
                     self._refresh_status()
                 else:
                     self._rediscover("MIG change", stale=self._uuids_of(self._mig.changing_gpus))
+            case _ if self._dra is not None and type(event).__module__ == "agent.dra.types":
+                self._dra_event(event)
             case _:
                 log.error("unknown event %r", event)
 
@@ -493,6 +505,8 @@ class Agent:
             self._publish()
         if self._mig.tick(now):
             self._rediscover("MIG reset check", stale=self._uuids_of(self._mig.changing_gpus))
+        if self._dra is not None and self._inventory is not None and self._dra.tick(now, self._inventory):
+            self._publish()  # a GPU leaving DRA is free of claims: the device plugin offers it again
         if now >= self._next_liveness:
             self._next_liveness = now + self.options.liveness_probe_seconds
             self._check_liveness(now)
@@ -654,6 +668,7 @@ class Agent:
                 return  # same config: nothing to do
             chosen = effective(loaded.model, self._overrides())
             new_plan = plan(chosen.plan, self._inventory)
+            self._configure_dra(loaded.model.dra)  # a PlanError when dra.gpus names GPUs this node lacks
         except Exception as error:
             if not isinstance(error, ConfigError | PlanError):
                 self._internal_error("config", error)
@@ -732,7 +747,41 @@ class Agent:
                 self._plan = ResourcePlan((), self._plan.mig_strategy if self._plan else MigStrategy.NONE)
             self._mps.reconcile(mps_daemons(self._plan), Path(self._effective.allocation.mps_root), self._clock())
             self._update_mig(publish=False)
+            try:
+                self._configure_dra(self._loaded.model.dra if self._loaded else None)
+            except PlanError as error:  # a GPU named by dra.gpus is gone: DRA keeps what it serves
+                log.error("the node's GPUs do not fit dra.gpus error=%r", str(error))
         self._publish()
+
+    def _configure_dra(self, section: DraSection | None) -> None:
+        """The config's ``dra`` section; the DRA manager (and the front end with it) loads on first use."""
+        assert self._inventory is not None
+        enabled = section is not None and section.enabled
+        if self._dra is None:
+            if not enabled:
+                return
+            from agent.dra.manager import DraManager
+
+            self._dra = DraManager(
+                self._dra_settings,
+                lambda: self._kube_api.api_client if self._kube_api is not None else None,
+                self.post,
+                self.options.pod_resources_socket,
+            )
+        driver = section.driver_name if section is not None else "gpu.nvidia.com"
+        self._dra.configure(enabled, driver, section.gpus if section else None, self._inventory, self._clock())
+
+    def _dra_settings(self, driver: str) -> DraSettings:
+        from agent.dra.types import DraSettings
+
+        return DraSettings(
+            driver=driver,
+            node_name=self.options.node_name or "",
+            registry_dir=self.options.dra_registry_dir,
+            plugins_dir=self.options.dra_plugins_dir,
+            cdi_root=self.options.cdi_root,
+            pod_uid=self.options.pod_uid,
+        )
 
     def _read_inventory(self, reason: str, stale: frozenset[str] = frozenset()) -> bool:
         """Read the GPUs from NVML; on failure keep the last inventory (minus ``stale`` GPUs) and retry with
@@ -887,7 +936,10 @@ class Agent:
         # Withdrawn devices leave ListAndWatch first: those a MIG change or an MPS daemon's retirement will
         # disturb, and every device of a GPU whose inventory could not be read again.
         stale = {d.physical_id for r in self._plan.resources for d in r.devices if d.gpu_uuid in self._stale_gpus}
-        visible = self._plan.without(self._mig.withdrawn | self._mps.withdrawn() | stale)
+        dra = self._dra.withdrawn(self._inventory) if self._dra else frozenset()  # one front end per GPU
+        visible = self._plan.without(self._mig.withdrawn | self._mps.withdrawn() | stale | dra)
+        if self._dra is not None:
+            self._dra.publish(self._inventory, self._health, self._cordon.units)
         snapshots = build_snapshots(
             visible,
             self._health,
@@ -1007,6 +1059,8 @@ class Agent:
         elif event.owner == "mps":
             if self._mps.on_crashed(event, now):
                 self._publish()
+        elif event.owner == "dra" and self._dra is not None:
+            self._dra.on_crashed(event.key, now)
         elif event.owner == "register":
             for name in event.key.split(","):
                 registration = self._registrations.get(name)
@@ -1084,11 +1138,27 @@ class Agent:
             faults=self._health.faults,
             cordoned=self._cordon.sources,
             cordon_problems=self._cordon.problems,
+            dra=self._dra.status() if self._dra else None,
         )
         self._announce(before, self.status)
 
+    def _dra_event(self, event: object) -> None:
+        """The DRA front end's news (a handover answer, a registration verdict, slices published or not)."""
+        from agent.dra.types import DraHandoverChecked, DraRegistration
+
+        assert self._dra is not None
+        if isinstance(event, DraHandoverChecked):
+            if self._dra.on_checked(event, self._clock()):
+                self._publish()
+                return
+        elif isinstance(event, DraRegistration):
+            self._dra.error = None if event.registered else f"the kubelet refused the driver: {event.error}"
+        self._refresh_status()
+
     def _waiting_for(self) -> dict[str, tuple[str, ...]]:
         waiting = {f"mps:{key}": reasons for key, reasons in self._mps.waiting_for().items()}
+        if self._dra is not None:
+            waiting |= {f"dra:{uuid}": why for uuid, why in self._dra.waiting_for().items()}
         if self._mig.waiting_for:
             waiting["mig"] = self._mig.waiting_for
         return waiting

@@ -244,6 +244,29 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         help="the socket of a `tessera mps-keeper` on this node: MPS daemons start in its container and outlive "
         "this one's restarts and upgrades (default: none, daemons start in the agent's container)",
     )
+    _env_flag(
+        parser,
+        "--dra-registry-dir",
+        "TESSERA_DRA_REGISTRY_DIR",
+        default="/var/lib/kubelet/plugins_registry",
+        help="with the config's dra section: the kubelet's plugin watcher directory (the registration socket)",
+    )
+    _env_flag(
+        parser,
+        "--dra-plugins-dir",
+        "TESSERA_DRA_PLUGINS_DIR",
+        default="/var/lib/kubelet/plugins",
+        help="with dra: the kubelet's plugins directory (<dir>/<driver>/ holds the DRA socket and the checkpoint)",
+    )
+    _env_flag(
+        parser, "--cdi-root", "TESSERA_CDI_ROOT", default="/var/run/cdi", help="with dra: where claims' CDI specs go"
+    )
+    _env_flag(
+        parser,
+        "--pod-uid",
+        "POD_UID",
+        help="with dra: this pod's UID (downward API), for socket names that allow a rolling update",
+    )
     _env_flag(parser, "--mig-config", "TESSERA_MIG_CONFIG", help="a MIG layout file (mig-parted's format)")
     _env_flag(
         parser,

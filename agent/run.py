@@ -85,6 +85,10 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> RunOptio
         ),
         mps_control=args.mps_control,
         mps_keeper=_socket_path("--mps-keeper", args.mps_keeper),
+        dra_registry_dir=_host_dir("--dra-registry-dir", args.dra_registry_dir),
+        dra_plugins_dir=_host_dir("--dra-plugins-dir", args.dra_plugins_dir),
+        cdi_root=_host_dir("--cdi-root", args.cdi_root),
+        pod_uid=_pod_uid(args.pod_uid),
         mig_config=Path(args.mig_config) if args.mig_config else None,
         mig_config_name=args.mig_config_name,
         telemetry=_telemetry(args, node_name),
@@ -159,6 +163,24 @@ def _mps_root(value: str | None, source: str) -> str | None:
         return safe_host_path(value)
     except ValueError as error:
         raise OptionsError(f"{source}: {error}") from error
+
+
+def _host_dir(flag: str, value: str) -> Path:
+    try:
+        return Path(safe_host_path(value))
+    except ValueError as error:
+        raise OptionsError(f"{flag}: {error}") from error
+
+
+def _pod_uid(value: str | None) -> str | None:
+    if not value:
+        return None
+    from agent.dra.names import check_pod_uid
+
+    try:
+        return check_pod_uid(value)
+    except ValueError as error:
+        raise OptionsError(f"--pod-uid (POD_UID): {error}") from error
 
 
 def _socket_path(flag: str, value: str | None) -> Path | None:

@@ -41,6 +41,7 @@ class AgentStatus:
     faults: Mapping[str, Fault] = field(default_factory=dict)  # GPU or MIG UUID -> why it is Unhealthy
     cordoned: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # GPU or MIG UUID -> annotation keys
     cordon_problems: tuple[str, ...] = ()  # cordon entries that name nothing on this node
+    dra: Mapping[str, object] | None = None  # the DRA front end: driver, GPUs served, waiting, leaving, error
 
 
 class StatusSource(Protocol):

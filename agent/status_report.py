@@ -40,6 +40,7 @@ def status_document(status: AgentStatus, *, version: str, started: bool = True) 
         "mps": {key: dict(daemon) for key, daemon in sorted(status.mps.items())},
         "cordoned": [{"unit": unit, "by": list(keys)} for unit, keys in sorted(status.cordoned.items())],
         "cordon_problems": list(status.cordon_problems),
+        "dra": dict(status.dra) if status.dra is not None else None,
         "waiting_for": {key: list(reasons) for key, reasons in sorted(status.waiting_for.items())},
         "discovery_error": status.discovery_error,
         "stale_gpus": sorted(status.stale_gpus),
@@ -112,6 +113,12 @@ def render_text(document: Mapping[str, Any]) -> str:
     for key, daemon in document["mps"].items():
         error = f": {daemon['error']}" if daemon.get("error") else ""
         lines.append(f"MPS daemon: {key} {daemon.get('state')}, {daemon.get('restarts', 0)} restarts{error}")
+    dra = document.get("dra")
+    if dra:
+        served = ", ".join(dra["served"]) or "no GPU yet"
+        error = f"; {dra['error']}" if dra["error"] else ""
+        lines.append(f"DRA:        driver {dra['driver']} serves {served}{error}")
+        lines += [f"  leaving for the device plugin once no claim holds it: {uuid}" for uuid in dra["leaving"]]
     for entry in document["cordoned"]:
         lines.append(f"Cordoned:   {entry['unit']} (by {', '.join(entry['by'])})")
     lines += [f"  ignored: {problem}" for problem in document["cordon_problems"]]

@@ -383,11 +383,6 @@ def parse_config(data: object, origin: str = "config") -> tuple[values.ConfigMod
         raise ConfigError(origin, [_problem(e) for e in error.errors()]) from error
     warnings = [f"{origin}: {w}" for w in unknown_key_warnings(model)]
     warnings += [f"{origin}: {w}" for w in _nvidia_flag_warnings(model.flags)]
-    if model.dra is not None and model.dra.enabled:
-        warnings.append(
-            f"{origin}: dra.enabled: `tessera plan --dra` previews the ResourceSlices; `tessera run` does not serve "
-            "DRA in this version yet and keeps every GPU with the device plugin"
-        )
     if model.sharing and model.sharing.mps is not None and model.sharing.time_slicing is not None:
         warnings.append(f"{origin}: sharing has both timeSlicing and mps; mps is used and timeSlicing is ignored")
     return as_value(model), warnings

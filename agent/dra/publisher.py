@@ -22,33 +22,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from agent.core.dra.devices import DraDevice
 from agent.core.dra.slices import layout_for, resource_slices
 from agent.core.dra.taints import DeviceTaint
+from agent.dra.types import SlicesFailed, SlicesPublished
 
 log = logging.getLogger(__name__)
 
 GROUP, VERSION, PLURAL = "resource.k8s.io", "v1", "resourceslices"
 MAX_BACKOFF = 30.0
 WATCH_SECONDS = 300  # a watch is renewed this often (the server ends it anyway; a renewal is not a poll)
-
-
-@dataclass(frozen=True, slots=True)
-class SlicesPublished:
-    """Posted when the API server holds exactly what was asked for (``generation`` of the pool)."""
-
-    generation: int
-    slices: int
-
-
-@dataclass(frozen=True, slots=True)
-class SlicesFailed:
-    """Posted once per outage: the API server refused or did not answer; the worker keeps trying."""
-
-    error: str
 
 
 class SlicePublisher:

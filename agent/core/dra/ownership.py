@@ -13,9 +13,10 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from agent.core.inventory import Inventory
+from agent.core.resources import PlanError
 
 
-class OwnershipError(ValueError):
+class OwnershipError(PlanError):
     """The ``dra.gpus`` list names GPUs this node does not have; the message names them and what exists."""
 
 

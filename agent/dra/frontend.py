@@ -1,0 +1,98 @@
+"""The DRA front end as the agent runs it: the DRA service, its registration with the kubelet, the slices.
+
+The reconcile loop owns the decisions (which GPUs DRA serves, their health and taints) and hands them over with
+``update``; this only starts, feeds and stops the three shell pieces in the right order — the service before the
+registration that advertises it, the devices before either, so the first Prepare the kubelet sends finds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from agent.core.dra.devices import DraDevice
+from agent.core.dra.taints import DeviceTaint
+from agent.dra.types import DraRegistration, DraSettings
+
+log = logging.getLogger(__name__)
+
+
+class DraFrontEnd:
+    def __init__(self, settings: DraSettings, api_client: Any, post: Callable[[object], None]) -> None:
+        self.settings = settings
+        self._api_client = api_client
+        self._post = post
+        self._service: Any = None
+        self._registrar: Any = None
+        self._publisher: Any = None
+        self._registered_once = False
+
+    def update(
+        self,
+        devices: Sequence[DraDevice],
+        unhealthy: Mapping[str, str],
+        taints: Mapping[str, Sequence[DeviceTaint]],
+        *,
+        published: Sequence[DraDevice] | None = None,
+    ) -> None:
+        """The devices DRA serves (prepared claims included) and their health; ``published`` (default: all of
+        them) are the ones offered in the slices — a GPU on its way to the device plugin is served, not offered."""
+        first = not self._registered_once
+        self._service.update({d.name: d for d in devices}, dict(unhealthy))
+        offered = devices if published is None else published
+        names = {d.name for d in offered}
+        self._publisher.publish(tuple(offered), {n: t for n, t in taints.items() if n in names})
+        if first:  # the kubelet learns of the driver once its service knows the devices
+            self._registrar.start()
+            self._registered_once = True
+
+    def prepared_devices(self) -> set[str]:
+        """Device names some recorded claim holds (completed or being prepared)."""
+        if self._service is None:
+            return set()
+        return {name for names in self._service.prepared().values() for name in names}
+
+    def register_again(self) -> None:
+        if self._registrar is not None:
+            self._registrar.restart()
+
+    def stop(self) -> None:
+        """The kubelet hears the driver go (registration socket removed); slices stay for the next agent."""
+        for piece in (self._registrar, self._service, self._publisher):
+            if piece is not None:
+                piece.stop()
+
+    def start(self) -> None:
+        """The service (its checkpoint read: which GPUs claims hold) and the slice publisher; the kubelet is
+        told of the driver with the first ``update``."""
+        from agent.dra.cdi_store import CdiStore
+        from agent.dra.checkpoint_store import CheckpointStore, checkpoint_path
+        from agent.dra.claims_api import KubernetesClaimReader
+        from agent.dra.names import dra_socket, registration_socket
+        from agent.dra.publisher import SlicePublisher
+        from agent.dra.registration import DRA_SERVICES, HEALTH_SERVICE, DraRegistrar
+        from agent.dra.service import DraService
+
+        s = self.settings
+        endpoint = dra_socket(s.plugins_dir, s.driver, s.pod_uid)
+        endpoint.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        self._service = DraService(
+            endpoint,
+            driver=s.driver,
+            pool=s.node_name,
+            read_claim=KubernetesClaimReader(self._api_client),
+            cdi=CdiStore(s.cdi_root),
+            checkpoints=CheckpointStore(checkpoint_path(endpoint.parent)),
+        )
+        self._service.start()
+        self._publisher = SlicePublisher(self._api_client, s.node_name, s.driver, post=self._post)
+        self._publisher.start()
+        self._registrar = DraRegistrar(
+            registration_socket(s.registry_dir, s.driver, s.pod_uid),
+            s.driver,
+            endpoint,
+            (*DRA_SERVICES, HEALTH_SERVICE),
+            on_status=lambda registered, error: self._post(DraRegistration(registered, error)),
+        )
+        log.info("DRA driver starting driver=%s node=%s socket=%s", s.driver, s.node_name, endpoint)

@@ -1,0 +1,216 @@
+"""The DRA front end's place in the reconcile loop: which GPUs DRA serves, and moving GPUs between front ends.
+
+Like the MIG and MPS managers it belongs to the loop: ``configure``, ``publish`` and ``tick`` run on the loop's
+thread and only look at state; the one slow question — is a GPU the device plugin served still in use? — runs
+on a worker whose answer comes back as an event (``DraHandoverChecked``).
+
+The rule: each GPU is served by one front end, and nothing moves under a running workload.
+- **To DRA.** A GPU the config gives to DRA leaves the device plugin's ListAndWatch at once (``withdrawn``), and
+  joins DRA's slices only when no pod holds any of its devices and no process runs on it (PodResources and NVML;
+  unknown counts as busy). A GPU some recorded claim already holds (an agent restart) joins at once.
+- **To the device plugin.** A GPU the config takes from DRA leaves DRA's slices at once (no new claim gets it)
+  but stays served — claims on it can still be unprepared — until no recorded claim holds any of its devices;
+  then the device plugin offers it again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agent.core.dra.ownership import dra_gpus
+from agent.core.drain import Drain
+from agent.core.health import HealthState
+from agent.core.inventory import Gpu, Inventory
+from agent.dra.types import DraHandoverChecked, DraSettings
+from agent.supervise import submit
+
+if TYPE_CHECKING:
+    from agent.core.dra.taints import DeviceTaint
+    from agent.dra.frontend import DraFrontEnd
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL = 1.0  # how often a GPU waiting to move looks again whether it is free
+
+
+@dataclass
+class _Waiting:
+    next_check: float = 0.0
+    in_flight: bool = False
+    why: tuple[str, ...] = ()
+
+
+class DraManager:
+    def __init__(
+        self,
+        settings: Callable[[str], DraSettings],  # driver name -> where the driver's sockets and files go
+        api_client: Callable[[], Any],  # the Kubernetes API client, or None when there is none
+        post: Callable[[object], None],
+        pod_resources_socket: Path,
+        *,
+        clock_now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self._settings = settings
+        self._api_client = api_client
+        self._post = post
+        self._socket = pod_resources_socket
+        self._now = clock_now
+        self._front: DraFrontEnd | None = None
+        self._driver: str | None = None
+        self._wanted: frozenset[str] = frozenset()
+        self._served: set[str] = set()  # GPU UUIDs DRA serves (offered in the slices unless leaving)
+        self._arriving: dict[str, _Waiting] = {}  # withdrawn from the device plugin, waiting to be free
+        self._taints: dict[str, tuple[DeviceTaint, ...]] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dra")
+        self._leaving_check = 0.0
+        self.error: str | None = None  # why DRA cannot run (no API), said in the status
+
+    # ----- the loop's view ------------------------------------------------------------------------
+
+    def configure(self, enabled: bool, driver: str, gpus: object, inventory: Inventory, now: float) -> None:
+        """The config's ``dra`` section on this node; ``OwnershipError`` when ``gpus`` names GPUs it lacks."""
+        wanted = dra_gpus(gpus if enabled else None, inventory)  # type: ignore[arg-type]
+        if wanted and self._front is None:
+            client = self._api_client()
+            if client is None:
+                self.error = "DRA needs the Kubernetes API: a node name (NODE_NAME) and in-cluster access or kubeconfig"
+                log.error("DRA cannot run error=%r", self.error)
+                wanted = frozenset()
+            else:
+                from agent.dra.frontend import DraFrontEnd  # the DRA shell loads when DRA serves a GPU
+
+                self._driver, self.error = driver, None
+                self._front = DraFrontEnd(self._settings(driver), client, self._post)
+                self._front.start()
+        held = self._held_gpus(inventory)
+        for uuid in wanted - self._served:
+            if uuid in held:  # a claim recorded before an agent restart: DRA's already
+                self._served.add(uuid)
+            elif uuid not in self._arriving:
+                self._arriving[uuid] = _Waiting(next_check=now)
+                log.info("GPU moves to DRA gpu=%s; withdrawn from the device plugin until it is free", uuid)
+        for uuid in list(self._arriving):
+            if uuid not in wanted:
+                del self._arriving[uuid]  # changed its mind: the device plugin keeps it
+        self._wanted = wanted
+
+    def withdrawn(self, inventory: Inventory) -> frozenset[str]:
+        """Device IDs (GPU and MIG UUIDs) the device plugin must not offer: DRA's GPUs and those arriving."""
+        gone = self._served | set(self._arriving)
+        return frozenset(uid for gpu in inventory.gpus if gpu.uuid in gone for uid in _device_ids(gpu))
+
+    def publish(self, inventory: Inventory, health: HealthState, cordoned: frozenset[str]) -> None:
+        """Hand DRA's devices, their health and taints to the front end; a GPU no claim holds any more that
+        is leaving goes back to the device plugin (the caller publishes the device plugin's side after)."""
+        if self._front is None:
+            return
+        from agent.core.dra.devices import dra_devices
+        from agent.core.dra.taints import device_taints
+
+        leaving = self._served - self._wanted
+        if leaving:
+            still = self._held_gpus(inventory)
+            for uuid in leaving - still:
+                self._served.discard(uuid)
+                log.info("GPU returns to the device plugin gpu=%s; no claim holds it", uuid)
+        present = {g.uuid for g in inventory.gpus}
+        self._served &= present
+        devices = dra_devices(inventory, gpu_uuids=frozenset(self._served))
+        offered = [d for d in devices if d.gpu_uuid in self._wanted]
+        self._taints = device_taints(devices, health, now=self._now(), previous=self._taints, driver=self._driver)
+        unhealthy = {name: ", ".join(t.key for t in taints) for name, taints in self._taints.items()}
+        for device in devices:
+            if device.uuid in cordoned or device.gpu_uuid in cordoned:
+                unhealthy.setdefault(device.name, "cordoned by the operator")
+        self._front.update(devices, unhealthy, self._taints, published=offered)
+
+    def next_deadline(self) -> float | None:
+        due = [w.next_check for w in self._arriving.values() if not w.in_flight]
+        if self._served - self._wanted:
+            due.append(self._leaving_check)
+        return min(due, default=None)
+
+    def tick(self, now: float, inventory: Inventory) -> bool:
+        """Ask about GPUs that wait to move; True when a leaving GPU is free (publish again)."""
+        for uuid, waiting in self._arriving.items():
+            if not waiting.in_flight and now >= waiting.next_check:
+                waiting.in_flight = True
+                gpu = next((g for g in inventory.gpus if g.uuid == uuid), None)
+                ids = frozenset(_device_ids(gpu)) if gpu is not None else frozenset({uuid})
+                if submit(self._pool, self._post, "dra", uuid, self._check, uuid, ids) is None:
+                    waiting.in_flight = False
+        leaving = self._served - self._wanted
+        if leaving and now >= self._leaving_check:
+            self._leaving_check = now + CHECK_INTERVAL
+            return bool(leaving - self._held_gpus(inventory))
+        return False
+
+    def on_checked(self, event: DraHandoverChecked, now: float) -> bool:
+        """True when the GPU moved to DRA (publish both sides again)."""
+        waiting = self._arriving.get(event.gpu)
+        if waiting is None:
+            return False
+        if event.busy:
+            if event.busy != waiting.why:
+                log.info("GPU waits to move to DRA gpu=%s waiting_for=%r", event.gpu, "; ".join(event.busy))
+            waiting.in_flight, waiting.why, waiting.next_check = False, event.busy, now + CHECK_INTERVAL
+            return False
+        del self._arriving[event.gpu]
+        self._served.add(event.gpu)
+        log.info("GPU moved to DRA gpu=%s", event.gpu)
+        return True
+
+    def on_crashed(self, key: str, now: float) -> None:
+        waiting = self._arriving.get(key)
+        if waiting is not None:
+            waiting.in_flight, waiting.next_check = False, now + CHECK_INTERVAL
+
+    def waiting_for(self) -> dict[str, tuple[str, ...]]:
+        return {uuid: w.why for uuid, w in self._arriving.items() if w.why}
+
+    def status(self) -> dict[str, object] | None:
+        if self._front is None and self.error is None:
+            return None
+        return {
+            "driver": self._driver,
+            "served": sorted(self._served),
+            "waiting": {uuid: list(w.why) for uuid, w in self._arriving.items()},
+            "leaving": sorted(self._served - self._wanted),
+            "error": self.error,
+        }
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._front is not None:
+            self._front.stop()
+
+    # ----- the work -------------------------------------------------------------------------------
+
+    def _held_gpus(self, inventory: Inventory) -> set[str]:
+        """GPUs some recorded claim holds a device of."""
+        if self._front is None:
+            return set()
+        names = self._front.prepared_devices()
+        if not names:
+            return set()
+        from agent.core.dra.devices import dra_devices
+
+        return {d.gpu_uuid for d in dra_devices(inventory) if d.name in names}
+
+    def _check(self, uuid: str, ids: frozenset[str]) -> None:
+        """Worker: is anything using the GPU's devices (a device-plugin pod, a process)?"""
+        from agent.drain import why_busy  # the PodResources stubs load with the first check
+
+        self._post(DraHandoverChecked(uuid, tuple(why_busy(Drain(ids, ids), self._socket))))
+
+
+def _device_ids(gpu: Gpu) -> Iterable[str]:
+    yield gpu.uuid
+    for mig in gpu.mig_devices:
+        yield mig.uuid

@@ -1,0 +1,50 @@
+"""What the reconcile loop and the DRA shell hand each other: settings and events, nothing that imports more.
+
+Kept apart so that an agent without DRA loads none of the DRA front end (the loop imports only these).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class DraSettings:
+    driver: str
+    node_name: str
+    registry_dir: Path  # the kubelet's plugin watcher directory
+    plugins_dir: Path  # the kubelet's plugins directory: <plugins>/<driver>/ holds the DRA socket and checkpoint
+    cdi_root: Path
+    pod_uid: str | None = None  # with it, socket names allow a rolling update of the DaemonSet
+
+
+@dataclass(frozen=True, slots=True)
+class DraRegistration:
+    """The kubelet's verdict on the driver's registration."""
+
+    registered: bool
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class DraHandoverChecked:
+    """What still uses a GPU on its way to DRA (empty: nothing; it may move)."""
+
+    gpu: str
+    busy: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SlicesPublished:
+    """The API server holds exactly what was asked for (``generation`` of the pool)."""
+
+    generation: int
+    slices: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlicesFailed:
+    """Posted once per outage: the API server refused or did not answer; the publisher keeps trying."""
+
+    error: str

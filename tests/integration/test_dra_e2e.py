@@ -1,0 +1,190 @@
+"""One agent, two front ends: the config gives two GPUs to DRA, the device plugin keeps the rest.
+
+Everything real but the hardware and the control plane: the agent (in process) talks to a simulated dgx-a100
+through pynvml, to the device-plugin kubelet emulator and the DRA kubelet emulator over gRPC on unix sockets,
+and to the API server stand-in through the Kubernetes client. Claims are allocated by the simulated scheduler
+with NVIDIA's DeviceClass and a CEL selector, then prepared by the DRA kubelet for a pod.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agent.agent import Agent, AgentOptions
+from agent.sim.apiserver import ApiServer
+from agent.sim.kubelet import DraKubeletEmulator, KubeletEmulator
+from agent.sim.nvml.driver import SimDriver
+from agent.sim.scheduler import allocate
+
+NODE, DRIVER = "dra-node", "gpu.nvidia.com"
+GPU_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"  # NVIDIA's
+CONFIG = "version: v1\ndra:\n  enabled: true\n  gpus: [0, 1]\n"
+DEADLINE = 20.0
+
+
+def poll(predicate: Callable[[], object], what: str, timeout: float = DEADLINE) -> object:
+    """The predicate's first truthy value, looked at every 20 ms until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.02)
+
+
+@dataclass
+class World:
+    driver: SimDriver
+    api: ApiServer
+    kubelet: KubeletEmulator
+    dra: DraKubeletEmulator
+    agent: Agent
+    base: Path
+
+    def slices(self) -> list[dict]:
+        return [s for s in self.api.objects("resourceslices") if s["spec"]["nodeName"] == NODE]
+
+    def devices(self) -> list[str]:
+        return [d["name"] for s in self.slices() for d in s["spec"]["devices"]]
+
+    def claim(self, name: str, selectors: list[str]) -> dict:
+        """A claim for one GPU, allocated by the simulated scheduler from the published slices."""
+        claim = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": "gpu",
+                            "exactly": {
+                                "deviceClassName": DRIVER,
+                                "selectors": [{"cel": {"expression": e}} for e in selectors],
+                            },
+                        }
+                    ]
+                }
+            },
+        }
+        created = self.api.create("resourceclaims", claim)
+        classes = {c["metadata"]["name"]: c for c in self.api.objects("deviceclasses")}
+        allocated = allocate(created, self.slices(), classes, set(), NODE)
+        return self.api.update("resourceclaims", allocated, status=True)
+
+
+@pytest.fixture
+def world(sim_node: Callable[[object], SimDriver]) -> Iterator[World]:
+    driver = sim_node("dgx-a100")
+    base = Path(tempfile.mkdtemp(prefix="e", dir="/tmp"))  # unix socket paths stay short
+    (base / "config.yaml").write_text(CONFIG)
+    api = ApiServer(git_version="v1.36.3")
+    api.start()
+    api.add_node(NODE)
+    selectors = [{"cel": {"expression": GPU_CLASS}}]
+    device_class = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": DRIVER}}
+    api.create("deviceclasses", {**device_class, "spec": {"selectors": selectors}})
+    kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock")
+    kubelet.start()
+    dra = DraKubeletEmulator(base / "registry", NODE, api.api_client(), wipe_delay=1.0)
+    dra.start()
+    agent = Agent(
+        AgentOptions(
+            device_plugin_dir=base / "dp",
+            pod_resources_socket=base / "pr" / "kubelet.sock",
+            config_path=base / "config.yaml",
+            node_name=NODE,
+            kubeconfig=str(api.write_kubeconfig(base / "kubeconfig")),
+            dra_registry_dir=base / "registry",
+            dra_plugins_dir=base / "plugins",
+            cdi_root=base / "cdi",
+        )
+    )
+    thread = threading.Thread(target=agent.run, name="agent-under-test")
+    thread.start()
+    try:
+        assert agent.started.wait(20)
+        yield World(driver, api, kubelet, dra, agent, base)
+        assert thread.is_alive(), "the agent's reconcile loop ended by itself"
+    finally:
+        agent.stop()
+        thread.join(timeout=20)
+        dra.stop()
+        kubelet.stop()
+        api.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_two_gpus_go_to_dra_and_the_device_plugin_keeps_six(world: World) -> None:
+    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered")
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.kubelet.wait_for(
+        lambda: world.kubelet.allocatable("nvidia.com/gpu") == 6, timeout=DEADLINE, what="six GPUs via the plugin"
+    )
+    uuids = {g.uuid for g in world.driver.gpus[:2]}
+    assert not uuids & set(world.kubelet.devices("nvidia.com/gpu"))  # never offered by both
+    owner = world.slices()[0]["metadata"]["ownerReferences"][0]
+    assert owner["kind"] == "Node" and owner["uid"] == world.api.get("nodes", NODE)["metadata"]["uid"]
+
+
+def test_a_claim_selected_with_nvidias_class_is_prepared_for_a_pod_and_unprepared(world: World) -> None:
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered")
+    claim = world.claim("train", ["device.attributes['gpu.nvidia.com'].productName.contains('A100')"])
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert result["driver"] == DRIVER and result["pool"] == NODE and result["device"] in ("gpu-0", "gpu-1")
+    uid = claim["metadata"]["uid"]
+    ids = world.dra.run_pod("default", "trainer", "pod-1", [("gpu", "train")], {"main": [("gpu", None)]})
+    assert ids["main"][0] == f"k8s.gpu.nvidia.com/claim={uid}-{result['device']}"
+    spec = world.base / "cdi" / f"k8s.gpu.nvidia.com-claim_{uid}.yaml"
+    assert spec.is_file() and (spec.stat().st_mode & 0o777) == 0o644
+    world.dra.stop_pod("pod-1")
+    assert not spec.exists()
+
+
+def test_an_xid_taints_the_dra_device_in_its_slice(world: World) -> None:
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.driver.inject_xid(0, 79)  # fell off the bus: critical
+    world.api.wait_for(
+        lambda: any(t["key"] == f"{DRIVER}/xid" for t in world.slices()[0]["spec"]["devices"][0].get("taints", [])),
+        DEADLINE,
+    )
+    taint = world.slices()[0]["spec"]["devices"][0]["taints"][0]
+    assert taint["value"] == "79" and taint["effect"] == "NoSchedule"
+
+
+def test_slices_wiped_by_a_kubelet_restart_come_back(world: World) -> None:
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.dra.restart()  # the kubelet deletes every slice of its node when it starts
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "registered again")
+
+
+def test_a_gpu_a_pod_holds_moves_to_dra_only_when_the_pod_is_gone(world: World) -> None:
+    """Nothing moves under a running workload: the GPU leaves the device plugin at once (no new pod gets it) but
+    joins DRA's slices only when the pod holding it is gone."""
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.kubelet.wait_for(lambda: world.kubelet.allocatable("nvidia.com/gpu") == 6, timeout=DEADLINE, what="6")
+    pod = world.kubelet.create_pod("holder", {"main": {"nvidia.com/gpu": 1}})
+    (held,) = pod.containers["main"]["nvidia.com/gpu"].device_ids
+    index = next(g.index for g in world.driver.gpus if g.uuid == held)
+    (world.base / "config.yaml").write_text(f"version: v1\ndra:\n  enabled: true\n  gpus: [0, 1, {index}]\n")
+    world.kubelet.wait_for(
+        lambda: world.kubelet.allocatable("nvidia.com/gpu") == 5, timeout=DEADLINE, what="withdrawn from the plugin"
+    )
+    why = poll(lambda: " ".join(world.agent.status.waiting_for.get(f"dra:{held}", ())), "the move waits for the pod")
+    assert "holder" in why
+    assert f"gpu-{index}" not in world.devices()  # not offered twice
+    world.kubelet.delete_pod("holder")
+    world.api.wait_for(lambda: f"gpu-{index}" in world.devices(), DEADLINE)
+    assert not world.agent.status.waiting_for.get(f"dra:{held}")
