@@ -21,6 +21,7 @@ import pytest
 from agent.agent import Agent, AgentOptions
 from agent.sim.apiserver import ApiServer
 from agent.sim.kubelet import DraKubeletEmulator, KubeletEmulator
+from agent.sim.kubelet.dra_common import PodStartError
 from agent.sim.nvml.driver import SimDriver
 from agent.sim.scheduler import allocate
 
@@ -42,6 +43,25 @@ def poll(predicate: Callable[[], object], what: str, timeout: float = DEADLINE) 
         time.sleep(0.02)
 
 
+def start_agent(base: Path, api: ApiServer) -> tuple[Agent, threading.Thread]:
+    agent = Agent(
+        AgentOptions(
+            device_plugin_dir=base / "dp",
+            pod_resources_socket=base / "pr" / "kubelet.sock",
+            config_path=base / "config.yaml",
+            node_name=NODE,
+            kubeconfig=str(api.write_kubeconfig(base / "kubeconfig")),
+            dra_registry_dir=base / "registry",
+            dra_plugins_dir=base / "plugins",
+            cdi_root=base / "cdi",
+        )
+    )
+    thread = threading.Thread(target=agent.run, name="agent-under-test")
+    thread.start()
+    assert agent.started.wait(20)
+    return agent, thread
+
+
 @dataclass
 class World:
     driver: SimDriver
@@ -49,7 +69,14 @@ class World:
     kubelet: KubeletEmulator
     dra: DraKubeletEmulator
     agent: Agent
+    thread: threading.Thread
     base: Path
+
+    def restart_agent(self) -> None:
+        """The agent stops (a rollout, a crash's restart) and a new one starts on the same node."""
+        self.agent.stop()
+        self.thread.join(timeout=20)
+        self.agent, self.thread = start_agent(self.base, self.api)
 
     def slices(self) -> list[dict]:
         return [s for s in self.api.objects("resourceslices") if s["spec"]["nodeName"] == NODE]
@@ -98,27 +125,13 @@ def world(sim_node: Callable[[object], SimDriver]) -> Iterator[World]:
     kubelet.start()
     dra = DraKubeletEmulator(base / "registry", NODE, api.api_client(), wipe_delay=1.0)
     dra.start()
-    agent = Agent(
-        AgentOptions(
-            device_plugin_dir=base / "dp",
-            pod_resources_socket=base / "pr" / "kubelet.sock",
-            config_path=base / "config.yaml",
-            node_name=NODE,
-            kubeconfig=str(api.write_kubeconfig(base / "kubeconfig")),
-            dra_registry_dir=base / "registry",
-            dra_plugins_dir=base / "plugins",
-            cdi_root=base / "cdi",
-        )
-    )
-    thread = threading.Thread(target=agent.run, name="agent-under-test")
-    thread.start()
+    world = World(driver, api, kubelet, dra, *start_agent(base, api), base)
     try:
-        assert agent.started.wait(20)
-        yield World(driver, api, kubelet, dra, agent, base)
-        assert thread.is_alive(), "the agent's reconcile loop ended by itself"
+        yield world
+        assert world.thread.is_alive(), "the agent's reconcile loop ended by itself"
     finally:
-        agent.stop()
-        thread.join(timeout=20)
+        world.agent.stop()
+        world.thread.join(timeout=20)
         dra.stop()
         kubelet.stop()
         api.stop()
@@ -188,3 +201,31 @@ def test_a_gpu_a_pod_holds_moves_to_dra_only_when_the_pod_is_gone(world: World) 
     world.kubelet.delete_pod("holder")
     world.api.wait_for(lambda: f"gpu-{index}" in world.devices(), DEADLINE)
     assert not world.agent.status.waiting_for.get(f"dra:{held}")
+
+
+def test_an_agent_restart_keeps_prepared_claims_and_the_published_slices(world: World) -> None:
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered")
+    claim = world.claim("kept", [])
+    uid, device = claim["metadata"]["uid"], claim["status"]["allocation"]["devices"]["results"][0]["device"]
+    world.dra.run_pod("default", "keeper", "pod-k", [("gpu", "kept")], {"main": [("gpu", None)]})
+    generation = world.slices()[0]["spec"]["pool"]["generation"]
+    writes = world.api.count("create", "resourceslices") + world.api.count("update", "resourceslices")
+
+    world.restart_agent()
+    world.dra.wait_for(
+        lambda: len(world.dra.registration_events("registered", DRIVER)) >= 2, DEADLINE, "registered again"
+    )
+    assert world.slices()[0]["spec"]["pool"]["generation"] == generation  # the same slices: adopted, not rewritten
+    assert world.api.count("create", "resourceslices") + world.api.count("update", "resourceslices") == writes
+    # the new agent knows the claim: the device stays its own, and unprepare works
+    other = dict(claim, metadata={"name": "thief", "namespace": "default"})
+    other.pop("status")
+    stolen = world.api.create("resourceclaims", other)
+    stolen["status"] = claim["status"]  # allocated to the same device, as a confused scheduler might
+    world.api.update("resourceclaims", stolen, status=True)
+    with pytest.raises(PodStartError, match="already allocated to different claim"):
+        world.dra.run_pod("default", "thief", "pod-t", [("gpu", "thief")], {"main": [("gpu", None)]})
+    world.dra.stop_pod("pod-k")
+    assert not (world.base / "cdi" / f"k8s.gpu.nvidia.com-claim_{uid}.yaml").exists()
+    assert device in ("gpu-0", "gpu-1")
