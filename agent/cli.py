@@ -170,6 +170,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=["none", "single", "mixed"],
         help="how MIG devices are advertised",
     )
+    demo.add_argument(
+        "--dra",
+        action="store_true",
+        help="the DRA demo instead: ResourceSlices, claims allocated by CEL selectors, CDI, taints (its own node)",
+    )
     return parser
 
 
@@ -440,6 +445,10 @@ def _command(args: argparse.Namespace) -> int:
         from agent.demo import run_demo
         from agent.sim.nvml.spec import SimSpecError
 
+        if args.dra:
+            from agent.demo_dra import run_dra_demo
+
+            return run_dra_demo(args.node, args.mig_strategy)
         try:
             return run_demo(args.node, args.mig_strategy)
         except SimSpecError as error:

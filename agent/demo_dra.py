@@ -1,0 +1,548 @@
+"""``tessera demo --dra``: the agent's two front ends on one simulated node, DRA shown end to end.
+
+What runs, all in this process and all real but the hardware and the control plane: the agent, discovering a
+simulated node through pynvml; the device-plugin kubelet emulator and the DRA kubelet emulator, speaking gRPC on
+unix sockets; the API server stand-in (``agent.sim.apiserver``), spoken to over HTTP by the real Kubernetes client;
+and the structured-parameters allocator (``agent.sim.scheduler``), which plays the kube-scheduler's part and
+evaluates NVIDIA's DeviceClass selectors and the claims' CEL selectors with a real CEL implementation.
+
+The node is built in (``NODE_SPEC``): an H100 and three A100s, one of them split into seven 1g.10gb MIG devices.
+The config gives DRA GPUs 0, 1 and 3 and leaves GPU 2 to the device plugin, so each GPU visibly belongs to one
+front end. The story: slices published, three claims allocated by selectors and prepared for a pod (CDI spec
+shown), an XID that taints a device and then recovers, a kubelet restart that wipes the slices and the agent
+putting them back, the pod stopping. The health recovery window is shortened, and the output says so.
+
+Exit status: 0 when every step happened as told; 1 (``EXIT_FAILED``) with one ``tessera: demo --dra: ...`` line
+on stderr naming the step and what did not happen; 1 too when the reader of the output leaves early, as
+``tessera demo``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent.core.health import HealthPolicy
+from agent.core.resources import MigStrategy
+from agent.sim.nvml.driver import SimDriver
+from agent.sim.nvml.install import simulated_node
+from agent.sim.nvml.spec import parse_node_spec
+
+EXIT_FAILED = 1  # a step did not happen as the demo says it does
+EXIT_USAGE = 2  # as every `tessera` command: a flag the DRA demo does not take
+EXIT_STOPPED = 1  # as `tessera demo | head`: the reader of the output went away before the end
+
+DEFAULT_NODE_FLAG = "demo"  # `tessera demo`'s defaults for --node and --mig-strategy
+DEFAULT_MIG_STRATEGY_FLAG = "mixed"
+NODE = "dra-demo-node"
+DRIVER = "gpu.nvidia.com"
+NAMESPACE = "default"
+KUBERNETES_VERSION = "v1.36.3"  # what the API server stand-in reports
+NODE_SPEC: dict[str, Any] = {
+    "name": NODE,
+    "gpus": [
+        {"model": "H100-SXM5-80GB"},
+        {"model": "A100-SXM4-80GB", "count": 2},
+        {"model": "A100-SXM4-80GB", "mig": {"instances": ["1g.10gb"] * 7}},
+    ],
+}
+DRA_GPUS = (0, 1, 3)  # GPU 2 stays with the device plugin
+CONFIG = f"version: v1\ndra:\n  enabled: true\n  gpus: [{', '.join(map(str, DRA_GPUS))}]\n"
+
+# NVIDIA's DeviceClasses, with the chart's exact selectors (facts/dra.md C1). The chart adds `extendedResourceName:
+# nvidia.com/gpu` to gpu.nvidia.com on resource.k8s.io/v1; left out here, where the device plugin serves that name.
+DEVICE_CLASSES = {
+    "gpu.nvidia.com": "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'",
+    "mig.nvidia.com": "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'",
+}
+# (claim name, DeviceClass, the request's CEL selector, what it asks for), allocated in this order
+CLAIMS = (
+    ("h100", "gpu.nvidia.com", "device.attributes['gpu.nvidia.com'].productName.contains('H100')", "an H100"),
+    (
+        "big-memory",
+        "gpu.nvidia.com",
+        "device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('40Gi')) >= 0",
+        "a GPU with at least 40 GiB",
+    ),
+    ("mig-small", "mig.nvidia.com", "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'", "a MIG 1g.10gb"),
+)
+POD = ("trainer", str(uuid.uuid5(uuid.NAMESPACE_DNS, "trainer.dra-demo.tessera")))
+POD_CONTAINERS = {"train": ["h100", "big-memory"], "notebook": ["mig-small"]}  # container -> pod claims it uses
+XID_DOUBLE_BIT_ECC = 48
+XID_GPU = 1  # a DRA GPU the pod uses
+RECOVERY_SECONDS = 2.0
+PRODUCTION_RECOVERY_SECONDS = HealthPolicy().quiet_seconds  # what `tessera run` waits (60 s)
+STEP_TIMEOUT = 15.0
+STEPS = 6
+
+
+class DemoFailure(Exception):
+    """A step did not happen as told; the message names what was expected."""
+
+
+def run_dra_demo(node: str = DEFAULT_NODE_FLAG, mig_strategy: str = DEFAULT_MIG_STRATEGY_FLAG) -> int:
+    """``node`` and ``mig_strategy`` are the `tessera demo` flags: the DRA demo runs its own node and publishes
+    MIG devices as DRA devices, so anything but their defaults is refused rather than ignored."""
+    if node != DEFAULT_NODE_FLAG or mig_strategy != DEFAULT_MIG_STRATEGY_FLAG:
+        given = f"--node {node}" if node != DEFAULT_NODE_FLAG else f"--mig-strategy {mig_strategy}"
+        print(
+            f"tessera: demo --dra runs its own node (an H100 and three A100s, one in MIG mode) and takes no {given}; "
+            "drop it, or run `tessera demo` without --dra for the device-plugin demo on that node",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    logging.basicConfig(level=logging.ERROR)  # the demo tells its own story; only real errors get through
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no gRPC core INFO lines as streams end
+    logging.getLogger("agent.sim.kubelet").setLevel(logging.CRITICAL)  # its stream-ended errors are expected here
+    spec = parse_node_spec(NODE_SPEC, "the built-in node of `tessera demo --dra`")
+    workdir = Path(tempfile.mkdtemp(prefix="tessera-dra-", dir="/tmp"))  # short: unix socket paths have a limit
+    try:
+        with simulated_node(spec) as driver:
+            demo = _DraDemo(driver, workdir)
+            try:
+                code = demo.run()
+                sys.stdout.flush()  # a reader that left shows here, not in the interpreter's teardown
+                return code
+            except BrokenPipeError:  # `tessera demo --dra | head`: the reader left; run() has stopped everything
+                with contextlib.suppress(OSError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return EXIT_STOPPED
+            except DemoFailure as error:
+                sys.stdout.flush()
+                print(f"tessera: demo --dra: {error}", file=sys.stderr)
+                return EXIT_FAILED
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+class _DraDemo:
+    def __init__(self, driver: SimDriver, workdir: Path) -> None:
+        from agent.sim.apiserver import ApiServer
+
+        self.driver = driver
+        self.workdir = workdir
+        self.cdi_root = workdir / "cdi"
+        self.api = ApiServer(git_version=KUBERNETES_VERSION)
+        self.kubelet: Any = None  # the kubelet's device-plugin side
+        self.dra: Any = None  # the kubelet's DRA side
+        self.agent: Any = None
+        self.options: Any = None  # the agent's AgentOptions
+        self.claims: dict[str, dict] = {}  # claim name -> the allocated claim
+        self.chosen: dict[str, str] = {}  # claim name -> device
+        self.device_count = 0
+        self._step = "start"  # the step running, for failure messages
+
+    # ---------------------------------------------------------------------------------------------- the story
+
+    def run(self) -> int:
+        # gRPC is loaded here, after run_dra_demo has set GRPC_VERBOSITY (gRPC core reads it once)
+        from agent.agent import Agent, AgentOptions
+        from agent.sim.kubelet import DraKubeletEmulator, KubeletEmulator
+
+        self._frame()
+        (self.workdir / "config.yaml").write_text(CONFIG)
+        self.api.start()
+        thread: threading.Thread | None = None
+        try:
+            self.api.add_node(NODE)
+            for name, selector in DEVICE_CLASSES.items():
+                self.api.create("deviceclasses", _device_class(name, selector))
+            self.options = options = AgentOptions(
+                device_plugin_dir=self.workdir / "dp",
+                pod_resources_socket=self.workdir / "pr" / "kubelet.sock",
+                mig_strategy=MigStrategy.MIXED,
+                config_path=self.workdir / "config.yaml",
+                node_name=NODE,
+                kubeconfig=str(self.api.write_kubeconfig(self.workdir / "kubeconfig")),
+                dra_registry_dir=self.workdir / "registry",
+                dra_plugins_dir=self.workdir / "plugins",
+                cdi_root=self.cdi_root,
+                health=HealthPolicy(quiet_seconds=RECOVERY_SECONDS),
+            )
+            self.kubelet = KubeletEmulator(options.device_plugin_dir, options.pod_resources_socket)
+            self.kubelet.start()
+            self.dra = DraKubeletEmulator(options.dra_registry_dir, NODE, self.api.api_client())
+            self.dra.start()
+            self.agent = Agent(options)
+            thread = threading.Thread(target=self.agent.run, name="agent")
+            started = time.perf_counter()
+            thread.start()
+            self._started(started)
+            self._allocate()
+            self._run_pod()
+            self._xid_and_recovery()
+            self._kubelet_restart()
+            self._stop_pod()
+        finally:
+            if self.agent is not None:
+                self.agent.stop()
+            if thread is not None:
+                thread.join(timeout=10)
+            if self.dra is not None:
+                self.dra.stop()
+            if self.kubelet is not None:
+                self.kubelet.stop()
+            self.api.stop()
+        options = self.options
+        left = sorted(p.name for p in options.device_plugin_dir.glob("nvidia-*.sock"))
+        left += sorted(p.name for p in options.dra_registry_dir.glob("*.sock"))
+        left += sorted(p.name for p in options.dra_plugins_dir.glob("*/*.sock"))
+        print(f"\nAgent stopped; plugin and DRA sockets left behind: {', '.join(left) or 'none'}.")
+        self._summary()
+        return 0
+
+    def _frame(self) -> None:
+        print(
+            "Tessera demo --dra: a simulated GPU node, an API server stand-in, the kubelet (device plugins and DRA)\n"
+            "and the real agent, all on this machine."
+        )
+        print(f"  node            {NODE} (built into agent/demo_dra.py):")
+        for gpu in self.driver.gpus:
+            profiles = Counter(gi.profile.name for gi, _ in gpu.mig_devices()) if gpu.mig_current else {}
+            layout = "MIG: " + ", ".join(f"{n} × {p}" for p, n in profiles.items()) if profiles else "whole GPU"
+            owner = "DRA (ResourceSlices)" if gpu.index in DRA_GPUS else "device plugin (nvidia.com/gpu)"
+            print(f"{'':18}GPU {gpu.index}  {gpu.model.nvml_name:<24} {layout:<18} -> {owner}")
+        print(
+            f"  config          dra: {{enabled: true, gpus: [{', '.join(map(str, DRA_GPUS))}]}}: each GPU belongs "
+            "to one front end, never both"
+        )
+        print(
+            f"  control plane   an API server stand-in (Kubernetes {KUBERNETES_VERSION}, resource.k8s.io/v1), "
+            "the scheduler's DRA allocator"
+        )
+        print(
+            f"  timings         health recovery after {RECOVERY_SECONDS:.0f} s without errors "
+            f"(shortened for the demo; {PRODUCTION_RECOVERY_SECONDS:.0f} s on a real node)"
+        )
+
+    def _started(self, started: float) -> None:
+        self._step = "step 1"
+        if not self.agent.started.wait(30):
+            raise DemoFailure("step 1: the agent did not start within 30 s")
+        names = list(self.agent.status.resources)
+        self._wait_kubelet(
+            lambda: names and all(self.kubelet.allocatable(r) > 0 for r in names), "the device plugin registered"
+        )
+        self._wait_dra(lambda: DRIVER in self.dra.drivers(), f"the DRA driver {DRIVER} registered with the kubelet")
+        self._wait_api(self._published, "the ResourceSlices published")
+        self.device_count = len(self._devices())
+        elapsed = time.perf_counter() - started
+        print(f"\n[1/{STEPS}] The agent started; both front ends serve the node ({elapsed:.2f} s after start).")
+        print("      The device plugin advertises to the kubelet:")
+        for name in names:
+            ids = ", ".join(self.kubelet.devices(name))
+            print(f"        {name:<24} allocatable {self.kubelet.allocatable(name)}: {ids}")
+        plugin = self.dra.plugin(DRIVER)
+        print(f"      The DRA driver registered with the kubelet's plugin watcher ({DRIVER}, {plugin.service}) and")
+        slices = self._slices()
+        pool = slices[0]["spec"]["pool"]
+        print(
+            f"      published {len(slices)} ResourceSlice(s), pool {pool['name']} generation {pool['generation']}, "
+            f"owned by {_owner(slices[0])}:"
+        )
+        for item in slices:
+            print(f"        {item['metadata']['name']}:")
+            for device in item["spec"]["devices"]:
+                print(f"          {_describe(device)}")
+        print("      NVIDIA's DeviceClasses, created in the API server (the chart's exact selectors):")
+        for cls in self.api.objects("deviceclasses"):
+            selector = cls["spec"]["selectors"][0]["cel"]["expression"]
+            print(f"        {cls['metadata']['name']:<16} {selector}")
+
+    def _allocate(self) -> None:
+        from agent.sim.scheduler import Unschedulable, allocate
+
+        self._step = "step 2"
+        print(
+            f"\n[2/{STEPS}] Three ResourceClaims, allocated by the scheduler's DRA allocator: a device must pass the "
+            "class's selector,"
+        )
+        print(
+            "      then the claim's; devices other claims hold are skipped (so a 40 GiB claim after the H100 one "
+            "gets an A100)"
+        )
+        classes = {c["metadata"]["name"]: c for c in self.api.objects("deviceclasses")}
+        held: set[tuple[str, str, str]] = set()
+        for name, device_class, selector, wanted in CLAIMS:
+            created = self.api.create("resourceclaims", _claim(name, device_class, selector))
+            try:
+                allocated = allocate(created, self._slices(), classes, held, NODE)
+            except Unschedulable as error:
+                raise DemoFailure(f"step 2: claim {name} ({wanted}) could not be allocated: {error.reason}") from None
+            claim = self.api.update("resourceclaims", allocated, status=True)
+            (result,) = claim["status"]["allocation"]["devices"]["results"]
+            held.add((result["driver"], result["pool"], result["device"]))
+            self.claims[name] = claim
+            self.chosen[name] = result["device"]
+            device = next(d for d in self._slice_devices() if d["name"] == result["device"])
+            print(f"      claim {name:<11} {wanted}: class {device_class}, selector")
+            print(f"{'':24}{selector}")
+            print(f"{'':24}-> {result['device']} ({_product(device)})")
+
+    def _run_pod(self) -> None:
+        from agent.sim.kubelet.dra_common import PodStartError
+
+        self._step = "step 3"
+        pod, uid = POD
+        print(f"\n[3/{STEPS}] Pod {pod} uses the three claims; the DRA kubelet prepares them (NodePrepareResources):")
+        claims = [(name, name) for name, *_ in CLAIMS]
+        containers = {c: [(claim, None) for claim in used] for c, used in POD_CONTAINERS.items()}
+        started = time.perf_counter()
+        try:
+            cdi = self.dra.run_pod(NAMESPACE, pod, uid, claims, containers)
+        except PodStartError as error:
+            raise DemoFailure(f"step 3: pod {pod} did not start: {error}") from None
+        elapsed = 1000 * (time.perf_counter() - started)
+        print(f"      prepared in {elapsed:.0f} ms; the CDI device IDs the container runtime gets, per container:")
+        for container, ids in cdi.items():
+            print(f"        {container}:")
+            for cdi_id in ids:
+                print(f"          {cdi_id}")
+        claim = self.claims["h100"]
+        path = self.cdi_root / f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.yaml"
+        if not path.is_file():
+            raise DemoFailure(f"step 3: claim h100 is prepared but its CDI spec {path.name} is not in the CDI root")
+        specs = sorted(p.name for p in self.cdi_root.glob("*.yaml"))
+        mode = path.stat().st_mode & 0o777
+        print(f"      {len(specs)} CDI specs written in {self.cdi_root}, one per claim; claim h100's, mode {mode:04o}:")
+        print(f"        {path.name}")
+        for line in path.read_text().splitlines():
+            print(f"        | {line}")
+
+    def _xid_and_recovery(self) -> None:
+        self._step = "step 4"
+        device = f"gpu-{self._minor(XID_GPU)}"
+        gpu = self.driver.gpus[XID_GPU]
+        holder = next((name for name, d in self.chosen.items() if d == device), None)
+        used = f", held by claim {holder}" if holder else ""
+        print(
+            f"\n[4/{STEPS}] Injecting XID {XID_DOUBLE_BIT_ECC} (double-bit ECC error) on GPU {XID_GPU} ({gpu.uuid}),\n"
+            f"      DRA device {device}{used}"
+        )
+        started = time.perf_counter()
+        self.driver.inject_xid(XID_GPU, XID_DOUBLE_BIT_ECC)
+        taint = self._wait_api(lambda: _xid_taint(self._device(device)), f"the taint on {device} in its slice")
+        print(
+            f"      after {1000 * (time.perf_counter() - started):.0f} ms its slice entry has the taint "
+            f"{taint['key']}={taint.get('value', '')}:{taint['effect']}\n"
+            "      (NVIDIA's key: new claims avoid the device unless they tolerate it; the running pod keeps it)"
+        )
+        self._wait_dra(
+            lambda: self.dra.device_health(DRIVER, NODE, device) == "Unhealthy",
+            f"the kubelet seeing {device} Unhealthy",
+        )
+        print(
+            f"      the kubelet's health stream reads {device} Unhealthy\n"
+            "      (with the ResourceHealthStatus gate on, a kubelet shows it in the pod's allocatedResourcesStatus)"
+        )
+        self._wait_api(
+            lambda: not _xid_taint(self._device(device)), f"the taint on {device} removed", RECOVERY_SECONDS + 10
+        )
+        self._wait_dra(
+            lambda: self.dra.device_health(DRIVER, NODE, device) == "Healthy", f"the kubelet seeing {device} Healthy"
+        )
+        print(
+            f"      no new errors for {RECOVERY_SECONDS:.0f} s (shortened for the demo; "
+            f"{PRODUCTION_RECOVERY_SECONDS:.0f} s on a real node) and the driver shows it recovered:"
+        )
+        print(
+            f"      taint {DRIVER}/xid removed from {device}, Healthy again after {time.perf_counter() - started:.1f} s"
+        )
+        print("      (NVIDIA's DRA driver keeps the taint until someone removes it)")
+
+    def _kubelet_restart(self) -> None:
+        self._step = "step 5"
+        before = {s["metadata"]["name"] for s in self._slices()}
+        devices = sorted(self._devices())
+        registered = len(self.dra.registration_events(driver=DRIVER))
+        print(
+            f"\n[5/{STEPS}] Restarting the kubelet: when it starts it deletes every ResourceSlice of its node\n"
+            f"      (DeleteCollection, fieldSelector spec.nodeName={NODE})"
+        )
+        started = time.perf_counter()
+        self.dra.restart()
+        wipe = self.dra.wipes(reason="start", state="done")
+        if not wipe:
+            raise DemoFailure("step 5: the restarted kubelet did not delete the node's slices")
+        print(f"      the kubelet deleted slice(s) {', '.join(sorted(before))}")
+
+        def back() -> bool:
+            now = self._slices()
+            names = {s["metadata"]["name"] for s in now}
+            return bool(now) and not names & before and sorted(self._devices()) == devices
+
+        self._wait_api(back, "the slices published again after the kubelet restart")
+        elapsed = time.perf_counter() - started
+        self._wait_dra(
+            lambda: len(self.dra.registration_events(driver=DRIVER)) > registered and DRIVER in self.dra.drivers(),
+            "the DRA driver registered again",
+        )
+        slices = self._slices()
+        pool = slices[0]["spec"]["pool"]
+        print(
+            f"      the agent saw them go and published them again: slices back after {elapsed:.2f} s\n"
+            f"        {', '.join(s['metadata']['name'] for s in slices)}: {len(devices)} devices, pool generation "
+            f"{pool['generation']}; the driver registered again"
+        )
+        running = [p.name for p in self.dra.pods() if p.running]
+        print(f"      running pods keep their devices, nothing is prepared again: {', '.join(running) or 'none'}")
+
+    def _stop_pod(self) -> None:
+        from agent.sim.kubelet.dra_common import PodStopError
+
+        self._step = "step 6"
+        pod, uid = POD
+        print(f"\n[6/{STEPS}] Pod {pod} stops; the DRA kubelet unprepares its claims (NodeUnprepareResources):")
+        try:
+            self.dra.stop_pod(uid)
+        except PodStopError as error:
+            raise DemoFailure(f"step 6: pod {pod}'s claims were not unprepared: {error}") from None
+        left = sorted(p.name for p in self.cdi_root.glob("*.yaml"))
+        if left:
+            raise DemoFailure(f"step 6: CDI specs left behind after the claims were unprepared: {', '.join(left)}")
+        unprepared = self.dra.calls("NodeUnprepareResources", DRIVER)
+        if not unprepared or unprepared[-1].outcome or self.dra.prepared_claims():
+            why = unprepared[-1].outcome if unprepared else "no NodeUnprepareResources call"
+            raise DemoFailure(f"step 6: pod {pod}'s claims were not unprepared: {why or 'still prepared'}")
+        names = ", ".join(name for name, *_ in CLAIMS)
+        print(f"      claims {names} unprepared; CDI specs in {self.cdi_root}: none left")
+        print(
+            f"      {', '.join(self.chosen.values())} stay allocated to the claims until they are deleted, "
+            "then go to other claims"
+        )
+
+    def _summary(self) -> None:
+        plugin_gpus = ", ".join(str(g.index) for g in self.driver.gpus if g.index not in DRA_GPUS)
+        print("\nSummary:")
+        print(
+            f"  - one agent, two front ends: GPU {plugin_gpus} served by the device plugin, GPUs "
+            f"{', '.join(map(str, DRA_GPUS))} published as {self.device_count} DRA devices"
+        )
+        chosen = ", ".join(f"{name} -> {device}" for name, device in self.chosen.items())
+        print(f"  - NVIDIA's DeviceClasses and CEL selectors chose Tessera's devices unchanged:\n      {chosen}")
+        print("  - prepared with one CDI spec per claim (k8s.gpu.nvidia.com/claim=<claim UID>-<device>), unprepared")
+        print("  - an XID tainted its device (gpu.nvidia.com/xid) and the taint went when the GPU recovered")
+        print("  - the slices a kubelet restart wiped came back without the agent restarting")
+        print("Done. Next: `tessera plan --dra --node dgx-a100` to see the slices of another node, or `tessera demo`.")
+
+    # ---------------------------------------------------------------------------------------------- helpers
+
+    def _slices(self) -> list[dict]:
+        return sorted(
+            (s for s in self.api.objects("resourceslices") if s["spec"].get("nodeName") == NODE),
+            key=lambda s: s["metadata"]["name"],
+        )
+
+    def _slice_devices(self) -> list[dict]:
+        return [d for s in self._slices() for d in s["spec"]["devices"]]
+
+    def _devices(self) -> list[str]:
+        return [d["name"] for d in self._slice_devices()]
+
+    def _device(self, name: str) -> dict | None:
+        return next((d for d in self._slice_devices() if d["name"] == name), None)
+
+    def _minor(self, index: int) -> int:
+        return self.driver.gpus[index].minor_number
+
+    def _published(self) -> bool:
+        """Every device the config gives DRA is in the slices, under NVIDIA's names: ``gpu-<minor>`` for a whole
+        GPU, ``gpu-<minor>-mig-<profile>-<GI profile>-<placement>`` for each MIG device."""
+        names = self._devices()
+        expected = 0
+        for index in DRA_GPUS:
+            gpu = self.driver.gpus[index]
+            if gpu.mig_current:
+                prefix = f"gpu-{gpu.minor_number}-mig-"
+                count = len(gpu.mig_devices())
+                if sum(n.startswith(prefix) for n in names) != count:
+                    return False
+                expected += count
+            else:
+                if f"gpu-{gpu.minor_number}" not in names:
+                    return False
+                expected += 1
+        return len(names) == expected
+
+    def _wait_api(self, predicate: Callable[[], Any], what: str, timeout: float = STEP_TIMEOUT) -> Any:
+        try:
+            return self.api.wait_for(predicate, timeout)
+        except TimeoutError:
+            raise DemoFailure(f"{self._step}: timed out after {timeout:g} s waiting for {what}") from None
+
+    def _wait_dra(self, predicate: Callable[[], Any], what: str, timeout: float = STEP_TIMEOUT) -> Any:
+        try:
+            return self.dra.wait_for(predicate, timeout, what)
+        except TimeoutError:
+            raise DemoFailure(f"{self._step}: timed out after {timeout:g} s waiting for {what}") from None
+
+    def _wait_kubelet(self, predicate: Callable[[], Any], what: str, timeout: float = STEP_TIMEOUT) -> Any:
+        try:
+            return self.kubelet.wait_for(predicate, timeout=timeout, what=what)
+        except TimeoutError:
+            raise DemoFailure(f"{self._step}: timed out after {timeout:g} s waiting for {what}") from None
+
+
+def _device_class(name: str, selector: str) -> dict:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": name},
+        "spec": {"selectors": [{"cel": {"expression": selector}}]},
+    }
+
+
+def _claim(name: str, device_class: str, selector: str) -> dict:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "devices": {
+                "requests": [
+                    {
+                        "name": "gpu",
+                        "exactly": {"deviceClassName": device_class, "selectors": [{"cel": {"expression": selector}}]},
+                    }
+                ]
+            }
+        },
+    }
+
+
+def _attribute(device: dict, name: str) -> str:
+    value = device.get("attributes", {}).get(name, {})
+    return str(next(iter(value.values()), "")) if value else ""
+
+
+def _product(device: dict) -> str:
+    profile = _attribute(device, "profile")
+    product = _attribute(device, "productName")
+    return f"{product}, MIG {profile}" if profile else product
+
+
+def _describe(device: dict) -> str:
+    memory = device.get("capacity", {}).get("memory", {}).get("value", "?")
+    return f"{device['name']:<24} type {_attribute(device, 'type'):<4} {_product(device):<38} memory {memory}"
+
+
+def _xid_taint(device: dict | None) -> dict | None:
+    if device is None:
+        return None
+    return next((t for t in device.get("taints", []) if t["key"] == f"{DRIVER}/xid"), None)
+
+
+def _owner(item: dict) -> str:
+    refs = item["metadata"].get("ownerReferences") or []
+    return ", ".join(f"{r['kind']} {r['name']}" for r in refs) or "nothing (no ownerReferences)"
