@@ -171,14 +171,14 @@ def test_the_source_limit_is_the_yaml_limit():
 
 def test_nothing_that_reports_on_the_agent_imports_the_agent():
     """Status, health endpoints, metrics and Events read the one published status (agent.status), never the
-    Agent object: no module outside the shell (cli, run, demo) imports agent.agent, not even for type hints."""
+    Agent object: no module outside the shell (cli, run, the demos) imports agent.agent, not even for type hints."""
     import ast
     from pathlib import Path
 
     import agent
 
     root = Path(agent.__file__).parent
-    shell = {"agent/agent.py", "agent/cli.py", "agent/run.py", "agent/demo.py"}
+    shell = {"agent/agent.py", "agent/cli.py", "agent/run.py", "agent/demo.py", "agent/demo_dra.py"}
     importers = []
     for path in sorted(root.rglob("*.py")):
         name = f"agent/{path.relative_to(root)}"
