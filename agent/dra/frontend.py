@@ -35,6 +35,7 @@ class DraFrontEnd:
         taints: Mapping[str, Sequence[DeviceTaint]],
         *,
         published: Sequence[DraDevice] | None = None,
+        slices: bool = True,
     ) -> None:
         """The devices DRA serves (prepared claims included) and their health; ``published`` (default: all of
         them) are the ones offered in the slices — a GPU on its way to the device plugin is served, not offered."""
@@ -42,7 +43,8 @@ class DraFrontEnd:
         self._service.update({d.name: d for d in devices}, dict(unhealthy))
         offered = devices if published is None else published
         names = {d.name for d in offered}
-        self._publisher.publish(tuple(offered), {n: t for n, t in taints.items() if n in names})
+        if slices:  # (not while the first answers about arriving GPUs are due: no pool published half-way)
+            self._publisher.publish(tuple(offered), {n: t for n, t in taints.items() if n in names})
         if first:  # the kubelet learns of the driver once its service knows the devices
             self._registrar.start()
             self._registered_once = True

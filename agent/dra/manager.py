@@ -44,6 +44,7 @@ class _Waiting:
     next_check: float = 0.0
     in_flight: bool = False
     why: tuple[str, ...] = ()
+    answered: bool = False  # the first check came back (until then the pool is not published)
 
 
 class DraManager:
@@ -128,7 +129,8 @@ class DraManager:
         for device in devices:
             if device.uuid in cordoned or device.gpu_uuid in cordoned:
                 unhealthy.setdefault(device.name, "cordoned by the operator")
-        self._front.update(devices, unhealthy, self._taints, published=offered)
+        first_answers_due = any(not w.answered for w in self._arriving.values())
+        self._front.update(devices, unhealthy, self._taints, published=offered, slices=not first_answers_due)
 
     def next_deadline(self) -> float | None:
         due = [w.next_check for w in self._arriving.values() if not w.in_flight]
@@ -138,12 +140,16 @@ class DraManager:
 
     def tick(self, now: float, inventory: Inventory) -> bool:
         """Ask about GPUs that wait to move; True when a leaving GPU is free (publish again)."""
-        for uuid, waiting in self._arriving.items():
-            if not waiting.in_flight and now >= waiting.next_check:
+        due = {uuid: w for uuid, w in self._arriving.items() if not w.in_flight and now >= w.next_check}
+        if due:  # one job for all of them: their answers arrive together, so DRA's pool changes once
+            by_uuid = {g.uuid: g for g in inventory.gpus}
+            scopes = {
+                uuid: frozenset(_device_ids(by_uuid[uuid])) if uuid in by_uuid else frozenset({uuid}) for uuid in due
+            }
+            for waiting in due.values():
                 waiting.in_flight = True
-                gpu = next((g for g in inventory.gpus if g.uuid == uuid), None)
-                ids = frozenset(_device_ids(gpu)) if gpu is not None else frozenset({uuid})
-                if submit(self._pool, self._post, "dra", uuid, self._check, uuid, ids) is None:
+            if submit(self._pool, self._post, "dra", ",".join(sorted(due)), self._check, scopes) is None:
+                for waiting in due.values():
                     waiting.in_flight = False
         leaving = self._served - self._wanted
         if leaving and now >= self._leaving_check:
@@ -152,24 +158,29 @@ class DraManager:
         return False
 
     def on_checked(self, event: DraHandoverChecked, now: float) -> bool:
-        """True when the GPU moved to DRA (publish both sides again)."""
-        waiting = self._arriving.get(event.gpu)
-        if waiting is None:
-            return False
-        if event.busy:
-            if event.busy != waiting.why:
-                log.info("GPU waits to move to DRA gpu=%s waiting_for=%r", event.gpu, "; ".join(event.busy))
-            waiting.in_flight, waiting.why, waiting.next_check = False, event.busy, now + CHECK_INTERVAL
-            return False
-        del self._arriving[event.gpu]
-        self._served.add(event.gpu)
-        log.info("GPU moved to DRA gpu=%s", event.gpu)
-        return True
+        """True when some GPU moved to DRA (publish both sides again)."""
+        moved = False
+        for uuid, busy in event.results:
+            waiting = self._arriving.get(uuid)
+            if waiting is None:
+                continue
+            if busy:
+                if busy != waiting.why:
+                    log.info("GPU waits to move to DRA gpu=%s waiting_for=%r", uuid, "; ".join(busy))
+                waiting.in_flight, waiting.why, waiting.next_check = False, busy, now + CHECK_INTERVAL
+                waiting.answered = True
+                continue
+            del self._arriving[uuid]
+            self._served.add(uuid)
+            moved = True
+            log.info("GPU moved to DRA gpu=%s", uuid)
+        return moved
 
     def on_crashed(self, key: str, now: float) -> None:
-        waiting = self._arriving.get(key)
-        if waiting is not None:
-            waiting.in_flight, waiting.next_check = False, now + CHECK_INTERVAL
+        for uuid in key.split(","):
+            waiting = self._arriving.get(uuid)
+            if waiting is not None:
+                waiting.in_flight, waiting.next_check = False, now + CHECK_INTERVAL
 
     def waiting_for(self) -> dict[str, tuple[str, ...]]:
         return {uuid: w.why for uuid, w in self._arriving.items() if w.why}
@@ -203,11 +214,12 @@ class DraManager:
 
         return {d.gpu_uuid for d in dra_devices(inventory) if d.name in names}
 
-    def _check(self, uuid: str, ids: frozenset[str]) -> None:
-        """Worker: is anything using the GPU's devices (a device-plugin pod, a process)?"""
+    def _check(self, scopes: dict[str, frozenset[str]]) -> None:
+        """Worker: is anything using each GPU's devices (a device-plugin pod, a process)?"""
         from agent.drain import why_busy  # the PodResources stubs load with the first check
 
-        self._post(DraHandoverChecked(uuid, tuple(why_busy(Drain(ids, ids), self._socket))))
+        results = tuple((uuid, tuple(why_busy(Drain(ids, ids), self._socket))) for uuid, ids in scopes.items())
+        self._post(DraHandoverChecked(results))
 
 
 def _device_ids(gpu: Gpu) -> Iterable[str]:

@@ -29,10 +29,9 @@ class DraRegistration:
 
 @dataclass(frozen=True, slots=True)
 class DraHandoverChecked:
-    """What still uses a GPU on its way to DRA (empty: nothing; it may move)."""
+    """What still uses each GPU on its way to DRA, by GPU UUID (nothing: it may move)."""
 
-    gpu: str
-    busy: tuple[str, ...]
+    results: tuple[tuple[str, tuple[str, ...]], ...]
 
 
 @dataclass(frozen=True, slots=True)

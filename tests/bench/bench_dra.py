@@ -1,0 +1,697 @@
+"""Benchmarks for the DRA front end (issue 15): the agent as its own process (``python -m agent run --simulate``)
+against the API server stand-in (in this process, on loopback, every written object schema-validated), the DRA
+kubelet emulator and the device-plugin kubelet emulator.
+
+Run: python tests/bench/bench_dra.py [--rounds 5] [--prepares 200] [--pods 30] [--xids 20] [--restarts 10] [--writes 30]
+
+Every round runs every part once with a fresh agent process, stand-in and emulators (a noisy neighbour spreads
+over all of them); the figures printed are the medians over the rounds of each round's p50 and p99 (single
+values per round: their median), with min / max over every sample and the issue's targets. Floors are measured
+in the same rounds.
+
+1. NodePrepareResources on a dgx-a100 (8 full GPUs, config ``dra: {enabled: true, gpus: all}``). Claims are
+   allocated by the simulated scheduler with NVIDIA's DeviceClass selector (eight 1-GPU claims, one per GPU, and
+   one claim for 8 GPUs, ``count: 8``), written with their allocation to the stand-in, and then prepared and
+   unprepared in pairs by calling the agent's DRA socket directly, dialled as the kubelet does (the DRA kubelet
+   emulator's channel options, the v1 service it chose at registration): the time of the gRPC call from call to
+   return, prepare and unprepare separately, every answer checked for per-claim errors. Interleaved with them,
+   the floors: an empty NodePrepareResources (NVIDIA's liveness probe: answered without reaching the claim
+   worker), the stand-in's GET of a ResourceClaim over HTTP through the Kubernetes client (the read inside every
+   prepare), and an atomic write in the same filesystem (``agent.atomic.write_atomically``: fsync of the file and
+   of the directory; a prepare does three: checkpoint started, CDI spec, checkpoint completed; an unprepare a CDI
+   removal and one). Then the kubelet's whole view, ``DraKubeletEmulator.run_pod`` / ``stop_pod`` timed from call
+   to return (the claim GET, the ``reservedFor`` PUT the scheduler would have made, NodePrepareResources; and
+   back), with the stand-in's PUT of a claim's status over HTTP as its floor.
+2. A dgx-a100 in MIG mode: 8 A100-SXM4-80GB with seven 1g.10gb each, 56 MIG devices, all served by DRA
+   (``--mig-strategy none``; the device plugin registers nothing). Process spawn -> the stand-in holds a complete
+   pool (every slice of the highest generation, as many as ``resourceSliceCount``) with the 56 devices, and ->
+   registered with the DRA kubelet; the start's parts from the stand-in's request log (the agent's first request
+   answered, its first ResourceSlice write). XIDs through ``--sim-control`` (48, 79, 95, 74: critical in
+   ``agent.core.xid_catalog``; 94 is an application error and taints nothing), each on the next GPU, with
+   ``--health-recovery-seconds 0.05`` so every device recovers before the next: XID call -> every MIG device of
+   the GPU carries the ``gpu.nvidia.com/xid`` taint in the stored slice, and -> the DRA kubelet's health cache
+   reads Unhealthy (NodeWatchResources); taint visible -> taint gone again after recovery. Kubelet restarts
+   (``DraKubeletEmulator.restart()``: DeleteCollection of the node's slices, the registry walked again) -> a
+   complete pool of new slice objects with the 56 devices, from the call and from the wipe's answer. Floors: a
+   fresh interpreter importing grpc and the Kubernetes client APIs the agent uses (CustomObjectsApi, VersionApi,
+   EventsV1Api, CoreV1Api; CoreV1Api's share apart: it builds the pydantic models of the core group), the
+   stand-in's PUT of the 56-device slice over HTTP (through the Kubernetes client, for another node), and the
+   validation alone of that slice in process (the strict OpenAPI schemas of both versions, then the rules).
+   SIGTERM -> exit.
+3. Both front ends on a dgx-a100: DRA serves GPUs 0-3, the device plugin 4-7. Spawn -> the kubelet holds the
+   plugin's 4 GPUs and the stand-in a complete pool of 4; RSS after start and after a loop of prepare/unprepare
+   pairs (1-GPU and 4-GPU claims) and device-plugin pods (Allocate) of 1 GPU. Floor: the RSS of the fresh
+   interpreter of part 2 (grpc and the Kubernetes client APIs imported, nothing else).
+
+Cross-process times use CLOCK_MONOTONIC (``time.monotonic``), which every process on the host shares; the
+stand-in's request log stamps answers with it too. The stand-in, both emulators and the measuring client share
+this process (one GIL); the agent has its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import kubernetes
+
+from agent.api.dra.v1 import api_pb2 as dra_v1
+from agent.api.dra.v1 import api_pb2_grpc as dra_v1_grpc
+from agent.atomic import write_atomically
+from agent.sim.apiserver import DEFAULT_SCHEMA_VERSIONS, RESOURCE_SLICE, ApiServer
+from agent.sim.kubelet import DraKubeletEmulator, KubeletEmulator
+from agent.sim.kubelet.common import CHANNEL_OPTIONS
+from agent.sim.nvml.control import SimControlClient
+from agent.sim.scheduler import allocate
+
+REPO = Path(__file__).resolve().parents[2]  # `python -m agent` from here runs this tree's agent
+NODE, DRIVER = "bench-node", "gpu.nvidia.com"
+RESOURCE = "nvidia.com/gpu"
+GIT_VERSION = "v1.36.3"
+GPU_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"  # NVIDIA's
+MIG_SPEC = (
+    "# dgx-a100 in MIG mode: 8x A100-SXM4-80GB, seven 1g.10gb each (56 MIG devices)\n"
+    "name: dgx-a100-mig\nnvlink: nvswitch\nnuma_nodes: 2\ngpus:\n  - model: A100-SXM4-80GB\n    count: 8\n"
+    "    mig:\n      instances: [1g.10gb, 1g.10gb, 1g.10gb, 1g.10gb, 1g.10gb, 1g.10gb, 1g.10gb]\n"
+)
+MIG_DEVICES = 56
+GPUS = 8
+XIDS = (48, 79, 95, 74)  # critical in the catalog: each taints its GPU's devices, and recovers
+RECOVERY_SECONDS = "0.05"
+DEADLINE = 30.0
+WARM_UP = 20
+FLOOR_CODE = """
+import time
+from pathlib import Path
+def rss():
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+began = time.perf_counter()
+import grpc, kubernetes.client as k
+k.CustomObjectsApi, k.VersionApi, k.EventsV1Api
+before, rss_before = time.perf_counter(), rss()
+k.CoreV1Api
+print(time.perf_counter() - began, time.perf_counter() - before, rss(), rss() - rss_before)
+"""  # grpc and the Kubernetes client APIs the agent uses; the time and RSS, and CoreV1Api's share of each
+
+
+# ----- helpers ------------------------------------------------------------------------------------------
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+@dataclass
+class Figure:
+    """One measure: per round its p50 and p99 (or one value), and every sample for min / max."""
+
+    name: str
+    target: str = "-"
+    unit: str = "ms"
+    p50: list[float] = field(default_factory=list)
+    p99: list[float] = field(default_factory=list)
+    samples: list[float] = field(default_factory=list)
+    single: bool = False
+
+    def add(self, samples: list[float]) -> None:
+        if samples:
+            self.p50.append(statistics.median(samples))
+            self.p99.append(_percentile(samples, 0.99))
+            self.samples.extend(samples)
+
+    def add_one(self, value: float) -> None:
+        self.single = True
+        self.p50.append(value)
+        self.samples.append(value)
+
+
+def _timed(into: list[float], call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, its wall time appended to ``into``."""
+    began = time.perf_counter()
+    result = call(*args, **kwargs)
+    into.append(time.perf_counter() - began)
+    return result
+
+
+def _node_slices(api: ApiServer) -> list[dict]:
+    """This node's slices of the driver as stored (the store never mutates them: no copies needed)."""
+    items, _ = api.store.list(RESOURCE_SLICE)
+    return [s for s in items if s["spec"].get("nodeName") == NODE and s["spec"].get("driver") == DRIVER]
+
+
+def _complete_pool(api: ApiServer) -> list[dict] | None:
+    """The slices of the pool's highest generation when they are all there (``resourceSliceCount``), else None."""
+    slices = _node_slices(api)
+    if not slices:
+        return None
+    generation = max(s["spec"]["pool"]["generation"] for s in slices)
+    current = [s for s in slices if s["spec"]["pool"]["generation"] == generation]
+    if len(current) != current[0]["spec"]["pool"]["resourceSliceCount"]:
+        return None
+    return current
+
+
+def _devices(slices: Iterable[dict]) -> list[dict]:
+    return [d for s in slices for d in s["spec"].get("devices") or []]
+
+
+def _pool_with(api: ApiServer, count: int, test: Callable[[list[dict], list[dict]], bool] = lambda s, d: True):
+    """A predicate for ``api.wait_for``: the time (truthy) at which the pool was complete with ``count`` devices
+    and ``test(slices, devices)`` held; checked under the store's lock on every change."""
+
+    def predicate() -> float | None:
+        slices = _complete_pool(api)
+        if slices is None:
+            return None
+        devices = _devices(slices)
+        if len(devices) != count or len({d["name"] for d in devices}) != count or not test(slices, devices):
+            return None
+        return time.monotonic()
+
+    return predicate
+
+
+class _Until(threading.Thread):
+    """Waits on the stand-in for a predicate from before an action starts, so a state the action leaves quickly
+    is still seen; ``at`` is the predicate's time (None on timeout)."""
+
+    def __init__(self, api: ApiServer, predicate: Callable[[], float | None], timeout: float = DEADLINE) -> None:
+        super().__init__(daemon=True)
+        self.api, self.predicate, self.timeout = api, predicate, timeout
+        self.at: float | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.at = self.api.wait_for(self.predicate, self.timeout)
+        except TimeoutError:
+            self.at = None
+
+    def result(self, what: str) -> float:
+        self.join(self.timeout + 5)
+        if self.at is None:
+            raise RuntimeError(f"timed out waiting for {what}")
+        return self.at
+
+
+# ----- one node: the stand-in, both kubelet emulators and the agent process -----------------------------
+
+
+class World:
+    def __init__(self, base: Path, simulate: str, gpus: str, log_level: str) -> None:
+        self.base = base
+        (base / "config.yaml").write_text(f"version: v1\ndra:\n  enabled: true\n  gpus: {gpus}\n")
+        self.api = ApiServer(git_version=GIT_VERSION)
+        self.api.start()
+        self.api.add_node(NODE)
+        selectors = [{"cel": {"expression": GPU_CLASS}}]
+        self.api.create(
+            "deviceclasses",
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "DeviceClass",
+                "metadata": {"name": DRIVER},
+                "spec": {"selectors": selectors},
+            },
+        )
+        self.client = self.api.api_client()
+        self.custom = kubernetes.client.CustomObjectsApi(self.client)
+        self.kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock")
+        self.kubelet.start()
+        self.dra = DraKubeletEmulator(base / "registry", NODE, self.api.api_client(), wipe_delay=1.0)
+        self.dra.start()
+        self.command = [
+            sys.executable, "-m", "agent", "run", "--simulate", simulate, "--sim-control", str(base / "ctl.sock"),
+            "--config", str(base / "config.yaml"), "--node-name", NODE,
+            "--kubeconfig", str(self.api.write_kubeconfig(base / "kubeconfig")),
+            "--device-plugin-dir", str(base / "dp"), "--pod-resources-socket", str(base / "pr" / "kubelet.sock"),
+            "--dra-registry-dir", str(base / "registry"), "--dra-plugins-dir", str(base / "plugins"),
+            "--cdi-root", str(base / "cdi"), "--mig-strategy", "none", "--metrics-address", "off",
+            "--health-recovery-seconds", RECOVERY_SECONDS, "--log-level", log_level,
+        ]  # fmt: skip
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.spawned = 0.0
+        self.channel: grpc.Channel | None = None
+
+    def spawn(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_") and k not in ("KUBECONFIG",)}
+        log = (self.base / "agent.log").open("wb")
+        self.spawned = time.monotonic()
+        self.agent = subprocess.Popen(self.command, env=env, cwd=REPO, stdout=log, stderr=log)
+        log.close()
+
+    def registered(self) -> float:
+        """When the DRA kubelet emulator registered the driver (monotonic)."""
+        self.dra.wait_for(lambda: DRIVER in self.dra.drivers(), DEADLINE, "the DRA driver registered")
+        return self.dra.registration_events(kind="registered", driver=DRIVER)[0].at
+
+    def stub(self) -> dra_v1_grpc.DRAPluginStub:
+        """The agent's DRA socket, dialled as the kubelet emulator dials it, on the v1 service."""
+        plugin = self.dra.plugin(DRIVER)
+        assert plugin is not None and plugin.service == "v1.DRAPlugin", plugin
+        self.channel = grpc.insecure_channel(f"unix:{plugin.endpoint}", options=CHANNEL_OPTIONS)
+        return dra_v1_grpc.DRAPluginStub(self.channel)
+
+    def claim(self, name: str, count: int, allocated: set[tuple[str, str, str]]) -> dict:
+        """A claim for ``count`` GPUs of NVIDIA's class, allocated by the simulated scheduler and stored with its
+        allocation (``allocated``: devices other claims hold; the new ones are added)."""
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER, "count": count}}]}
+            },
+        }
+        created = self.api.create("resourceclaims", body)
+        classes = {c["metadata"]["name"]: c for c in self.api.objects("deviceclasses")}
+        claim = allocate(created, _node_slices(self.api), classes, allocated, NODE)
+        for result in claim["status"]["allocation"]["devices"]["results"]:
+            allocated.add((result["driver"], result["pool"], result["device"]))
+        return self.api.update("resourceclaims", claim, status=True)
+
+    def rss(self) -> float:
+        assert self.agent is not None
+        return _rss_mib(self.agent.pid)
+
+    def terminate(self) -> float:
+        """SIGTERM -> exit, seconds."""
+        assert self.agent is not None
+        began = time.monotonic()
+        self.agent.send_signal(signal.SIGTERM)
+        self.agent.wait(timeout=DEADLINE)
+        return time.monotonic() - began
+
+    def log_tail(self) -> str:
+        text = (self.base / "agent.log").read_text(errors="replace")
+        return " | ".join(text.strip().splitlines()[-8:])
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.kill()
+            self.agent.wait()
+        self.dra.stop()
+        self.kubelet.stop()
+        self.client.close()
+        self.api.stop()
+
+
+def _with_world(base: Path, simulate: str, gpus: str, args: argparse.Namespace, body: Callable[[World], None]) -> None:
+    world = World(base, simulate, gpus, args.agent_log_level)
+    try:
+        body(world)
+    except Exception:
+        print(f"agent log: {world.log_tail()}", file=sys.stderr)
+        raise
+    finally:
+        world.close()
+
+
+def _request(claim: dict) -> tuple[dra_v1.NodePrepareResourcesRequest, dra_v1.NodeUnprepareResourcesRequest]:
+    meta = claim["metadata"]
+    wire = [dra_v1.Claim(namespace=meta["namespace"], uid=meta["uid"], name=meta["name"])]
+    return dra_v1.NodePrepareResourcesRequest(claims=wire), dra_v1.NodeUnprepareResourcesRequest(claims=wire)
+
+
+def _check(response: Any, claim: dict, devices: int | None) -> None:
+    """The answer has the claim without an error (and, for a prepare, its ``devices`` devices)."""
+    uid = claim["metadata"]["uid"]
+    entry = response.claims[uid]
+    if entry.error or (devices is not None and len(entry.devices) != devices):
+        raise RuntimeError(f"claim {claim['metadata']['name']}: error {entry.error!r}, {len(entry.devices)} devices")
+
+
+def _pairs(stub: dra_v1_grpc.DRAPluginStub, claim: dict, count: int, prepare: list[float], unprepare: list[float]):
+    prepare_request, unprepare_request = _request(claim)
+    _check(_timed(prepare, stub.NodePrepareResources, prepare_request, timeout=45), claim, count)
+    _check(_timed(unprepare, stub.NodeUnprepareResources, unprepare_request, timeout=45), claim, None)
+
+
+# ----- the parts ----------------------------------------------------------------------------------------
+
+
+def floors(figures: dict[str, Figure]) -> None:
+    """A fresh interpreter importing grpc and the Kubernetes client APIs the agent uses: seconds and RSS."""
+    out = subprocess.run([sys.executable, "-c", FLOOR_CODE], check=True, capture_output=True, text=True).stdout
+    seconds, core_seconds, rss, core_rss = map(float, out.split())
+    figures["floor import"].add_one(seconds)
+    figures["floor import core"].add_one(core_seconds)
+    figures["floor rss"].add_one(rss)
+    figures["floor rss core"].add_one(core_rss)
+
+
+def prepare_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure]) -> None:
+    def body(world: World) -> None:
+        world.spawn()
+        world.api.wait_for(_pool_with(world.api, GPUS), DEADLINE)
+        world.registered()
+        figures["full rss start"].add_one(world.rss())
+        allocated: set[tuple[str, str, str]] = set()
+        ones = [world.claim(f"one-{n}", 1, allocated) for n in range(GPUS)]  # gpu-0 ... gpu-7, one each
+        eight = world.claim("eight", GPUS, set())  # all eight (prepared only while no 1-GPU claim is)
+        stub = world.stub()
+        probe = dra_v1.NodePrepareResourcesRequest()
+        floor_dir = base / "floor"
+        floor_dir.mkdir()
+        payload = b"x" * 1024
+        get = world.custom.get_namespaced_custom_object
+        scratch: list[float] = []
+        for n in range(WARM_UP):  # connections, worker threads, caches
+            stub.NodePrepareResources(probe, timeout=45)
+            get("resource.k8s.io", "v1", "default", "resourceclaims", "one-0")
+            _pairs(stub, ones[n % GPUS], 1, scratch, scratch)
+        times: dict[str, list[float]] = {
+            k: [] for k in ("probe", "get", "atomic", "prepare 1", "unprepare 1", "prepare 8", "unprepare 8")
+        }
+        for n in range(args.prepares):
+            _timed(times["probe"], stub.NodePrepareResources, probe, timeout=45)
+            _timed(times["get"], get, "resource.k8s.io", "v1", "default", "resourceclaims", "one-0")
+            _timed(times["atomic"], write_atomically, floor_dir / "floor.json", payload, 0o644)
+            _pairs(stub, ones[n % GPUS], 1, times["prepare 1"], times["unprepare 1"])
+            _pairs(stub, eight, GPUS, times["prepare 8"], times["unprepare 8"])
+        for key, values in times.items():
+            figures[key].add(values)
+
+        # the kubelet's view: run_pod / stop_pod; and the stand-in's PUT of a claim's status as their floor
+        pods: dict[str, list[float]] = {k: [] for k in ("run 1", "stop 1", "run 8", "stop 8", "put")}
+        floor_claim = world.claim("floor", 1, set())
+        status_body = copy.deepcopy(floor_claim)
+        reserved = [{"resource": "pods", "name": "floor", "uid": "00000000-0000-4000-8000-000000000000"}]
+        put = world.custom.replace_namespaced_custom_object_status
+        for n in range(args.pods):
+            for count, claim in ((1, ones[n % GPUS]), (GPUS, eight)):
+                uid = f"{n:08d}-0000-4000-8000-{count:012d}"
+                name = claim["metadata"]["name"]
+                pod, containers = f"pod-{n}-{count}", {"c": [("gpu", None)]}
+                ids = _timed(pods[f"run {count}"], world.dra.run_pod, "default", pod, uid, [("gpu", name)], containers)
+                if len(ids["c"]) != 2 * count:  # the claim's device and the node-wide ID of each GPU
+                    raise RuntimeError(f"pod of {name}: CDI IDs {ids}")
+                _timed(pods[f"stop {count}"], world.dra.stop_pod, uid)
+            for _ in range(2):  # add the reservation, take it away: the two writes of a pod's life
+                if status_body["status"].get("reservedFor"):
+                    del status_body["status"]["reservedFor"]
+                else:
+                    status_body["status"]["reservedFor"] = reserved
+                status_body = _timed(
+                    pods["put"], put, "resource.k8s.io", "v1", "default", "resourceclaims", "floor", status_body
+                )
+        for key, values in pods.items():
+            figures[key].add(values)
+        figures["full rss loop"].add_one(world.rss())
+
+    _with_world(base, "dgx-a100", "all", args, body)
+
+
+def mig_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure]) -> None:
+    spec = base / "dgx-a100-mig.yaml"
+    spec.write_text(MIG_SPEC)
+
+    def body(world: World) -> None:
+        api = world.api
+        world.spawn()
+        complete = api.wait_for(_pool_with(api, MIG_DEVICES), DEADLINE)
+        registered = world.registered()
+        figures["mig start"].add_one(complete - world.spawned)
+        figures["mig registered"].add_one(registered - world.spawned)
+        agent_requests = [r for r in api.requests() if r.time > world.spawned]
+        figures["mig first request"].add_one(agent_requests[0].time - world.spawned)
+        writes = [r for r in agent_requests if r.resource == "resourceslices" and r.verb in ("create", "update")]
+        figures["mig first write"].add_one(writes[0].time - world.spawned)
+        figures["mig writes"].add_one(len(writes))
+        figures["mig rss start"].add_one(world.rss())
+
+        # floors: the stand-in's PUT of this very slice (for another node) over HTTP, and its validation alone
+        (published,) = _complete_pool(api) or [None]
+        assert published is not None, "the 56 devices are expected in one slice"
+        api.add_node("floor-node")
+        floor_slice = copy.deepcopy(published)
+        floor_slice["metadata"] = {"name": "floor-slice"}
+        floor_slice["spec"]["nodeName"] = "floor-node"
+        floor_slice["spec"]["pool"]["name"] = "floor-node"
+        create = world.custom.create_cluster_custom_object
+        replace = world.custom.replace_cluster_custom_object
+        stored = create("resource.k8s.io", "v1", "resourceslices", floor_slice)
+        put, validate = [], []
+        for n in range(args.writes):
+            stored["spec"]["pool"]["generation"] = n + 2
+            stored = _timed(put, replace, "resource.k8s.io", "v1", "resourceslices", "floor-slice", stored)
+            _timed(validate, api.validator.check, RESOURCE_SLICE, stored)
+        figures["slice put"].add(put)
+        figures["slice validate"].add(validate)
+        world.custom.delete_cluster_custom_object("resource.k8s.io", "v1", "resourceslices", "floor-slice")
+
+        control = SimControlClient(world.base / "ctl.sock")
+        devices = [d["name"] for d in _devices(_complete_pool(api) or [])]
+        names = {g: [d for d in devices if d.startswith(f"gpu-{g}-")] for g in range(GPUS)}  # 7 MIG devices each
+        health, taint, untaint = [], [], []
+        for n in range(args.xids):
+            gpu, xid = n % GPUS, XIDS[n % len(XIDS)]
+
+            def tainted(slices: list[dict], devices: list[dict], gpu: int = gpu, xid: int = xid) -> bool:
+                mine = [d for d in devices if d["name"] in names[gpu]]
+                return len(mine) == len(names[gpu]) and all(
+                    any(t["key"] == f"{DRIVER}/xid" and t["value"] == str(xid) for t in d.get("taints") or [])
+                    for d in mine
+                )
+
+            seen = _Until(api, _pool_with(api, MIG_DEVICES, tainted))
+            began = time.monotonic()
+            control.call("inject_xid", gpu=gpu, xid=xid)
+            world.dra.wait_for(
+                lambda gpu=gpu: all(world.dra.device_health(DRIVER, NODE, d) == "Unhealthy" for d in names[gpu]),
+                DEADLINE,
+                "Unhealthy in the kubelet's health cache",
+            )
+            health.append(time.monotonic() - began)
+            at = seen.result("the taint in the slice")
+            taint.append(at - began)
+            clean = api.wait_for(
+                _pool_with(api, MIG_DEVICES, lambda s, d: not any(x.get("taints") for x in d)), DEADLINE
+            )
+            untaint.append(clean - at)
+            world.dra.wait_for(
+                lambda gpu=gpu: all(world.dra.device_health(DRIVER, NODE, d) == "Healthy" for d in names[gpu]),
+                DEADLINE,
+                "Healthy again in the kubelet's health cache",
+            )
+        figures["xid health"].add(health)
+        figures["xid taint"].add(taint)
+        figures["xid untaint"].add(untaint)
+
+        from_call, from_wipe, call = [], [], []
+        for _ in range(args.restarts):
+            before = {s["metadata"]["uid"] for s in _node_slices(api)}
+            wipes = api.count("deletecollection", "resourceslices")
+            back = _Until(
+                api,
+                _pool_with(api, MIG_DEVICES, lambda s, d, old=before: not any(x["metadata"]["uid"] in old for x in s)),
+            )
+            began = time.monotonic()
+            world.dra.restart()
+            call.append(time.monotonic() - began)
+            at = back.result("the slices back after a kubelet restart")
+            wipe = api.requests("deletecollection", "resourceslices")
+            if len(wipe) <= wipes:
+                raise RuntimeError("the kubelet restart wiped nothing")
+            from_call.append(at - began)
+            from_wipe.append(at - wipe[-1].time)
+            world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "registered again")
+        figures["restart"].add(from_call)
+        figures["restart wipe"].add(from_wipe)
+        figures["restart call"].add(call)
+        figures["mig rss end"].add_one(world.rss())
+        figures["sigterm"].add_one(world.terminate())
+
+    _with_world(base, str(spec), "all", args, body)
+
+
+def both_front_ends(base: Path, args: argparse.Namespace, figures: dict[str, Figure]) -> None:
+    def body(world: World) -> None:
+        world.spawn()
+        pool = _Until(world.api, _pool_with(world.api, 4))
+        world.kubelet.wait_for(
+            lambda: RESOURCE in world.kubelet.resources() and world.kubelet.allocatable(RESOURCE) == 4,
+            timeout=DEADLINE,
+            what="4 GPUs through the device plugin",
+        )
+        plugin = time.monotonic()
+        both = max(plugin, pool.result("a complete pool of 4"), world.registered())
+        figures["both start"].add_one(both - world.spawned)
+        figures["both rss start"].add_one(world.rss())
+        allocated: set[tuple[str, str, str]] = set()
+        ones = [world.claim(f"one-{n}", 1, allocated) for n in range(4)]
+        four = world.claim("four", 4, set())
+        stub = world.stub()
+        scratch: list[float] = []
+        for n in range(args.prepares):
+            _pairs(stub, ones[n % 4], 1, scratch, scratch)
+            _pairs(stub, four, 4, scratch, scratch)
+        for n in range(args.pods):
+            world.kubelet.create_pod(f"dp-{n}", {"main": {RESOURCE: 1}})
+            world.kubelet.delete_pod(f"dp-{n}")
+        figures["both rss loop"].add_one(world.rss())
+
+    _with_world(base, "dgx-a100", "[0, 1, 2, 3]", args, body)
+
+
+# ----- report -------------------------------------------------------------------------------------------
+
+
+SECTIONS: tuple[tuple[str, dict[str, tuple[str, ...]]], ...] = (
+    (
+        "1. NodePrepareResources, dgx-a100 (8 GPUs, DRA all): the gRPC call on the agent's DRA socket",
+        {
+            "probe": ("floor: empty NodePrepareResources (NVIDIA's probe)", "-"),
+            "get": ("floor: stand-in GET ResourceClaim over HTTP (k8s client)", "-"),
+            "atomic": ("floor: atomic 1 KiB write (fsync file + dir), same fs", "-"),
+            "prepare 1": ("NodePrepareResources, 1-GPU claim", "p99 < 50 ms"),
+            "unprepare 1": ("NodeUnprepareResources, 1-GPU claim", "-"),
+            "prepare 8": ("NodePrepareResources, 8-GPU claim", "p99 < 50 ms"),
+            "unprepare 8": ("NodeUnprepareResources, 8-GPU claim", "-"),
+            "put": ("floor: stand-in PUT ResourceClaim status over HTTP", "-"),
+            "run 1": ("kubelet run_pod, 1-GPU claim (GET + PUT + Prepare)", "-"),
+            "stop 1": ("kubelet stop_pod, 1-GPU claim (Unprepare + GET + PUT)", "-"),
+            "run 8": ("kubelet run_pod, 8-GPU claim", "-"),
+            "stop 8": ("kubelet stop_pod, 8-GPU claim", "-"),
+            "full rss start": ("RSS after start (DRA only)", "-", "MB"),
+            "full rss loop": ("RSS after the prepare and pod loops", "-", "MB"),
+        },
+    ),
+    (
+        "2. dgx-a100 in MIG mode (56 x 1g.10gb, DRA all)",
+        {
+            "floor import": ("floor: fresh interpreter, import grpc + k8s client APIs", "-"),
+            "floor import core": ("  of which CoreV1Api (its models)", "-"),
+            "mig first request": ("spawn -> the agent's first API request answered", "-"),
+            "mig first write": ("spawn -> its first ResourceSlice write answered", "-"),
+            "mig start": ("spawn -> complete pool with 56 MIG devices", "< 1 s"),
+            "mig registered": ("spawn -> registered with the DRA kubelet", "-"),
+            "mig writes": ("ResourceSlice writes until then (count)", "-", "n"),
+            "slice put": ("floor: stand-in PUT of the 56-device slice over HTTP", "-"),
+            "slice validate": ("  of which schema (x2 versions) + rules, in process", "-"),
+            "xid health": ("XID -> Unhealthy in the kubelet's health cache", "-"),
+            "xid taint": ("XID -> taint on the GPU's 7 devices in the slice", "p99 < 500 ms"),
+            "xid untaint": ("taint -> taint gone (recovery, quiet 0.05 s)", "-"),
+            "restart": ("kubelet restart() -> complete pool of new slices", "< 2 s"),
+            "restart wipe": ("  from the wipe's DeleteCollection answer", "-"),
+            "restart call": ("  the emulator's restart() call itself", "-"),
+            "sigterm": ("SIGTERM -> exit", "-"),
+            "mig rss start": ("RSS after start (DRA only, 56 devices)", "-", "MB"),
+            "mig rss end": ("RSS after the XIDs and restarts", "-", "MB"),
+        },
+    ),
+    (
+        "3. both front ends, dgx-a100 (DRA GPUs 0-3, device plugin 4-7)",
+        {
+            "floor rss": ("floor: RSS of the fresh interpreter of part 2", "-", "MB"),
+            "floor rss core": ("  of which CoreV1Api (its models)", "-", "MB"),
+            "both start": ("spawn -> plugin has 4 GPUs, DRA pool of 4, registered", "-"),
+            "both rss start": ("RSS after start, both front ends", "< 100 MB", "MB"),
+            "both rss loop": ("RSS after prepare pairs + device-plugin pods", "< 100 MB", "MB"),
+        },
+    ),
+)
+
+
+def _figures() -> dict[str, Figure]:
+    return {key: Figure(*row) for _, rows in SECTIONS for key, row in rows.items()}
+
+
+def _value(value: float, unit: str) -> str:
+    if unit == "ms":
+        return f"{value * 1000:.1f} ms"
+    if unit == "MB":
+        return f"{value:.1f} MB"
+    return f"{value:g}"
+
+
+def _row(figure: Figure) -> str:
+    if not figure.p50:
+        return f"| {figure.name} | - | - | - | - | 0 | {figure.target} |"
+    p50 = _value(statistics.median(figure.p50), figure.unit)
+    p99 = "-" if figure.single else _value(statistics.median(figure.p99), figure.unit)
+    low, high = _value(min(figure.samples), figure.unit), _value(max(figure.samples), figure.unit)
+    return f"| {figure.name} | {p50} | {p99} | {low} | {high} | {len(figure.samples)} | {figure.target} |"
+
+
+def report(figures: dict[str, Figure], args: argparse.Namespace) -> None:
+    print(
+        f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, Python {platform.python_version()}, "
+        f"grpcio {grpc.__version__}, kubernetes {kubernetes.__version__}; stand-in {GIT_VERSION}, schemas "
+        f"{', '.join(DEFAULT_SCHEMA_VERSIONS)}; {args.rounds} rounds; p50 / p99: medians of the per-round values "
+        "(one value per round: its median); min / max over every sample"
+    )
+    print(
+        f"per round: {args.prepares} prepare/unprepare pairs of each size, {args.pods} pods of each size, "
+        f"{args.xids} XIDs, {args.restarts} kubelet restarts, {args.writes} slice writes"
+    )
+    for title, rows in SECTIONS:
+        print()
+        print(title)
+        print()
+        print("| measure | p50 | p99 | min | max | n | target |")
+        print("|---|---|---|---|---|---|---|")
+        for key in rows:
+            print(_row(figures[key]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prepares", type=int, default=200, help="prepare/unprepare pairs per size per round")
+    parser.add_argument("--pods", type=int, default=30, help="run_pod/stop_pod per size per round")
+    parser.add_argument("--xids", type=int, default=20, help="XIDs per round")
+    parser.add_argument("--restarts", type=int, default=10, help="kubelet restarts per round")
+    parser.add_argument("--writes", type=int, default=30, help="stand-in slice writes per round (floor)")
+    parser.add_argument("--agent-log-level", default="warning")
+    parser.add_argument("--parts", default="prepare,mig,both", help="which parts to run (comma-separated)")
+    args = parser.parse_args()
+    logging.disable(logging.ERROR)  # the emulators' and the stand-in's notes are not the report
+
+    figures = _figures()
+    parts: dict[str, Callable[[Path], None]] = {
+        "prepare": lambda base: prepare_node(base, args, figures),
+        "mig": lambda base: (floors(figures), mig_node(base, args, figures)),
+        "both": lambda base: both_front_ends(base, args, figures),
+    }
+    steps = [parts[name] for name in args.parts.split(",")]
+    for n in range(args.rounds):
+        for step in steps[n % len(steps) :] + steps[: n % len(steps)]:  # each round starts elsewhere
+            base = Path(tempfile.mkdtemp(prefix="bd", dir="/tmp"))  # unix socket paths must stay short
+            try:
+                step(base)
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+        print(f"round {n + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    report(figures, args)
+
+
+if __name__ == "__main__":
+    main()
