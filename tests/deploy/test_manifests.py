@@ -66,8 +66,16 @@ HOST_PATHS = {
 MPS_ROOT = ("/run/nvidia/mps", "DirectoryOrCreate", "/run/nvidia/mps", False)
 # The directory of the MPS keeper's socket, which the keeper and the agent mount from the same host path.
 KEEPER_SOCKET_DIRECTORY = ("/run/tessera", "DirectoryOrCreate", "/run/tessera", False)
+# The DRA driver's directories (overlays/dra), each at the host's path: the kubelet is handed these paths (the
+# registration socket in the plugin watcher's directory, the DRA socket and checkpoint under the plugins
+# directory) and the container runtime reads the claims' CDI specs from the host's /var/run/cdi.
+DRA_HOST_PATHS = {
+    ("/var/lib/kubelet/plugins_registry", "Directory", "/var/lib/kubelet/plugins_registry", False),
+    ("/var/lib/kubelet/plugins", "DirectoryOrCreate", "/var/lib/kubelet/plugins", False),
+    ("/var/run/cdi", "DirectoryOrCreate", "/var/run/cdi", False),
+}
 # What a variant adds to the agent's HOST_PATHS; every other variant (a new overlay too) has HOST_PATHS alone.
-EXTRA_HOST_PATHS = {"mps": {KEEPER_SOCKET_DIRECTORY}}
+EXTRA_HOST_PATHS = {"mps": {KEEPER_SOCKET_DIRECTORY}, "dra": DRA_HOST_PATHS}
 # The MPS keeper's hostPath volumes, exactly: the MPS root and its socket's directory.
 KEEPER_HOST_PATHS = {MPS_ROOT, KEEPER_SOCKET_DIRECTORY}
 # The one hostPath mount with a subPath, in the agent and the keeper: <mps root>/shm as the container's
@@ -77,6 +85,14 @@ SHM_MOUNT = {"name": "mps-root", "mountPath": "/dev/shm", "subPath": "shm"}
 KEEPER_VARIANTS = {"mps"}
 # What components/mps-keeper adds to the agent's environment, and nothing more.
 KEEPER_ENV = {"TESSERA_MPS_KEEPER": "/run/tessera/mps-keeper.sock"}
+# What overlays/dra adds to the agent's environment, and nothing more: the three directories (flag twins of
+# `tessera run`) and POD_UID from the downward API (socket names per pod, for a rolling update).
+DRA_ENV = {
+    "TESSERA_DRA_REGISTRY_DIR": "/var/lib/kubelet/plugins_registry",
+    "TESSERA_DRA_PLUGINS_DIR": "/var/lib/kubelet/plugins",
+    "TESSERA_CDI_ROOT": "/var/run/cdi",
+    "POD_UID": {"fieldRef": {"fieldPath": "metadata.uid"}},
+}
 # What MIG and MPS may add to the base container, and nothing more.
 MIG_ENV = {
     "TESSERA_MIG_CONFIG": "/etc/tessera/mig/config.yaml",
@@ -89,9 +105,20 @@ MIG_ENV = {
 NODE_READ = {("", "nodes", verb) for verb in ("get", "list", "watch")}  # its own Node's labels
 EVENTS = {(group, "events", verb) for group in ("events.k8s.io", "") for verb in ("create", "patch")}
 GRANTS = NODE_READ | EVENTS
+# The DRA driver's calls (overlays/dra/rbac.yaml says why each is there): this node's ResourceSlices listed and
+# watched (field-selected), created, replaced (PUT) and deleted; the ResourceClaim the kubelet asks it to prepare
+# read by name. No `get` on slices (never read by name), no list/watch on claims, no patch, no deletecollection.
+DRA_GRANTS = {("resource.k8s.io", "resourceslices", v) for v in ("list", "watch", "create", "update", "delete")} | {
+    ("resource.k8s.io", "resourceclaims", "get")
+}
 # What an opt-in overlay adds to GRANTS; every other variant (a new overlay too) grants GRANTS alone.
-EXTRA_GRANTS = {"node-labels": {("", "nodes", "patch")}}
+EXTRA_GRANTS = {"node-labels": {("", "nodes", "patch")}, "dra": DRA_GRANTS}
 RBAC_KINDS = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
+# Named configs an overlay adds to tessera-config that are not copies of the catalogue (configs/), by key, with
+# the file each is generated from: they work only with that overlay, so they ship only there. overlays/dra's
+# `dra` gives a node's GPUs to DRA, which needs the overlay's host paths and RBAC. Not in a configs/ directory:
+# test_config_copies_in_daemonset_are_identical_to_the_catalogue checks those.
+OVERLAY_CONFIGS = {"dra": {"dra": DAEMONSET / "overlays" / "dra" / "dra.yaml"}}
 READ_VERBS = {"get", "list", "watch"}
 
 
@@ -184,7 +211,7 @@ def config_map(objects: list[dict[str, Any]], name: str) -> dict[str, Any]:
 def test_every_kustomization_is_a_variant():
     """conftest finds the variants; make sure it finds the ones the docs name (and the tests rely on), and
     that a Component, which kustomize cannot render alone, is not one."""
-    assert {"base", "mig-manager", "mps", "service-monitor", "node-labels"} <= set(VARIANTS)
+    assert {"base", "mig-manager", "mps", "service-monitor", "node-labels", "dra"} <= set(VARIANTS)
     assert "mps-keeper" in COMPONENTS
     assert not set(COMPONENTS.values()) & set(VARIANTS.values())
     for name, directory in VARIANTS.items():
@@ -293,7 +320,7 @@ def test_no_variant_is_privileged(rendered, variant):
 
 def test_default_variants_add_no_capability_and_stay_in_their_pid_namespace(rendered):
     defaults = set(VARIANTS) - {"mig-manager", "mps"}
-    assert {"base", "service-monitor", "node-labels"} <= defaults
+    assert {"base", "service-monitor", "node-labels", "dra"} <= defaults
     for variant in defaults:
         for ds in daemonsets(rendered[variant]):
             spec = ds["spec"]["template"]["spec"]
@@ -362,6 +389,35 @@ def test_mps_overlay_adds_to_the_agent_only_sys_admin_host_pid_and_the_keepers_s
     c["env"] = [e for e in c["env"] if e["name"] not in KEEPER_ENV]
     c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "keeper-socket"]
     del c["securityContext"]["capabilities"]["add"]
+    assert canonical(stripped) == canonical(daemonset(rendered["base"]))
+
+
+def test_dra_overlay_adds_to_the_agent_only_the_drivers_directories_and_pod_uid(rendered):
+    """overlays/dra: three hostPath volumes at the host's own paths, four environment variables, and nothing that
+    would widen the container: no capability, no host PID namespace, base's security context as it is."""
+    base, dra = container(rendered["base"]), container(rendered["dra"])
+    spec = pod_spec(rendered["dra"])
+    assert dra["securityContext"] == base["securityContext"]
+    assert "add" not in dra["securityContext"]["capabilities"]
+    assert not spec.get("hostPID")
+    added = {k: v for k, v in env(dra).items() if k not in env(base)}
+    assert added == DRA_ENV
+    assert {k: v for k, v in env(dra).items() if k in env(base)} == env(base)
+    # the agent hands the kubelet its socket paths and the runtime its CDI IDs: each directory is the host's own
+    for name in ("TESSERA_DRA_REGISTRY_DIR", "TESSERA_DRA_PLUGINS_DIR", "TESSERA_CDI_ROOT"):
+        assert host_location(spec, dra, DRA_ENV[name]) == DRA_ENV[name], name
+    # and nothing else: without those, the agent's DaemonSet is base's
+    base_volumes = {v["name"] for v in pod_spec(rendered["base"])["volumes"]}
+    new_volumes = {v["name"] for v in spec["volumes"]} - base_volumes
+    assert {(v["hostPath"]["path"], v["hostPath"]["type"]) for v in spec["volumes"] if v["name"] in new_volumes} == {
+        (path, kind) for path, kind, _, _ in DRA_HOST_PATHS
+    }
+    stripped = deepcopy(daemonset(rendered["dra"]))
+    stripped_spec = stripped["spec"]["template"]["spec"]
+    stripped_spec["volumes"] = [v for v in stripped_spec["volumes"] if v["name"] not in new_volumes]
+    (c,) = stripped_spec["containers"]
+    c["env"] = [e for e in c["env"] if e["name"] not in DRA_ENV]
+    c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] not in new_volumes]
     assert canonical(stripped) == canonical(daemonset(rendered["base"]))
 
 
@@ -571,10 +627,18 @@ def test_node_name_comes_from_the_downward_api(rendered):
         assert env(container(objects))["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
 
 
+def test_pod_uid_comes_from_the_downward_api(rendered):
+    """POD_UID (`tessera run --pod-uid`) names the DRA sockets per pod; only the dra variant sets it."""
+    with_uid = {name for name, objects in rendered.items() if "POD_UID" in env(container(objects))}
+    assert with_uid == {"dra"}
+    assert env(container(rendered["dra"]))["POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+
+
 def test_every_environment_variable_is_a_flag_twin_of_tessera_run(rendered):
     """A typo in a TESSERA_* name would be ignored silently by the agent; compare with `tessera run --help`."""
     twins = flag_twins("run")
     assert {"TESSERA_CONFIG", "TESSERA_MIG_CONFIG", "TESSERA_HOST_PROC", "TESSERA_MPS_KEEPER"} <= twins
+    assert set(DRA_ENV) <= twins  # POD_UID too: the twin of --pod-uid (its value comes from the downward API)
     runtime = {"NODE_NAME", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", *MIG_ENV} - {"TESSERA_MIG_CONFIG"}
     for name, objects in rendered.items():
         unknown = set(env(container(objects))) - twins - runtime
@@ -615,16 +679,22 @@ def test_image_is_the_project_version(rendered):
 
 
 def test_config_map_keys_are_the_catalogue(rendered):
-    """base: every config of configs/ that needs no MIG manager; mig-manager adds the ones with a layout.
+    """base: every config of configs/ that needs no MIG manager; mig-manager adds the ones with a layout; an
+    overlay may add named configs of its own (OVERLAY_CONFIGS) that work only with it.
     Keys are the file names without .yaml (the value of nvidia.com/device-plugin.config)."""
     files = config_files()
     without_layout = {p.stem for p in files if not has_mig_layout(p)}
+    assert set(OVERLAY_CONFIGS) <= set(VARIANTS)
     for variant in set(VARIANTS) - {"mig-manager"}:
-        assert set(config_map(rendered[variant], "tessera-config")["data"]) == without_layout, variant
+        expected = without_layout | set(OVERLAY_CONFIGS.get(variant, {}))
+        assert set(config_map(rendered[variant], "tessera-config")["data"]) == expected, variant
     assert set(config_map(rendered["mig-manager"], "tessera-config")["data"]) == {p.stem for p in files}
     for name, objects in rendered.items():
+        own = OVERLAY_CONFIGS.get(name, {})
+        assert not set(own) & {p.stem for p in files}, f"{name} shadows a config of the catalogue"
         for key, text in config_map(objects, "tessera-config")["data"].items():
-            assert text == (CONFIGS / f"{key}.yaml").read_text(encoding="utf-8"), (name, key)
+            source = own.get(key, CONFIGS / f"{key}.yaml")
+            assert text == source.read_text(encoding="utf-8"), (name, key)
 
 
 def test_config_copies_in_daemonset_are_identical_to_the_catalogue():
