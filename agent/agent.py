@@ -781,6 +781,7 @@ class Agent:
             plugins_dir=self.options.dra_plugins_dir,
             cdi_root=self.options.cdi_root,
             pod_uid=self.options.pod_uid,
+            cdi_kind=self._effective.allocation.cdi_kind,
         )
 
     def _read_inventory(self, reason: str, stale: frozenset[str] = frozenset()) -> bool:
@@ -1144,7 +1145,7 @@ class Agent:
 
     def _dra_event(self, event: object) -> None:
         """The DRA front end's news (a handover answer, a registration verdict, slices published or not)."""
-        from agent.dra.types import DraHandoverChecked, DraRegistration
+        from agent.dra.types import DraHandoverChecked, DraRegistration, SlicesFailed, SlicesPublished
 
         assert self._dra is not None
         if isinstance(event, DraHandoverChecked):
@@ -1153,6 +1154,8 @@ class Agent:
                 return
         elif isinstance(event, DraRegistration):
             self._dra.error = None if event.registered else f"the kubelet refused the driver: {event.error}"
+        elif isinstance(event, SlicesPublished | SlicesFailed):
+            self._dra.on_slices(isinstance(event, SlicesPublished), getattr(event, "error", ""))
         self._refresh_status()
 
     def _waiting_for(self) -> dict[str, tuple[str, ...]]:

@@ -701,7 +701,16 @@ def _preview(
                 )
     if args.mig_label and layout is None:  # with layouts, the label picks one (or is an error): here there are none
         notes.append("warning: --mig-label is not used: it picks a layout of the config's migLayout, and there is none")
-    result = plan(effective(model, FlagOverrides(mig_strategy=args.mig_strategy)).plan, inventory)
+    planned = inventory
+    if model.dra is not None and model.dra.enabled and not args.dra:  # the device plugin's share only
+        from agent.core.dra.ownership import dra_gpus, without
+
+        served = dra_gpus(model.dra.gpus, inventory)
+        planned = without(inventory, served)
+        if served:
+            indices = ", ".join(str(g.index) for g in inventory.gpus if g.uuid in served)
+            notes.append(f"GPUs {indices} are served through DRA (dra.gpus): `tessera plan --dra` shows them")
+    result = plan(effective(model, FlagOverrides(mig_strategy=args.mig_strategy)).plan, planned)
     return result, layout, notes, inventory, model
 
 
@@ -759,10 +768,12 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
 
 
 def _spec_node_name(node: str | None) -> str:
-    """The node spec's name (a preset's or a spec file's), else this host's name."""
+    """The node spec's name (a preset's or a spec file's), else NODE_NAME (in the agent's pod), else the host's."""
     import socket
 
-    if node and node != "local":
+    if not node or node == "local":
+        return os.environ.get("NODE_NAME") or socket.gethostname()
+    if node:
         from agent.sim.nvml.spec import load_node_spec
 
         return load_node_spec(node).name

@@ -32,7 +32,9 @@ from typing import Any
 GO_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
 GO_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
 KUBELET_SOCKET_NAME = "kubelet.sock"
-_NO_CDI_SPEC = "Tessera writes no CDI spec: it names the devices of the spec that nvidia-ctk cdi generate writes"
+_NO_CDI_SPEC = (
+    "Tessera's device plugin writes no CDI spec: it names the devices of the spec that nvidia-ctk cdi generate writes"
+)
 
 
 class NvidiaFlagError(ValueError):
@@ -162,23 +164,23 @@ SETTINGS: tuple[NvidiaSetting, ...] = (
         ("--nvidia-cdi-hook-path", "--nvidia-ctk-path"), ("NVIDIA_CDI_HOOK_PATH", "NVIDIA_CTK_PATH"),
         default="/usr/bin/nvidia-ctk", honoured=("/usr/bin/nvidia-ctk",),
         refusal=(_NO_CDI_SPEC, "remove it, and give the hook path to nvidia-ctk cdi generate"),
-        help="only /usr/bin/nvidia-ctk (Tessera writes no CDI spec)",
+        help="only /usr/bin/nvidia-ctk (the device plugin writes no CDI spec)",
     ),
     NvidiaSetting(
         ("--driver-root-ctr-path", "--container-driver-root"), ("DRIVER_ROOT_CTR_PATH", "CONTAINER_DRIVER_ROOT"),
         default="/driver-root", honoured=("/driver-root",),
         refusal=(_NO_CDI_SPEC + " and mounts no driver root", "remove it"),
-        help="only /driver-root (Tessera writes no CDI spec)",
+        help="only /driver-root (the device plugin writes no CDI spec)",
     ),
     NvidiaSetting(
         ("--cdi-feature-flags",), ("CDI_FEATURE_FLAGS",), Kind.TEXTS, honoured=(),
         refusal=(_NO_CDI_SPEC, "remove it, and give the feature flags to nvidia-ctk cdi generate"),
-        help="refused (Tessera writes no CDI spec)",
+        help="refused (the device plugin writes no CDI spec)",
     ),
     NvidiaSetting(
         ("--cdi-disable-hooks",), ("CDI_DISABLE_HOOKS",), Kind.TEXTS, honoured=(),
         refusal=(_NO_CDI_SPEC, "remove it, and choose the hooks with nvidia-ctk cdi generate"),
-        help="refused (Tessera writes no CDI spec)",
+        help="refused (the device plugin writes no CDI spec)",
     ),
     NvidiaSetting(
         ("--imex-channel-ids",), ("IMEX_CHANNEL_IDS",), Kind.INTS, honoured=(),

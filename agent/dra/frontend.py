@@ -86,6 +86,7 @@ class DraFrontEnd:
             read_claim=KubernetesClaimReader(self._api_client),
             cdi=CdiStore(s.cdi_root),
             checkpoints=CheckpointStore(checkpoint_path(endpoint.parent)),
+            node_cdi_kind=s.cdi_kind,
         )
         self._service.start()
         self._publisher = SlicePublisher(self._api_client, s.node_name, s.driver, post=self._post)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL = 1.0  # how often a GPU waiting to move looks again whether it is free
+CORDON_TAINT = "tessera.dev/gpu-cordon"  # a device the operator cordoned (agent.core.cordon): NoSchedule
 
 
 @dataclass
@@ -68,6 +69,7 @@ class DraManager:
         self._served: set[str] = set()  # GPU UUIDs DRA serves (offered in the slices unless leaving)
         self._arriving: dict[str, _Waiting] = {}  # withdrawn from the device plugin, waiting to be free
         self._taints: dict[str, tuple[DeviceTaint, ...]] = {}
+        self._cordon_taints: dict[str, tuple[DeviceTaint, ...]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dra")
         self._leaving_check = 0.0
         self.error: str | None = None  # why DRA cannot run (no API), said in the status
@@ -80,6 +82,7 @@ class DraManager:
         if wanted and self._front is None:
             client = self._api_client()
             if client is None:
+                self._driver = driver
                 self.error = "DRA needs the Kubernetes API: a node name (NODE_NAME) and in-cluster access or kubeconfig"
                 log.error("DRA cannot run error=%r", self.error)
                 wanted = frozenset()
@@ -112,7 +115,7 @@ class DraManager:
         if self._front is None:
             return
         from agent.core.dra.devices import dra_devices
-        from agent.core.dra.taints import device_taints
+        from agent.core.dra.taints import DeviceTaint, device_taints, rfc3339
 
         leaving = self._served - self._wanted
         if leaving:
@@ -127,8 +130,12 @@ class DraManager:
         self._taints = device_taints(devices, health, now=self._now(), previous=self._taints, driver=self._driver)
         unhealthy = {name: ", ".join(t.key for t in taints) for name, taints in self._taints.items()}
         for device in devices:
-            if device.uuid in cordoned or device.gpu_uuid in cordoned:
+            if device.uuid in cordoned or device.gpu_uuid in cordoned:  # new claims avoid it; running pods keep it
                 unhealthy.setdefault(device.name, "cordoned by the operator")
+                earlier = next((t for t in self._cordon_taints.get(device.name, ()) if t.key == CORDON_TAINT), None)
+                taint = earlier or DeviceTaint(key=CORDON_TAINT, time_added=rfc3339(self._now()))
+                self._taints[device.name] = (*self._taints.get(device.name, ()), taint)
+        self._cordon_taints = {n: t for n, t in self._taints.items() if any(x.key == CORDON_TAINT for x in t)}
         first_answers_due = any(not w.answered for w in self._arriving.values())
         self._front.update(devices, unhealthy, self._taints, published=offered, slices=not first_answers_due)
 
@@ -181,6 +188,14 @@ class DraManager:
             waiting = self._arriving.get(uuid)
             if waiting is not None:
                 waiting.in_flight, waiting.next_check = False, now + CHECK_INTERVAL
+
+    def on_slices(self, published: bool, error: str = "") -> None:
+        """The publisher's news: an outage (RBAC refusing, API away) is said in the status until it ends."""
+        if published:
+            if self.error and self.error.startswith("cannot publish"):
+                self.error = None
+        else:
+            self.error = f"cannot publish ResourceSlices: {error}"
 
     def waiting_for(self) -> dict[str, tuple[str, ...]]:
         return {uuid: w.why for uuid, w in self._arriving.items() if w.why}

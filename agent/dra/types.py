@@ -17,6 +17,7 @@ class DraSettings:
     plugins_dir: Path  # the kubelet's plugins directory: <plugins>/<driver>/ holds the DRA socket and checkpoint
     cdi_root: Path
     pod_uid: str | None = None  # with it, socket names allow a rolling update of the DaemonSet
+    cdi_kind: str = "nvidia.com/gpu"  # the node-wide CDI spec's kind (nvidia-ctk cdi generate), as --cdi-kind
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,3 +229,31 @@ def test_an_agent_restart_keeps_prepared_claims_and_the_published_slices(world: 
     world.dra.stop_pod("pod-k")
     assert not (world.base / "cdi" / f"k8s.gpu.nvidia.com-claim_{uid}.yaml").exists()
     assert device in ("gpu-0", "gpu-1")
+
+
+def test_a_cordoned_gpu_is_tainted_in_its_slice_and_the_taint_goes_with_the_cordon(world: World) -> None:
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    node = world.api.get("nodes", NODE)
+    node["metadata"]["annotations"] = {"tessera.dev/gpu-cordon": "0"}
+    world.api.update("nodes", node)
+
+    def cordon_taint() -> list[dict]:
+        return [
+            t for t in world.slices()[0]["spec"]["devices"][0].get("taints", []) if t["key"] == "tessera.dev/gpu-cordon"
+        ]
+
+    world.api.wait_for(cordon_taint, DEADLINE)
+    assert cordon_taint()[0]["effect"] == "NoSchedule"
+    assert "taints" not in world.slices()[0]["spec"]["devices"][1]
+    node = world.api.get("nodes", NODE)
+    node["metadata"]["annotations"] = {}
+    world.api.update("nodes", node)
+    world.api.wait_for(lambda: not cordon_taint(), DEADLINE)
+
+
+def test_slices_the_api_server_refuses_are_said_in_the_status(world: World) -> None:
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.api.fail_next("*", "resourceslices", 403, n=1000, message="resourceslices is forbidden")
+    world.driver.inject_xid(1, 79)  # a change to publish
+    error = poll(lambda: (world.agent.status.dra or {}).get("error"), "the refusal in the status")
+    assert "cannot publish ResourceSlices" in error and "403" in error

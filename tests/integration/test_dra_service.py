@@ -402,7 +402,7 @@ BAD_CLAIMS: dict[str, tuple[Callable[[Node], None], dict[str, Any], list[str]]] 
     "sharing asked for": (
         lambda node: None,
         claim(2, "gpu-1", configs=[opaque(sharing={"strategy": "TimeSlicing"})]),
-        ["TimeSlicing", "issue 16"],
+        ["TimeSlicing", "not available in this Tessera release yet"],
     ),
     "unknown config kind": (
         lambda node: None,

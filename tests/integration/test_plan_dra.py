@@ -61,3 +61,11 @@ def test_a_gpu_the_node_does_not_have_is_an_error_naming_it(tmp_path: Path) -> N
 def test_the_kubernetes_version_picks_the_layout(version: str, layout: str) -> None:
     result = exits(0, "plan", "--dra", "--node", "t4x4", "--kubernetes-version", version)
     assert f"{layout} layout" in result.stdout.splitlines()[0]
+
+
+def test_plan_without_dra_shows_only_what_the_device_plugin_keeps(tmp_path: Path) -> None:
+    config = tmp_path / "dra.yaml"
+    config.write_text("version: v1\ndra:\n  enabled: true\n  gpus: [0, 1]\n")
+    result = exits(0, "plan", "--node", "dgx-a100", "--config", str(config), "--format", "json")
+    assert json.loads(result.stdout)["resources"]["nvidia.com/gpu"]["count"] == 6
+    assert "GPUs 0, 1 are served through DRA" in result.stderr

@@ -201,7 +201,7 @@ def test_sharing_is_refused_until_issue_16_naming_the_claim_and_the_config():
     answer = refused(claim([result("gpu-0"), result("gpu-1")], [opaque(requests=["gpu"], **GPU_SHORT)]))
     assert answer.reason.startswith(
         "config[0] (FromClaim, GpuConfig, requests [gpu]) asks for TimeSlicing sharing (devices gpu-0, gpu-1): "
-        "sharing through DRA (TimeSlicing/MPS) is not available in this Tessera release; it arrives with issue 16"
+        "sharing through DRA (TimeSlicing/MPS) is not available in this Tessera release yet"
     )
     assert "Remove `sharing` from the config" in answer.reason
 

@@ -118,7 +118,7 @@ class ClaimError:
 
 
 SHARING_NOT_YET = (
-    "sharing through DRA (TimeSlicing/MPS) is not available in this Tessera release; it arrives with issue 16. "
+    "sharing through DRA (TimeSlicing/MPS) is not available in this Tessera release yet. "
     "Remove `sharing` from the config to get the device unshared, or request a shared resource from Tessera's "
     "device plugin (e.g. nvidia.com/gpu.shared) instead"
 )
