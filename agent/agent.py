@@ -1153,6 +1153,7 @@ class Agent:
                 self._publish()
                 return
         elif isinstance(event, DraRegistration):
+            self._dra.registered = event.registered
             self._dra.error = None if event.registered else f"the kubelet refused the driver: {event.error}"
         elif isinstance(event, SlicesPublished | SlicesFailed):
             self._dra.on_slices(isinstance(event, SlicesPublished), getattr(event, "error", ""))

@@ -73,6 +73,7 @@ class DraManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dra")
         self._leaving_check = 0.0
         self.error: str | None = None  # why DRA cannot run (no API), said in the status
+        self.registered: bool | None = None  # the kubelet's last word on the driver's registration
 
     # ----- the loop's view ------------------------------------------------------------------------
 
@@ -205,6 +206,7 @@ class DraManager:
             return None
         return {
             "driver": self._driver,
+            "registered": self.registered,
             "served": sorted(self._served),
             "waiting": {uuid: list(w.why) for uuid, w in self._arriving.items()},
             "leaving": sorted(self._served - self._wanted),

@@ -110,13 +110,18 @@ class Telemetry:
         return True, "ok"
 
     def ready(self) -> tuple[bool, str]:
-        """Every advertised resource is registered with the kubelet."""
+        """Every advertised resource is registered with the kubelet, and so is the DRA driver when it serves
+        GPUs: a rollout stops at a node where either front end does not come up."""
         status = self._source.status
         if not status.kubelet_present:
             return False, "waiting for the kubelet"
         missing = sorted(set(status.resources) - status.registered)
         if missing:
             return False, f"not registered yet: {', '.join(missing)}"
+        dra = status.dra
+        if dra is not None and dra.get("served") and dra.get("registered") is not True:
+            why = f": {dra['error']}" if dra.get("error") else ""
+            return False, f"the DRA driver is not registered with the kubelet{why}"
         return True, f"ok: {len(status.resources)} resources registered"
 
     def status_json(self) -> bytes:

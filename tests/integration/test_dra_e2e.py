@@ -12,6 +12,8 @@ import shutil
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ from agent.sim.kubelet import DraKubeletEmulator, KubeletEmulator
 from agent.sim.kubelet.dra_common import PodStartError
 from agent.sim.nvml.driver import SimDriver
 from agent.sim.scheduler import allocate
+from agent.telemetry.service import TelemetrySettings
 
 NODE, DRIVER = "dra-node", "gpu.nvidia.com"
 GPU_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"  # NVIDIA's
@@ -43,9 +46,12 @@ def poll(predicate: Callable[[], object], what: str, timeout: float = DEADLINE) 
         time.sleep(0.02)
 
 
-def start_agent(base: Path, api: ApiServer) -> tuple[Agent, threading.Thread]:
+def start_agent(
+    base: Path, api: ApiServer, telemetry: TelemetrySettings | None = None
+) -> tuple[Agent, threading.Thread]:
     agent = Agent(
         AgentOptions(
+            telemetry=telemetry,
             device_plugin_dir=base / "dp",
             pod_resources_socket=base / "pr" / "kubelet.sock",
             config_path=base / "config.yaml",
@@ -72,11 +78,11 @@ class World:
     thread: threading.Thread
     base: Path
 
-    def restart_agent(self) -> None:
+    def restart_agent(self, telemetry: TelemetrySettings | None = None) -> None:
         """The agent stops (a rollout, a crash's restart) and a new one starts on the same node."""
         self.agent.stop()
         self.thread.join(timeout=20)
-        self.agent, self.thread = start_agent(self.base, self.api)
+        self.agent, self.thread = start_agent(self.base, self.api, telemetry)
 
     def slices(self) -> list[dict]:
         return [s for s in self.api.objects("resourceslices") if s["spec"]["nodeName"] == NODE]
@@ -257,3 +263,22 @@ def test_slices_the_api_server_refuses_are_said_in_the_status(world: World) -> N
     world.driver.inject_xid(1, 79)  # a change to publish
     error = poll(lambda: (world.agent.status.dra or {}).get("error"), "the refusal in the status")
     assert "cannot publish ResourceSlices" in error and "403" in error
+
+
+def test_readyz_waits_for_the_dra_registration(world: World) -> None:
+    """A rollout stops at a node whose DRA driver the kubelet has not registered, as it does for the plugins."""
+    world.dra.stop()
+    world.restart_agent(TelemetrySettings(hostname=NODE, metrics_address="127.0.0.1:0"))
+
+    def readyz() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{world.agent.metrics_port}/readyz", timeout=5) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    poll(lambda: world.agent.metrics_port and "DRA driver is not registered" in readyz()[1], "readyz names DRA")
+    assert readyz()[0] == 503
+    world.dra = DraKubeletEmulator(world.base / "registry", NODE, world.api.api_client(), wipe_delay=1.0)
+    world.dra.start()
+    poll(lambda: readyz()[0] == 200, "readyz once the kubelet registered the driver")
