@@ -89,6 +89,10 @@ class DraFrontEnd:
             node_cdi_kind=s.cdi_kind,
         )
         self._service.start()
+        if s.pod_uid is None:  # one instance per node: a spec no recorded claim owns is a leftover (a crash)
+            swept = self._service.sweep_stale_specs()
+            if swept:
+                log.info("removed CDI specs no prepared claim owns claims=%s", ",".join(swept))
         self._publisher = SlicePublisher(self._api_client, s.node_name, s.driver, post=self._post)
         self._publisher.start()
         self._registrar = DraRegistrar(

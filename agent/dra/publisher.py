@@ -18,6 +18,7 @@ Only this node's slices of this driver are ever touched: every list, watch and d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -72,6 +73,7 @@ class SlicePublisher:
         self._applied: tuple[object, list[Any]] | None = None
         self._threads: list[threading.Thread] = []
         self._active_watch: Any = None
+        self._watch_response: Any = None  # the open watch's HTTP response (urllib3), for stop
 
     # ----- the loop's side ------------------------------------------------------------------------
 
@@ -94,9 +96,12 @@ class SlicePublisher:
         with self._lock:
             self._stopped = True
             self._lock.notify_all()
-        watch = self._active_watch
+        watch, response = self._active_watch, self._watch_response
         if watch is not None:
             watch.stop()
+        if response is not None:  # the watch blocks in a read: shutting its socket down ends it now
+            with contextlib.suppress(Exception):
+                response.shutdown()
         for thread in self._threads:
             thread.join(timeout)
 
@@ -216,7 +221,7 @@ class SlicePublisher:
                     )
                     resource_version = listed["metadata"]["resourceVersion"]
                 for event in watch.stream(
-                    self._custom.list_cluster_custom_object,
+                    self._open_watch,
                     GROUP, VERSION, PLURAL,
                     field_selector=self._selector,
                     resource_version=resource_version,
@@ -237,6 +242,13 @@ class SlicePublisher:
                 with self._lock:
                     self._lock.wait(backoff)
                 backoff = min(MAX_BACKOFF, backoff * 2)
+
+    def _open_watch(self, *args: Any, **kwargs: Any) -> Any:
+        """The list call the watch makes, its response kept so that ``stop`` can end the blocked read. (No
+        docstring return type for the client's Watch to decode into: events stay the plain dicts they are.)"""
+        response = self._custom.list_cluster_custom_object(*args, **kwargs)
+        self._watch_response = response
+        return response
 
     def _seen(self, kind: str, obj: dict[str, Any]) -> None:
         """Any change wakes the worker, its own writes too: a re-check that finds the slices as wanted writes

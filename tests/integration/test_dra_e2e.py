@@ -28,7 +28,7 @@ from agent.sim.nvml.driver import SimDriver
 from agent.sim.scheduler import allocate
 from agent.telemetry.service import TelemetrySettings
 
-NODE, DRIVER = "dra-node", "gpu.nvidia.com"
+NODE, DRIVER, NVIDIA_GPU = "dra-node", "gpu.nvidia.com", "nvidia.com/gpu"
 GPU_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"  # NVIDIA's
 CONFIG = "version: v1\ndra:\n  enabled: true\n  gpus: [0, 1]\n"
 DEADLINE = 20.0
@@ -282,3 +282,18 @@ def test_readyz_waits_for_the_dra_registration(world: World) -> None:
     world.dra = DraKubeletEmulator(world.base / "registry", NODE, world.api.api_client(), wipe_delay=1.0)
     world.dra.start()
     poll(lambda: readyz()[0] == 200, "readyz once the kubelet registered the driver")
+
+
+def test_a_cdi_spec_no_claim_owns_is_removed_when_the_agent_starts(world: World) -> None:
+    """A crash between writing a spec and recording its claim leaves a spec behind; the next agent removes it
+    (one agent per node: no other instance can be writing one at that moment)."""
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    leftover = world.base / "cdi" / "k8s.gpu.nvidia.com-claim_0b6b3d4e-1234-4cde-8f00-123456789abc.yaml"
+    leftover.parent.mkdir(exist_ok=True)
+    leftover.write_text("cdiVersion: 0.5.0\nkind: k8s.gpu.nvidia.com/claim\ndevices: []\n")
+    unrelated = world.base / "cdi" / "vendor.example.com-device.yaml"
+    unrelated.write_text("cdiVersion: 0.5.0\nkind: vendor.example.com/device\ndevices: []\n")
+    world.restart_agent()
+    poll(lambda: not leftover.exists(), "the leftover spec removed")
+    assert unrelated.exists()  # never anyone else's
+    poll(lambda: NVIDIA_GPU in world.agent.status.registered, "the device plugin registered again")
