@@ -138,7 +138,7 @@ def world(sim_node: Callable[[object], SimDriver]) -> Iterator[World]:
     finally:
         world.agent.stop()
         world.thread.join(timeout=20)
-        dra.stop()
+        world.dra.stop()  # the one in use (a test may have started another)
         kubelet.stop()
         api.stop()
         shutil.rmtree(base, ignore_errors=True)
