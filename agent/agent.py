@@ -937,6 +937,8 @@ class Agent:
         # Withdrawn devices leave ListAndWatch first: those a MIG change or an MPS daemon's retirement will
         # disturb, and every device of a GPU whose inventory could not be read again.
         stale = {d.physical_id for r in self._plan.resources for d in r.devices if d.gpu_uuid in self._stale_gpus}
+        if self._dra is not None:
+            self._dra.settle(self._inventory)  # a GPU DRA let go of is the device plugin's again, below
         dra = self._dra.withdrawn(self._inventory) if self._dra else frozenset()  # one front end per GPU
         visible = self._plan.without(self._mig.withdrawn | self._mps.withdrawn() | stale | dra)
         if self._dra is not None:

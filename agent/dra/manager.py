@@ -110,22 +110,24 @@ class DraManager:
         gone = self._served | set(self._arriving)
         return frozenset(uid for gpu in inventory.gpus if gpu.uuid in gone for uid in _device_ids(gpu))
 
+    def settle(self, inventory: Inventory) -> None:
+        """Before the device plugin's side is worked out: a leaving GPU no claim holds any more goes back to it."""
+        if self._front is None:
+            return
+        leaving = self._served - self._wanted
+        if leaving:
+            for uuid in leaving - self._held_gpus(inventory):
+                self._served.discard(uuid)
+                log.info("GPU returns to the device plugin gpu=%s; no claim holds it", uuid)
+        self._served &= {g.uuid for g in inventory.gpus}
+
     def publish(self, inventory: Inventory, health: HealthState, cordoned: frozenset[str]) -> None:
-        """Hand DRA's devices, their health and taints to the front end; a GPU no claim holds any more that
-        is leaving goes back to the device plugin (the caller publishes the device plugin's side after)."""
+        """Hand DRA's devices, their health and taints to the front end (after ``settle``)."""
         if self._front is None:
             return
         from agent.core.dra.devices import dra_devices
         from agent.core.dra.taints import DeviceTaint, device_taints, rfc3339
 
-        leaving = self._served - self._wanted
-        if leaving:
-            still = self._held_gpus(inventory)
-            for uuid in leaving - still:
-                self._served.discard(uuid)
-                log.info("GPU returns to the device plugin gpu=%s; no claim holds it", uuid)
-        present = {g.uuid for g in inventory.gpus}
-        self._served &= present
         devices = dra_devices(inventory, gpu_uuids=frozenset(self._served))
         offered = [d for d in devices if d.gpu_uuid in self._wanted]
         self._taints = device_taints(devices, health, now=self._now(), previous=self._taints, driver=self._driver)

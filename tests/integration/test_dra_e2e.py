@@ -297,3 +297,18 @@ def test_a_cdi_spec_no_claim_owns_is_removed_when_the_agent_starts(world: World)
     poll(lambda: not leftover.exists(), "the leftover spec removed")
     assert unrelated.exists()  # never anyone else's
     poll(lambda: NVIDIA_GPU in world.agent.status.registered, "the device plugin registered again")
+
+
+def test_a_gpu_a_claim_holds_returns_to_the_device_plugin_only_when_the_claim_is_unprepared(world: World) -> None:
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered")
+    world.kubelet.wait_for(lambda: world.kubelet.allocatable(NVIDIA_GPU) == 6, timeout=DEADLINE, what="6")
+    claim = world.claim("held", [])
+    device = claim["status"]["allocation"]["devices"]["results"][0]["device"]
+    world.dra.run_pod("default", "holder", "pod-h", [("gpu", "held")], {"main": [("gpu", None)]})
+    kept = "gpu-1" if device == "gpu-0" else "gpu-0"
+    (world.base / "config.yaml").write_text(f"version: v1\ndra:\n  enabled: true\n  gpus: [{kept[-1]}]\n")
+    world.api.wait_for(lambda: world.devices() == [kept], DEADLINE)  # no new claim gets it
+    assert world.kubelet.allocatable(NVIDIA_GPU) == 6  # nor a device-plugin pod: a claim still holds it
+    world.dra.stop_pod("pod-h")
+    world.kubelet.wait_for(lambda: world.kubelet.allocatable(NVIDIA_GPU) == 7, timeout=DEADLINE, what="back: 7")
