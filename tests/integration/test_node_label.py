@@ -305,6 +305,7 @@ def test_forbidden_watch_logs_once_and_backs_off(fake: FakeKube, watch, caplog: 
 def test_server_errors_keep_the_last_known_values(fake: FakeKube, watch, caplog: pytest.LogCaptureFixture) -> None:
     _, events = watch()
     expect_initial(events)
+    fake.wait_for(lambda: fake.open_streams == 1)  # the watch is open: closing it now is what ends it
     fake.get_status = 500
     fake.watch_status = 500
     fake.close_streams()
