@@ -76,10 +76,9 @@ from agent.supervise import Backoff, WorkerCrashed, submit
 from agent.telemetry.service import Telemetry, TelemetrySettings
 
 if TYPE_CHECKING:
-    import kubernetes.client
-
     from agent.dra.manager import DraManager
     from agent.dra.types import DraSettings
+    from agent.kube_api import CoreApi
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +108,7 @@ class AgentOptions:
     dra_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")  # the kubelet's plugin watcher
     dra_plugins_dir: Path = Path("/var/lib/kubelet/plugins")  # <dir>/<driver>/: the DRA socket and checkpoint
     cdi_root: Path = Path("/var/run/cdi")  # CDI specs of prepared DRA claims
+    sys_root: Path = Path("/sys")  # the host's sysfs: each DRA GPU's PCIe root
     pod_uid: str | None = None  # this agent's pod: DRA socket names that allow a rolling update
     mig_config: Path | None = None  # a MIG layout file (mig-parted's format); else the config's migLayout
     mig_config_name: str | None = None  # which layout (else the node label nvidia.com/mig.config, else the config's)
@@ -199,7 +199,7 @@ class Agent:
         self._config_watcher: ConfigWatcher | None = None
         self._label_watcher: Stoppable | None = None
         self._recorder: Recorder | None = None  # Kubernetes Events on the Node, when there is an API to send to
-        self._kube_api: kubernetes.client.CoreV1Api | None = None  # when there is a node name and an API
+        self._kube_api: CoreApi | None = None  # when there is a node name and an API
         self._mps = MpsManager(options.mps_control, self.post, options.pod_resources_socket, options.mps_keeper)
         self._mig = MigManager(self.post, options.pod_resources_socket)
         self._dra: DraManager | None = None  # made when a config first gives GPUs to DRA
@@ -618,7 +618,7 @@ class Agent:
         )
         self._label_watcher.start()
 
-    def _start_recorder(self, api: kubernetes.client.CoreV1Api) -> None:
+    def _start_recorder(self, api: CoreApi) -> None:
         """Events on the Node for what an operator must see (``kubectl describe node``); sent by a thread of
         their own, rate-limited and aggregated, so the loop never waits for the API server."""
         from agent.events import EventRecorder
@@ -780,6 +780,7 @@ class Agent:
             registry_dir=self.options.dra_registry_dir,
             plugins_dir=self.options.dra_plugins_dir,
             cdi_root=self.options.cdi_root,
+            sys_root=self.options.sys_root,
             pod_uid=self.options.pod_uid,
             cdi_kind=self._effective.allocation.cdi_kind,
         )

@@ -268,6 +268,13 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
     )
     _env_flag(
         parser,
+        "--host-sys",
+        "TESSERA_HOST_SYS",
+        default="/sys",
+        help="with dra: the host's /sys, where each GPU's PCIe root (resource.kubernetes.io/pcieRoot) is read",
+    )
+    _env_flag(
+        parser,
         "--pod-uid",
         "POD_UID",
         help="with dra: this pod's UID (downward API), for socket names that allow a rolling update",

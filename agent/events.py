@@ -58,6 +58,8 @@ from agent.core.events import (
 if TYPE_CHECKING:
     import kubernetes.client
 
+    from agent.kube_api import CoreApi
+
 __all__ = ["EventRecorder"]
 
 log = logging.getLogger(__name__)
@@ -279,9 +281,9 @@ class EventRecorder:
         events_api = None
         if self._api_client is not None:
             try:
-                import kubernetes.client
+                from agent.kube_api import CoreApi
 
-                events_api = kubernetes.client.EventsV1Api(self._api_client)
+                events_api = CoreApi(self._api_client)
             except Exception as error:  # no client, no Events: the log says the same
                 log.warning("no Kubernetes Events; events go to the log error=%r", f"{type(error).__name__}: {error}")
         while True:
@@ -306,7 +308,7 @@ class EventRecorder:
                     self._in_flight = False
                     self._cond.notify_all()
 
-    def _deliver(self, events_api: kubernetes.client.EventsV1Api | None, item: _Pending) -> None:
+    def _deliver(self, events_api: CoreApi | None, item: _Pending) -> None:
         if events_api is None:
             with self._cond:
                 self._logged += 1
@@ -334,20 +336,14 @@ class EventRecorder:
             self._succeeded()
             return
 
-    def _write(self, events_api: kubernetes.client.EventsV1Api, item: _Pending) -> None:
+    def _write(self, events_api: CoreApi, item: _Pending) -> None:
         from kubernetes.client.exceptions import ApiException
 
         occurrence = item.occurrence
         if item.series:
             try:
-                _drain(
-                    events_api.patch_namespaced_event(
-                        occurrence.name,
-                        NAMESPACE,
-                        series_patch(occurrence),
-                        _request_timeout=REQUEST_TIMEOUT,
-                        _preload_content=False,
-                    )
+                events_api.patch_event(
+                    occurrence.name, NAMESPACE, series_patch(occurrence), _request_timeout=REQUEST_TIMEOUT
                 )
                 return
             except ApiException as error:
@@ -357,11 +353,7 @@ class EventRecorder:
         type_, reason, action, note = item.key
         body = event_body(self._node, self._uid, type_, reason, action, note, occurrence)
         try:
-            _drain(
-                events_api.create_namespaced_event(
-                    NAMESPACE, body, _request_timeout=REQUEST_TIMEOUT, _preload_content=False
-                )
-            )
+            events_api.create_event(NAMESPACE, body, _request_timeout=REQUEST_TIMEOUT)
         except ApiException as error:
             if error.status != 409:  # AlreadyExists: an earlier attempt got through, only its answer was lost
                 raise
@@ -428,13 +420,3 @@ def _is_network(error: BaseException) -> bool:
     import urllib3.exceptions
 
     return isinstance(error, urllib3.exceptions.HTTPError)
-
-
-def _drain(response: object) -> None:
-    """Read and release a raw (``_preload_content=False``) response, so its connection goes back to the pool."""
-    read = getattr(response, "read", None)
-    if callable(read):
-        read()
-    release = getattr(response, "release_conn", None)
-    if callable(release):
-        release()

@@ -88,6 +88,7 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> RunOptio
         dra_registry_dir=_host_dir("--dra-registry-dir", args.dra_registry_dir),
         dra_plugins_dir=_host_dir("--dra-plugins-dir", args.dra_plugins_dir),
         cdi_root=_host_dir("--cdi-root", args.cdi_root),
+        sys_root=_host_dir("--host-sys", args.host_sys),
         pod_uid=_pod_uid(args.pod_uid),
         mig_config=Path(args.mig_config) if args.mig_config else None,
         mig_config_name=args.mig_config_name,

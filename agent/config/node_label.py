@@ -39,6 +39,7 @@ from agent.config.labels import (
     NodeLabelChanged,
     validate_node_name,
 )
+from agent.kube_api import CoreApi
 
 __all__ = [
     "CONFIG_LABEL",
@@ -72,7 +73,7 @@ class NodeLabelError(RuntimeError):
     """The node's labels cannot be read; the message names the node, the status and the fix."""
 
 
-def load_kube_api(kubeconfig: str | Path | None = None) -> kubernetes.client.CoreV1Api | None:
+def load_kube_api(kubeconfig: str | Path | None = None) -> CoreApi | None:
     """In a pod: in-cluster config. With kubeconfig: that file. Else None (not in a cluster; label selection off).
 
     An explicit kubeconfig that cannot be loaded raises :class:`NodeLabelError`. In a pod whose service
@@ -85,7 +86,7 @@ def load_kube_api(kubeconfig: str | Path | None = None) -> kubernetes.client.Cor
         except Exception as e:  # ConfigException, OSError, YAML errors: all mean the same to the operator
             raise NodeLabelError(f"cannot load kubeconfig {kubeconfig}: {type(e).__name__}: {e}") from e
         log.info("kube api loaded source=kubeconfig path=%s", kubeconfig)
-        return kubernetes.client.CoreV1Api(api_client)
+        return CoreApi(api_client)
     if not os.environ.get(IN_CLUSTER_ENV):
         log.info("kube api off reason=not-in-cluster")
         return None
@@ -100,7 +101,7 @@ def load_kube_api(kubeconfig: str | Path | None = None) -> kubernetes.client.Cor
         )
         return None
     log.info("kube api loaded source=in-cluster host=%s", configuration.host)
-    return kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(configuration))
+    return CoreApi(kubernetes.client.ApiClient(configuration))
 
 
 def _status_message(e: ApiException) -> str:
@@ -135,22 +136,28 @@ def describe_api_error(e: BaseException, node_name: str, verb: str) -> str:
     return f"{head}; {fix}"
 
 
-def _get_node(api: kubernetes.client.CoreV1Api, node_name: str) -> tuple[dict[str, str], dict[str, str], str | None]:
+def _get_node(api: CoreApi, node_name: str) -> tuple[dict[str, str], dict[str, str], str | None]:
     """One GET of the node: its labels, annotations and resourceVersion."""
     try:
         node = api.read_node(node_name, _request_timeout=GET_TIMEOUT)
     except (ApiException, urllib3.exceptions.HTTPError, OSError) as e:
         raise NodeLabelError(describe_api_error(e, node_name, "get")) from e
-    metadata = node.metadata
-    return dict(metadata.labels or {}), dict(metadata.annotations or {}), metadata.resource_version
+    metadata = node.get("metadata") if isinstance(node, Mapping) else None
+    if not isinstance(metadata, Mapping):
+        raise NodeLabelError(f"cannot get node {node_name}: the API server's answer has no metadata")
+    return (
+        dict(metadata.get("labels") or {}),
+        dict(metadata.get("annotations") or {}),
+        metadata.get("resourceVersion"),
+    )
 
 
-def read_node_labels(api: kubernetes.client.CoreV1Api, node_name: str) -> dict[str, str]:
+def read_node_labels(api: CoreApi, node_name: str) -> dict[str, str]:
     """The node's labels from one GET; :class:`NodeLabelError` naming the node, status and fix if it fails."""
     return read_node_metadata(api, node_name)[0]
 
 
-def read_node_metadata(api: kubernetes.client.CoreV1Api, node_name: str) -> tuple[dict[str, str], dict[str, str]]:
+def read_node_metadata(api: CoreApi, node_name: str) -> tuple[dict[str, str], dict[str, str]]:
     """The node's labels and annotations from one GET (:class:`NodeLabelError` if it fails)."""
     validate_node_name(node_name)
     labels, annotations, _ = _get_node(api, node_name)
@@ -170,7 +177,7 @@ class NodeLabelWatcher:
 
     def __init__(
         self,
-        api: kubernetes.client.CoreV1Api,
+        api: CoreApi,
         node_name: str,
         keys: Sequence[str],
         post: Callable[[object], None],

@@ -71,6 +71,8 @@ class DraManager:
         self._taints: dict[str, tuple[DeviceTaint, ...]] = {}
         self._cordon_taints: dict[str, tuple[DeviceTaint, ...]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dra")
+        self._sys_root = Path("/sys")
+        self._pcie_roots: dict[str, str | None] = {}  # by PCI bus ID, read once per GPU (None: sysfs does not say)
         self._leaving_check = 0.0
         self.error: str | None = None  # why DRA cannot run (no API), said in the status
         self.registered: bool | None = None  # the kubelet's last word on the driver's registration
@@ -91,7 +93,9 @@ class DraManager:
                 from agent.dra.frontend import DraFrontEnd  # the DRA shell loads when DRA serves a GPU
 
                 self._driver, self.error = driver, None
-                self._front = DraFrontEnd(self._settings(driver), client, self._post)
+                settings = self._settings(driver)
+                self._sys_root = settings.sys_root
+                self._front = DraFrontEnd(settings, client, self._post)
                 self._front.start()
         held = self._held_gpus(inventory)
         for uuid in wanted - self._served:
@@ -104,6 +108,18 @@ class DraManager:
             if uuid not in wanted:
                 del self._arriving[uuid]  # changed its mind: the device plugin keeps it
         self._wanted = wanted
+
+    def _roots(self, inventory: Inventory) -> dict[str, str]:
+        """The PCIe root of each of DRA's GPUs, read from sysfs the first time a GPU is served."""
+        from agent.core.dra.devices import pci_bus_id
+        from agent.dra.pcie import pcie_roots
+
+        served = (pci_bus_id(g.pci_bus_id) for g in inventory.gpus if g.uuid in self._served)
+        bus_ids = {bus_id for bus_id in served if bus_id is not None} - self._pcie_roots.keys()
+        if bus_ids:
+            found = pcie_roots(bus_ids, self._sys_root)
+            self._pcie_roots.update({bus_id: found.get(bus_id) for bus_id in bus_ids})
+        return {bus_id: root for bus_id, root in self._pcie_roots.items() if root is not None}
 
     def withdrawn(self, inventory: Inventory) -> frozenset[str]:
         """Device IDs (GPU and MIG UUIDs) the device plugin must not offer: DRA's GPUs and those arriving."""
@@ -128,7 +144,7 @@ class DraManager:
         from agent.core.dra.devices import dra_devices
         from agent.core.dra.taints import DeviceTaint, device_taints, rfc3339
 
-        devices = dra_devices(inventory, gpu_uuids=frozenset(self._served))
+        devices = dra_devices(inventory, gpu_uuids=frozenset(self._served), pcie_roots=self._roots(inventory))
         offered = [d for d in devices if d.gpu_uuid in self._wanted]
         self._taints = device_taints(devices, health, now=self._now(), previous=self._taints, driver=self._driver)
         unhealthy = {name: ", ".join(t.key for t in taints) for name, taints in self._taints.items()}

@@ -29,6 +29,7 @@ from agent.core.dra.devices import DraDevice
 from agent.core.dra.slices import layout_for, resource_slices
 from agent.core.dra.taints import DeviceTaint
 from agent.dra.types import SlicesFailed, SlicesPublished
+from agent.kube_api import CoreApi
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class SlicePublisher:
         import kubernetes  # the client loads with the DRA front end only
 
         self._custom = kubernetes.client.CustomObjectsApi(api_client)
-        self._core = kubernetes.client.CoreV1Api(api_client)
+        self._core = CoreApi(api_client)
         self._version = kubernetes.client.VersionApi(api_client)
         self._exception = kubernetes.client.exceptions.ApiException
         self._watch_factory = kubernetes.watch.Watch
@@ -152,7 +153,7 @@ class SlicePublisher:
     ) -> tuple[int, int, bool]:
         """Make the API server's slices match; (the pool's generation, its slice count, whether it wrote)."""
         if self._node_uid is None:
-            self._node_uid = self._core.read_node(self._node_name).metadata.uid
+            self._node_uid = self._core.read_node(self._node_name)["metadata"]["uid"]
         if self._layout is None:
             self._layout = layout_for(self._version.get_code().git_version)
         existing = self._list()

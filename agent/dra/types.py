@@ -18,6 +18,7 @@ class DraSettings:
     cdi_root: Path
     pod_uid: str | None = None  # with it, socket names allow a rolling update of the DaemonSet
     cdi_kind: str = "nvidia.com/gpu"  # the node-wide CDI spec's kind (nvidia-ctk cdi generate), as --cdi-kind
+    sys_root: Path = Path("/sys")  # where the GPUs' PCIe roots are read (resource.kubernetes.io/pcieRoot)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
 def label_patch(labels: Mapping[str, str], managed_before: set[str]) -> dict[str, Any]:
-    """The strategic-merge patch that sets ``labels`` and removes the managed labels no longer among them."""
+    """The merge patch that sets ``labels`` and removes the managed labels no longer among them."""
     wanted = {key: value for key, value in labels.items() if _valid(key, value)}
     removed = {key: None for key in sorted(managed_before - wanted.keys())}
     return {
@@ -52,7 +52,9 @@ def _valid(key: str, value: str) -> bool:
 
 
 class NodeLabelPublisher:
-    """Keeps this node's labels equal to the agent's, through the Kubernetes API (``CoreV1Api``)."""
+    """Keeps this node's labels equal to the agent's, through the Kubernetes API.
+
+    ``api`` is an :class:`agent.kube_api.CoreApi` (its ``read_node`` and ``patch_node``)."""
 
     def __init__(self, api: Any, node_name: str) -> None:
         self._api = api
@@ -83,7 +85,8 @@ class NodeLabelPublisher:
 
     def _read_managed(self) -> set[str]:
         node = self._api.read_node(self._node, _request_timeout=(5.0, 15.0))
-        annotations = (node.metadata.annotations or {}) if node.metadata else {}
+        metadata = node.get("metadata") if isinstance(node, Mapping) else None
+        annotations = (metadata.get("annotations") or {}) if isinstance(metadata, Mapping) else {}
         return {key for key in str(annotations.get(MANAGED_ANNOTATION, "")).split(",") if key}
 
     def _failed(self, error: BaseException) -> None:

@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import kubernetes.client
-
     from agent.core.inventory import Inventory
     from agent.core.resources import ResourcePlan
+    from agent.kube_api import CoreApi
     from agent.status import StatusSource
     from agent.telemetry.nfd import FeatureFile
     from agent.telemetry.node_labels_api import NodeLabelPublisher
@@ -47,9 +46,9 @@ class Telemetry:
         device_plugin_dir: Path,
         pod_resources_socket: Path,
         *,
-        node_api: kubernetes.client.CoreV1Api | None = None,
+        node_api: CoreApi | None = None,
     ) -> None:
-        """``node_api`` (a Kubernetes ``CoreV1Api``) is where ``settings.label_node`` writes the labels."""
+        """``node_api`` is where ``settings.label_node`` writes the labels."""
         # Imported here, not with this module: an agent without metrics never loads http.server or the
         # PodResources stubs (``tessera run`` imports TelemetrySettings either way). prometheus_client is
         # loaded by none of them (exposition.py writes the text format itself).

@@ -33,8 +33,9 @@ in the same rounds.
    reads Unhealthy (NodeWatchResources); taint visible -> taint gone again after recovery. Kubelet restarts
    (``DraKubeletEmulator.restart()``: DeleteCollection of the node's slices, the registry walked again) -> a
    complete pool of new slice objects with the 56 devices, from the call and from the wipe's answer. Floors: a
-   fresh interpreter importing grpc and the Kubernetes client APIs the agent uses (CustomObjectsApi, VersionApi,
-   EventsV1Api, CoreV1Api; CoreV1Api's share apart: it builds the pydantic models of the core group), the
+   fresh interpreter importing grpc and the Kubernetes client APIs the agent uses (ApiClient, CustomObjectsApi,
+   VersionApi), and apart what the typed CoreV1Api would add (the pydantic models of the core group, which
+   agent/kube_api.py avoids), the
    stand-in's PUT of the 56-device slice over HTTP (through the Kubernetes client, for another node), and the
    validation alone of that slice in process (the strict OpenAPI schemas of both versions, then the rules).
    SIGTERM -> exit.
@@ -80,7 +81,13 @@ from agent.sim.kubelet.common import CHANNEL_OPTIONS
 from agent.sim.nvml.control import SimControlClient
 from agent.sim.scheduler import allocate
 
-REPO = Path(__file__).resolve().parents[2]  # `python -m agent` from here runs this tree's agent
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from tests.bench.bench_lifecycle import package_copy  # noqa: E402
+
+# `python -m agent` from here runs a copy of this tree's agent with its bytecode compiled, as the image has it
+# (PYTHONDONTWRITEBYTECODE=1 in a development venv would otherwise recompile every changed module at each start)
+AGENT_HOME = REPO  # main() points it at the compiled copy
 NODE, DRIVER = "bench-node", "gpu.nvidia.com"
 RESOURCE = "nvidia.com/gpu"
 GIT_VERSION = "v1.36.3"
@@ -104,11 +111,12 @@ def rss():
     return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 began = time.perf_counter()
 import grpc, kubernetes.client as k
-k.CustomObjectsApi, k.VersionApi, k.EventsV1Api
-before, rss_before = time.perf_counter(), rss()
+k.ApiClient, k.CustomObjectsApi, k.VersionApi
+taken, rss_taken = time.perf_counter() - began, rss()
+before = time.perf_counter()
 k.CoreV1Api
-print(time.perf_counter() - began, time.perf_counter() - before, rss(), rss() - rss_before)
-"""  # grpc and the Kubernetes client APIs the agent uses; the time and RSS, and CoreV1Api's share of each
+print(taken, time.perf_counter() - before, rss_taken, rss() - rss_taken)
+"""  # grpc and the Kubernetes client APIs the agent uses: time and RSS; then what CoreV1Api would add to each
 
 
 # ----- helpers ------------------------------------------------------------------------------------------
@@ -262,7 +270,7 @@ class World:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_") and k not in ("KUBECONFIG",)}
         log = (self.base / "agent.log").open("wb")
         self.spawned = time.monotonic()
-        self.agent = subprocess.Popen(self.command, env=env, cwd=REPO, stdout=log, stderr=log)
+        self.agent = subprocess.Popen(self.command, env=env, cwd=AGENT_HOME, stdout=log, stderr=log)
         log.close()
 
     def registered(self) -> float:
@@ -588,7 +596,7 @@ SECTIONS: tuple[tuple[str, dict[str, tuple[str, ...]]], ...] = (
         "2. dgx-a100 in MIG mode (56 x 1g.10gb, DRA all)",
         {
             "floor import": ("floor: fresh interpreter, import grpc + k8s client APIs", "-"),
-            "floor import core": ("  of which CoreV1Api (its models)", "-"),
+            "floor import core": ("  the typed CoreV1Api would add (not used)", "-"),
             "mig first request": ("spawn -> the agent's first API request answered", "-"),
             "mig first write": ("spawn -> its first ResourceSlice write answered", "-"),
             "mig start": ("spawn -> complete pool with 56 MIG devices", "< 1 s"),
@@ -611,7 +619,7 @@ SECTIONS: tuple[tuple[str, dict[str, tuple[str, ...]]], ...] = (
         "3. both front ends, dgx-a100 (DRA GPUs 0-3, device plugin 4-7)",
         {
             "floor rss": ("floor: RSS of the fresh interpreter of part 2", "-", "MB"),
-            "floor rss core": ("  of which CoreV1Api (its models)", "-", "MB"),
+            "floor rss core": ("  the typed CoreV1Api would add (not used)", "-", "MB"),
             "both start": ("spawn -> plugin has 4 GPUs, DRA pool of 4, registered", "-"),
             "both rss start": ("RSS after start, both front ends", "< 100 MB", "MB"),
             "both rss loop": ("RSS after prepare pairs + device-plugin pods", "< 100 MB", "MB"),
@@ -682,6 +690,17 @@ def main() -> None:
         "both": lambda base: both_front_ends(base, args, figures),
     }
     steps = [parts[name] for name in args.parts.split(",")]
+    global AGENT_HOME
+    home = Path(tempfile.mkdtemp(prefix="bench-dra-"))
+    AGENT_HOME = package_copy(home, compiled=True)
+    try:
+        run_rounds(args, steps)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    report(figures, args)
+
+
+def run_rounds(args: argparse.Namespace, steps: list[Callable[[Path], None]]) -> None:
     for n in range(args.rounds):
         for step in steps[n % len(steps) :] + steps[: n % len(steps)]:  # each round starts elsewhere
             base = Path(tempfile.mkdtemp(prefix="bd", dir="/tmp"))  # unix socket paths must stay short
@@ -690,7 +709,6 @@ def main() -> None:
             finally:
                 shutil.rmtree(base, ignore_errors=True)
         print(f"round {n + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    report(figures, args)
 
 
 if __name__ == "__main__":

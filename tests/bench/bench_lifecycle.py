@@ -70,7 +70,7 @@ def _import_seconds(module: str) -> float:
     return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
 
 
-def _package_copy(directory: Path, *, compiled: bool) -> Path:
+def package_copy(directory: Path, *, compiled: bool) -> Path:
     """A copy of the ``agent`` package under ``directory`` (run with it as the working directory, ``python -m
     agent`` imports the copy), with its bytecode compiled or without any."""
     shutil.copytree(PACKAGE, directory / "agent", ignore=shutil.ignore_patterns("__pycache__"))
@@ -176,8 +176,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-life", dir="/tmp"))
     packages = {
-        True: _package_copy(work / "compiled", compiled=True),
-        False: _package_copy(work / "source", compiled=False),
+        True: package_copy(work / "compiled", compiled=True),
+        False: package_copy(work / "source", compiled=False),
     }
 
     def with_run(extra: list[str], body: Callable[[Run], None], *, compiled: bool = True) -> None:

@@ -60,6 +60,7 @@ def start_agent(
             dra_registry_dir=base / "registry",
             dra_plugins_dir=base / "plugins",
             cdi_root=base / "cdi",
+            sys_root=base / "sys",
         )
     )
     thread = threading.Thread(target=agent.run, name="agent-under-test")
@@ -116,10 +117,20 @@ class World:
         return self.api.update("resourceclaims", allocated, status=True)
 
 
+def fake_sysfs(root: Path, links: dict[str, str]) -> None:
+    """``/sys/bus/pci/devices/<bus ID>`` linked to the device under its root, as the kernel lays it out."""
+    (root / "bus" / "pci" / "devices").mkdir(parents=True)
+    for bus_id, pcie_root in links.items():
+        device = root / "devices" / pcie_root / "0000:00:01.0" / bus_id
+        device.mkdir(parents=True)
+        (root / "bus" / "pci" / "devices" / bus_id).symlink_to(device)
+
+
 @pytest.fixture
 def world(sim_node: Callable[[object], SimDriver]) -> Iterator[World]:
     driver = sim_node("dgx-a100")
     base = Path(tempfile.mkdtemp(prefix="e", dir="/tmp"))  # unix socket paths stay short
+    fake_sysfs(base / "sys", {driver.gpus[0].pci_bus_id.removeprefix("0000"): "pci0000:00"})  # GPU 1: no link
     (base / "config.yaml").write_text(CONFIG)
     api = ApiServer(git_version="v1.36.3")
     api.start()
@@ -154,6 +165,14 @@ def test_two_gpus_go_to_dra_and_the_device_plugin_keeps_six(world: World) -> Non
     assert not uuids & set(world.kubelet.devices("nvidia.com/gpu"))  # never offered by both
     owner = world.slices()[0]["metadata"]["ownerReferences"][0]
     assert owner["kind"] == "Node" and owner["uid"] == world.api.get("nodes", NODE)["metadata"]["uid"]
+
+
+def test_a_gpu_names_its_pcie_root_where_sysfs_has_it(world: World) -> None:
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    devices = {d["name"]: d["attributes"] for s in world.slices() for d in s["spec"]["devices"]}
+    assert devices["gpu-0"]["resource.kubernetes.io/pcieRoot"] == {"string": "pci0000:00"}
+    assert devices["gpu-0"]["resource.kubernetes.io/pciBusID"] == {"string": world.driver.gpus[0].pci_bus_id[4:]}
+    assert "resource.kubernetes.io/pcieRoot" not in devices["gpu-1"]  # sysfs does not say: no attribute
 
 
 def test_a_claim_selected_with_nvidias_class_is_prepared_for_a_pod_and_unprepared(world: World) -> None:

@@ -17,8 +17,9 @@ unchanged, so names, attributes and capacities follow NVIDIA's driver (facts ``d
   facts mark this normalisation (?), the rule here is the library's), ``cudaDriverVersion`` (``<major>.<minor>``
   from NVML's int: 13000 -> ``13.0.0``) and ``resource.kubernetes.io/pciBusID`` (go-nvlib's spelling:
   ``0000:18:00.0``). MIG devices add ``parentUUID`` and ``profile`` and carry their GPU's attributes.
-- Left out, and why: ``resource.kubernetes.io/pcieRoot`` is read from sysfs (the ``/sys/bus/pci/devices/<bus>``
-  link), which NVML does not say; the shell may pass it in ``pcie_roots``. ``addressingMode`` (coherent-memory
+- ``resource.kubernetes.io/pcieRoot`` comes from sysfs, which NVML does not read: the DRA shell passes it in
+  ``pcie_roots`` (``agent.dra.pcie``).
+- Left out, and why: ``addressingMode`` (coherent-memory
   systems only) is not in the inventory. ``brand`` when NVML does not report one. An attribute whose value
   cannot be a version (a driver string semver cannot read) is left out rather than failing the GPU.
 - Capacities, in base units: a GPU's ``memory`` in bytes (from the inventory's MiB, which NVML's byte count
