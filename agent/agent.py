@@ -769,7 +769,14 @@ class Agent:
                 self.options.pod_resources_socket,
             )
         driver = section.driver_name if section is not None else "gpu.nvidia.com"
-        self._dra.configure(enabled, driver, section.gpus if section else None, self._inventory, self._clock())
+        self._dra.configure(
+            enabled,
+            driver,
+            section.gpus if section else None,
+            self._inventory,
+            self._clock(),
+            dynamic_mig=section.dynamic_mig if section else None,
+        )
 
     def _dra_settings(self, driver: str) -> DraSettings:
         from agent.dra.types import DraSettings

@@ -728,7 +728,8 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
     """``tessera plan --dra``: the node's ResourceSlices as complete ``resource.k8s.io/v1`` objects, as the agent
     would publish them (a YAML stream, a JSON List, or a table of the devices)."""
     from agent.core.dra.devices import dra_devices
-    from agent.core.dra.ownership import OwnershipError, dra_gpus
+    from agent.core.dra.ownership import OwnershipError, dra_gpus, dynamic_mig_gpus
+    from agent.core.dra.partitions import counter_sets
     from agent.core.dra.slices import SliceError, layout_for, resource_slices
 
     section = model.dra
@@ -741,9 +742,13 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
             if args.config:
                 notes.append("the config does not enable dra: showing every GPU as DRA would publish it")
         node_name = args.node_name or _spec_node_name(args.node)
-        devices = dra_devices(inventory, gpu_uuids=chosen)
+        dynamic = dynamic_mig_gpus(section.dynamic_mig, chosen, inventory) if section is not None else frozenset()
+        devices = dra_devices(inventory, gpu_uuids=chosen, dynamic_mig=dynamic)
         layout = layout_for(f"v{args.kubernetes_version.lstrip('v')}.0")
-        slices = resource_slices(node_name, args.node_uid or PLACEHOLDER_NODE_UID, driver, devices, 1, layout)
+        slices = resource_slices(
+            node_name, args.node_uid or PLACEHOLDER_NODE_UID, driver, devices, 1, layout,
+            counter_sets=counter_sets(devices),
+        )  # fmt: skip
     except (OwnershipError, SliceError, ValueError) as error:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_INVALID

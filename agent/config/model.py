@@ -222,6 +222,7 @@ class DraSection:
     enabled: bool = False
     driver_name: str = "gpu.nvidia.com"
     gpus: Literal["all"] | list[int | str] = "all"
+    dynamic_mig: Literal["all"] | list[int | str] | None = None  # partitionable devices: MIG made per claim
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -308,11 +308,14 @@ class HealthSection(_Section):
 
 class DraSection(_Section):
     """Tessera: the DRA front end. ``gpus`` (``all``, or GPU indices and UUIDs) are served to DRA claims as the
-    ResourceSlices of driver ``driverName``; every other GPU stays with the device plugin. Off by default."""
+    ResourceSlices of driver ``driverName``; every other GPU stays with the device plugin. Off by default.
+    ``dynamicMig`` (``all``: every MIG-capable GPU DRA serves, or indices and UUIDs) lists those GPUs as
+    partitionable devices: MIG devices are created for a claim and destroyed after it."""
 
     enabled: StrictBool = False
     driver_name: GoString = Field("gpu.nvidia.com", alias="driverName")
     gpus: Literal["all"] | list[StrictInt | GoString] = "all"
+    dynamic_mig: Literal["all"] | list[StrictInt | GoString] | None = Field(None, alias="dynamicMig")
 
     @field_validator("driver_name")
     @classmethod
@@ -321,10 +324,10 @@ class DraSection(_Section):
 
         return check_driver_name(value)
 
-    @field_validator("gpus")
+    @field_validator("gpus", "dynamic_mig")
     @classmethod
     def _gpus(cls, value: object) -> object:
-        if value == "all":
+        if value == "all" or value is None:
             return value
         assert isinstance(value, list)
         problems = [

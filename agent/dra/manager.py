@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.core.dra.ownership import dra_gpus
+from agent.core.dra.ownership import dra_gpus, dynamic_mig_gpus
 from agent.core.drain import Drain
 from agent.core.health import HealthState
 from agent.core.inventory import Gpu, Inventory
@@ -72,6 +72,7 @@ class DraManager:
         self._cordon_taints: dict[str, tuple[DeviceTaint, ...]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dra")
         self._sys_root = Path("/sys")
+        self._dynamic_mig: object = None  # the config's dra.dynamicMig
         self._pcie_roots: dict[str, str | None] = {}  # by PCI bus ID, read once per GPU (None: sysfs does not say)
         self._leaving_check = 0.0
         self.error: str | None = None  # why DRA cannot run (no API), said in the status
@@ -79,9 +80,14 @@ class DraManager:
 
     # ----- the loop's view ------------------------------------------------------------------------
 
-    def configure(self, enabled: bool, driver: str, gpus: object, inventory: Inventory, now: float) -> None:
-        """The config's ``dra`` section on this node; ``OwnershipError`` when ``gpus`` names GPUs it lacks."""
+    def configure(
+        self, enabled: bool, driver: str, gpus: object, inventory: Inventory, now: float, *, dynamic_mig: object = None
+    ) -> None:
+        """The config's ``dra`` section on this node; ``OwnershipError`` when ``gpus`` names GPUs it lacks, or
+        ``dynamic_mig`` GPUs DRA does not serve or that cannot do MIG."""
         wanted = dra_gpus(gpus if enabled else None, inventory)  # type: ignore[arg-type]
+        dynamic_mig_gpus(dynamic_mig if enabled else None, wanted, inventory)  # type: ignore[arg-type]
+        self._dynamic_mig = dynamic_mig if enabled else None
         if wanted and self._front is None:
             client = self._api_client()
             if client is None:
@@ -108,6 +114,20 @@ class DraManager:
             if uuid not in wanted:
                 del self._arriving[uuid]  # changed its mind: the device plugin keeps it
         self._wanted = wanted
+
+    def _dynamic_gpus(self, inventory: Inventory) -> frozenset[str]:
+        """DRA's GPUs in dynamic-MIG mode that are ready for it: MIG mode on (a GPU with MIG off is listed whole
+        until it is on; the MIG layout manager or ``nvidia-smi -mig 1`` turns it on)."""
+        from agent.core.dra.ownership import OwnershipError
+
+        if self._dynamic_mig is None:
+            return frozenset()
+        capable = dynamic_mig_gpus("all", self._served, inventory)  # the MIG-capable GPUs DRA serves
+        try:
+            named = capable if self._dynamic_mig == "all" else dra_gpus(self._dynamic_mig, inventory) & capable  # type: ignore[arg-type]
+        except OwnershipError:  # a named GPU is gone from the node: configure() says so; the rest stay as they are
+            named = frozenset()
+        return frozenset(g.uuid for g in inventory.gpus if g.uuid in named and g.mig_enabled)
 
     def _roots(self, inventory: Inventory) -> dict[str, str]:
         """The PCIe root of each of DRA's GPUs, read from sysfs the first time a GPU is served."""
@@ -144,7 +164,12 @@ class DraManager:
         from agent.core.dra.devices import dra_devices
         from agent.core.dra.taints import DeviceTaint, device_taints, rfc3339
 
-        devices = dra_devices(inventory, gpu_uuids=frozenset(self._served), pcie_roots=self._roots(inventory))
+        devices = dra_devices(
+            inventory,
+            gpu_uuids=frozenset(self._served),
+            pcie_roots=self._roots(inventory),
+            dynamic_mig=self._dynamic_gpus(inventory),
+        )
         offered = [d for d in devices if d.gpu_uuid in self._wanted]
         self._taints = device_taints(devices, health, now=self._now(), previous=self._taints, driver=self._driver)
         unhealthy = {name: ", ".join(t.key for t in taints) for name, taints in self._taints.items()}

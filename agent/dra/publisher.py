@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from agent.core.dra.devices import DraDevice
+from agent.core.dra.partitions import counter_sets
 from agent.core.dra.slices import layout_for, resource_slices
 from agent.core.dra.taints import DeviceTaint
 from agent.dra.types import SlicesFailed, SlicesPublished
@@ -162,8 +163,9 @@ class SlicePublisher:
         if existing and self._applied == (wanted_input, _contents(existing)):
             return current, len(existing), False
         same = resource_slices(
-            self._node_name, self._node_uid, self._driver, devices, current, self._layout, taints=taints
-        )
+            self._node_name, self._node_uid, self._driver, devices, current, self._layout, taints=taints,
+            counter_sets=counter_sets(devices),
+        )  # fmt: skip
         if existing and _contents(existing) == _contents(same):
             self._generation = max(self._generation, current)
             self._applied = (wanted_input, _contents(existing))
@@ -171,8 +173,9 @@ class SlicePublisher:
         generation = max(current, self._generation) + 1
         self._generation = generation
         wanted = resource_slices(
-            self._node_name, self._node_uid, self._driver, devices, generation, self._layout, taints=taints
-        )
+            self._node_name, self._node_uid, self._driver, devices, generation, self._layout, taints=taints,
+            counter_sets=counter_sets(devices),
+        )  # fmt: skip
         # old slices first (the Go helper's order): consumers never see two generations at once for long
         for surplus in existing[len(wanted) :]:
             self._delete(surplus)

@@ -89,7 +89,7 @@ class World:
         return [s for s in self.api.objects("resourceslices") if s["spec"]["nodeName"] == NODE]
 
     def devices(self) -> list[str]:
-        return [d["name"] for s in self.slices() for d in s["spec"]["devices"]]
+        return [d["name"] for s in self.slices() for d in s["spec"].get("devices", [])]
 
     def claim(self, name: str, selectors: list[str]) -> dict:
         """A claim for one GPU, allocated by the simulated scheduler from the published slices."""
@@ -127,8 +127,9 @@ def fake_sysfs(root: Path, links: dict[str, str]) -> None:
 
 
 @pytest.fixture
-def world(sim_node: Callable[[object], SimDriver]) -> Iterator[World]:
-    driver = sim_node("dgx-a100")
+def world(request: pytest.FixtureRequest, sim_node: Callable[[object], SimDriver]) -> Iterator[World]:
+    """A dgx-a100, or the node spec a test gives (``parametrize("world", [spec], indirect=True)``)."""
+    driver = sim_node(getattr(request, "param", "dgx-a100"))
     base = Path(tempfile.mkdtemp(prefix="e", dir="/tmp"))  # unix socket paths stay short
     fake_sysfs(base / "sys", {driver.gpus[0].pci_bus_id.removeprefix("0000"): "pci0000:00"})  # GPU 1: no link
     (base / "config.yaml").write_text(CONFIG)

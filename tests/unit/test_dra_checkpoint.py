@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Literal
 
 import pytest
 
@@ -13,23 +11,14 @@ from agent.core.dra.cdi import cdi_device_ids
 from agent.core.dra.checkpoint import CheckpointError, PreparedClaim, PreparedDevice
 from agent.core.dra.claims import ClaimError, ClaimRef, PlannedDevice, PreparePlan, plan_prepare
 
+from .test_dra_claims import Dev
+
 BOOT = "5a1c1c4e-3d2b-4f6a-9e8d-7c6b5a4f3e2d"
 UID_A = "0b6f3a52-9f1c-4c1e-8d0e-6c1a2b3c4d5e"
 UID_B = "7d4c2f0e-1111-4222-8333-944455556666"
 CLAIM_A = ClaimRef("ml", "train", UID_A)
 CLAIM_B = ClaimRef("ml", "probe", UID_B)
 CLAIM_KIND = "k8s.gpu.nvidia.com/claim"
-
-
-@dataclass(frozen=True)
-class Dev:
-    name: str
-    kind: Literal["gpu", "mig"]
-    uuid: str
-    parent_uuid: str | None = None
-    gpu_minor: int = 0
-    gi_id: int | None = None
-    ci_id: int | None = None
 
 
 GPU0 = Dev("gpu-0", "gpu", "GPU-aaaa")

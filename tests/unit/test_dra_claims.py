@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pytest
@@ -26,6 +26,7 @@ class Dev:
     gpu_minor: int = 0
     gi_id: int | None = None
     ci_id: int | None = None
+    consumes_counters: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 DEVICES = {
@@ -319,3 +320,12 @@ def test_a_claim_that_cannot_be_prepared_says_why_and_whether_a_retry_can_help(
     answer = refused(document)
     assert message in answer.reason
     assert answer.retriable is retriable
+
+
+def test_a_partition_of_a_dynamic_mig_gpu_is_refused_until_it_can_be_created():
+    devices = {
+        **DEVICES,
+        "gpu-0-mig-1g10gb-19-0": Dev("gpu-0-mig-1g10gb-19-0", "mig", "", "GPU-aaaa", consumes_counters={"s": {"m": 1}}),
+    }
+    answer = plan_prepare(REF, claim([result("gpu-0-mig-1g10gb-19-0")]), driver=DRIVER, pool=POOL, devices=devices)
+    assert isinstance(answer, ClaimError) and "partition of a dynamic-MIG GPU" in answer.message

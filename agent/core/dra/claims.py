@@ -64,6 +64,8 @@ class PreparableDevice(Protocol):
     def gi_id(self) -> int | None: ...  # a MIG device's GPU instance ID; None for a full GPU
     @property
     def ci_id(self) -> int | None: ...  # a MIG device's compute instance ID; None for a full GPU
+    @property
+    def consumes_counters(self) -> Mapping[str, Mapping[str, int]]: ...  # a dynamic-MIG GPU's devices only
 
 
 class ClaimRef(NamedTuple):
@@ -200,6 +202,12 @@ def plan_prepare(
             problems.append(
                 f'requested device "{name}" does not exist on this node (pool {pool}); it may have been removed '
                 "or re-partitioned since the claim was allocated"
+            )
+            continue
+        if info.consumes_counters:  # a device of a dynamic-MIG GPU: the partition, or the whole GPU, is made on demand
+            problems.append(
+                f'requested device "{name}" is a partition of a dynamic-MIG GPU, which this agent publishes but '
+                "does not create yet; until it does, serve the GPU without dra.dynamicMig"
             )
             continue
         if not admin and name in unhealthy:

@@ -98,6 +98,15 @@ class DraDevice:
     # nodes, /proc/driver/nvidia/capabilities/gpu<gpu_minor>/mig/gi<gi_id>[/ci<ci_id>]/access (facts/dra.md C7)
     gi_id: int | None = None
     ci_id: int | None = None
+    # an abstract MIG device of a dynamic-MIG GPU (``partitions``): the GPU-instance profile and the placement
+    # (start, size in memory slices) Prepare creates it at; it has no UUID until then
+    gi_profile_id: int | None = None
+    placement: tuple[int, int] | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        """An abstract MIG device of a dynamic-MIG GPU: Prepare creates it, Unprepare destroys it."""
+        return self.placement is not None
 
     @property
     def gpu_uuid(self) -> str:
@@ -110,17 +119,25 @@ def dra_devices(
     *,
     gpu_uuids: Collection[str] | None = None,
     pcie_roots: Mapping[str, str] | None = None,
+    dynamic_mig: Collection[str] = (),
 ) -> tuple[DraDevice, ...]:
     """The devices of ``inventory`` (only the GPUs in ``gpu_uuids`` when given), by GPU minor then name.
 
     ``pcie_roots`` maps a PCI bus ID in the attribute's spelling (``0000:18:00.0``) to its PCIe root
-    (``pci0000:00``); GPUs without an entry get no ``pcieRoot`` attribute.
+    (``pci0000:00``); GPUs without an entry get no ``pcieRoot`` attribute. GPUs in ``dynamic_mig`` (UUIDs) are
+    listed as partitionable devices (``partitions``): the full GPU and every MIG profile and placement.
     """
     devices: list[DraDevice] = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor_number):
         if gpu_uuids is not None and gpu.uuid not in gpu_uuids:
             continue
         common = _common_attributes(gpu, inventory, pcie_roots or {})
+        catalog = mig_catalog(gpu.pci_device_id) if gpu.uuid in dynamic_mig else None
+        if catalog is not None:
+            from agent.core.dra.partitions import partitionable_devices  # it builds on this module
+
+            devices.extend(partitionable_devices(gpu, catalog, common))
+            continue
         if not gpu.mig_enabled:
             devices.append(_gpu_device(gpu, common))
             continue

@@ -12,7 +12,7 @@ from collections.abc import Sequence, Set
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from agent.core.inventory import Inventory
+from agent.core.inventory import Gpu, Inventory
 from agent.core.resources import PlanError
 
 
@@ -20,7 +20,9 @@ class OwnershipError(PlanError):
     """The ``dra.gpus`` list names GPUs this node does not have; the message names them and what exists."""
 
 
-def dra_gpus(gpus: Literal["all"] | Sequence[int | str] | None, inventory: Inventory) -> frozenset[str]:
+def dra_gpus(
+    gpus: Literal["all"] | Sequence[int | str] | None, inventory: Inventory, *, field: str = "dra.gpus"
+) -> frozenset[str]:
     """The UUIDs of the GPUs the config's ``dra.gpus`` gives to DRA on this node (None: DRA is off)."""
     if gpus is None:
         return frozenset()
@@ -37,8 +39,35 @@ def dra_gpus(gpus: Literal["all"] | Sequence[int | str] | None, inventory: Inven
             chosen.add(uuid)
     if unknown:
         have = ", ".join(f"{g.index} ({g.uuid})" for g in inventory.gpus) or "none"
-        raise OwnershipError(f"dra.gpus: {', '.join(unknown)} is not a GPU of this node; it has {have}")
+        raise OwnershipError(f"{field}: {', '.join(unknown)} is not a GPU of this node; it has {have}")
     return frozenset(chosen)
+
+
+def dynamic_mig_gpus(
+    dynamic: Literal["all"] | Sequence[int | str] | None, served: Set[str], inventory: Inventory
+) -> frozenset[str]:
+    """The UUIDs of the GPUs the config's ``dra.dynamicMig`` puts in dynamic-MIG mode: ``all`` is every
+    MIG-capable GPU DRA serves; a GPU named that DRA does not serve, or that cannot do MIG, is an error."""
+    from agent.core.mig_catalog import mig_catalog
+
+    def capable(gpu: Gpu) -> bool:
+        return gpu.mig_capable and mig_catalog(gpu.pci_device_id) is not None
+
+    if dynamic is None:
+        return frozenset()
+    gpus = [g for g in inventory.gpus if g.uuid in served]
+    if dynamic == "all":
+        return frozenset(g.uuid for g in gpus if capable(g))
+    named = dra_gpus(dynamic, inventory, field="dra.dynamicMig")
+    problems = []
+    for gpu in sorted((g for g in inventory.gpus if g.uuid in named), key=lambda g: g.index):
+        if gpu.uuid not in served:
+            problems.append(f"GPU {gpu.index} is not served by DRA (add it to dra.gpus)")
+        elif not capable(gpu):
+            problems.append(f"GPU {gpu.index} ({gpu.name}) cannot do MIG")
+    if problems:
+        raise OwnershipError(f"dra.dynamicMig: {'; '.join(problems)}")
+    return named
 
 
 def without(inventory: Inventory, uuids: Set[str]) -> Inventory:

@@ -1,0 +1,124 @@
+"""Dynamic MIG as partitionable devices: every MIG profile and placement a GPU could hold, sharing its counters.
+
+On a GPU in dynamic-MIG mode nothing is partitioned ahead of time. The pool lists the full GPU and one abstract
+device per GPU-instance profile and placement (facts ``dra.md`` C4, NVIDIA's ``partitions.go``); the scheduler
+picks any set of them that fits, and Prepare creates the instance at exactly the allocated placement. What
+makes a set fit is the GPU's counter set, ``gpu-<minor>-counter-set``:
+
+- one counter per MIG capacity dimension (``multiprocessors``, ``copy-engines``, ``decoders``, ``encoders``,
+  ``jpeg-engines``, ``ofa-engines``, ``memory``), each the largest any profile of the GPU needs, and
+  ``memory-slice-<i>`` = 1 for every memory slice a placement can cover;
+- each abstract MIG device consumes its own capacities and the memory slices of its placement, so placements
+  that overlap exclude each other through the memory-slice counters;
+- the full GPU consumes the whole set, so it excludes every partition and they exclude it.
+
+Abstract devices are named as NVIDIA names MIG devices (``gpu-<minor>-mig-<profile>-<GI profile ID>-<start>``),
+carry the parent's attributes with ``type: mig``, ``parentUUID`` and ``profile`` but no ``uuid`` (they do not exist
+yet), and the capacities of their profile. The full GPU advertises, per dimension, the largest value over the
+profiles (NVIDIA's ``PartCapacities``), its memory included. Only profiles whose compute instance spans the GPU
+instance are listed (the catalog's profiles are GPU-instance profiles with their full compute instance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+
+from agent.core.dra.devices import GPU, MIG, AttributeValue, DraDevice, canonical_profile
+from agent.core.inventory import Gpu
+from agent.core.mig_catalog import GiProfileInfo, MigCatalog
+
+_MIB = 1 << 20
+# capacity name (a device's) -> counter name (the set's: DNS labels)
+DIMENSIONS = {
+    "multiprocessors": "multiprocessors",
+    "copyEngines": "copy-engines",
+    "decoders": "decoders",
+    "encoders": "encoders",
+    "jpegEngines": "jpeg-engines",
+    "ofaEngines": "ofa-engines",
+    "memory": "memory",
+}
+
+
+def counter_set_name(gpu_minor: int) -> str:
+    return f"gpu-{gpu_minor}-counter-set"
+
+
+def memory_slice_counter(index: int) -> str:
+    return f"memory-slice-{index}"
+
+
+def partition_device_name(gpu_minor: int, profile: GiProfileInfo, start: int) -> str:
+    return f"gpu-{gpu_minor}-mig-{canonical_profile(profile.name)}-{profile.id}-{start}"
+
+
+def profile_capacity(profile: GiProfileInfo) -> dict[str, int]:
+    """A profile's MIG capacities, in base units (memory in bytes), by the device's capacity names."""
+    return {
+        "multiprocessors": profile.multiprocessors,
+        "copyEngines": profile.copy_engines,
+        "decoders": profile.decoders,
+        "encoders": profile.encoders,
+        "jpegEngines": profile.jpeg_engines,
+        "ofaEngines": profile.ofa_engines,
+        "memory": profile.memory_mib * _MIB,
+    }
+
+
+def partitionable_devices(gpu: Gpu, catalog: MigCatalog, common: Mapping[str, AttributeValue]) -> tuple[DraDevice, ...]:
+    """The full GPU and every profile and placement of ``gpu`` (whose model ``catalog`` describes), by name.
+
+    ``common`` are the attributes the GPU and its MIG devices share (``devices._common_attributes``).
+    """
+    profiles = [p for p in catalog.profiles if p.placements]
+    if not profiles:
+        return ()
+    set_name = counter_set_name(gpu.minor_number)
+    largest = {name: max(profile_capacity(p)[name] for p in profiles) for name in DIMENSIONS}
+    slices = max(placement.start + placement.size for p in profiles for placement in p.placements)
+    whole = {DIMENSIONS[name]: value for name, value in largest.items()}
+    whole |= {memory_slice_counter(i): 1 for i in range(slices)}
+    full = DraDevice(
+        name=f"gpu-{gpu.minor_number}",
+        kind=GPU,
+        uuid=gpu.uuid,
+        parent_uuid=None,
+        gpu_minor=gpu.minor_number,
+        attributes=MappingProxyType({"type": GPU, "uuid": gpu.uuid, **common}),
+        capacity=MappingProxyType(largest),
+        consumes_counters=MappingProxyType({set_name: MappingProxyType(whole)}),
+    )
+    partitions = []
+    for profile in profiles:
+        capacity = profile_capacity(profile)
+        attributes = {"type": MIG, "parentUUID": gpu.uuid, "profile": profile.name, **common}
+        for placement in profile.placements:
+            consumed = {DIMENSIONS[name]: value for name, value in capacity.items()}
+            consumed |= {memory_slice_counter(i): 1 for i in range(placement.start, placement.start + placement.size)}
+            partitions.append(
+                DraDevice(
+                    name=partition_device_name(gpu.minor_number, profile, placement.start),
+                    kind=MIG,
+                    uuid="",  # created by Prepare; the abstract device has none
+                    parent_uuid=gpu.uuid,
+                    gpu_minor=gpu.minor_number,
+                    attributes=MappingProxyType(attributes),
+                    capacity=MappingProxyType(capacity),
+                    consumes_counters=MappingProxyType({set_name: MappingProxyType(consumed)}),
+                    gi_profile_id=profile.id,
+                    placement=(placement.start, placement.size),
+                )
+            )
+    return (full, *sorted(partitions, key=lambda d: d.name))
+
+
+def counter_sets(devices: Iterable[DraDevice]) -> dict[str, dict[str, int]]:
+    """The counter sets ``devices`` consume: on a dynamic-MIG GPU the full GPU consumes its whole set, so the
+    full GPUs among ``devices`` carry them."""
+    sets: dict[str, dict[str, int]] = {}
+    for device in devices:
+        if device.kind == GPU:
+            for name, counters in device.consumes_counters.items():
+                sets[name] = dict(counters)
+    return sets

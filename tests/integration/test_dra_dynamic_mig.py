@@ -1,0 +1,203 @@
+"""Dynamic MIG published as partitionable devices (``dra.dynamicMig``): the full GPU and every MIG profile and
+placement, sharing the GPU's counter set, so the scheduler can only pick partitions that fit together.
+
+The slices come from ``tessera plan --dra`` (what the agent publishes) and go to the API server stand-in, which
+validates them against the real schemas; the simulated scheduler allocates from them with NVIDIA's MIG
+DeviceClass and counts the counters as the real one does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from agent.sim.apiserver import ApiServer
+from agent.sim.kubelet.dra_common import PodStartError
+from agent.sim.scheduler import Unschedulable, allocate
+
+from .test_dra_e2e import DEADLINE, NODE, World, world  # noqa: F401 - the fixture
+from .test_previews_cli import exits
+
+DRIVER = "gpu.nvidia.com"
+MIG_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'"  # NVIDIA's
+GPU_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"
+# A100-SXM4-80GB: GPU-instance profile, its NVML profile ID, placements (start) -- mig-profiles.json
+A100_PARTITIONS = {
+    "1g10gb": (19, range(7)),
+    "1g10gb-me": (20, range(7)),
+    "1g20gb": (15, (0, 2, 4, 6)),
+    "2g20gb": (14, (0, 2, 4)),
+    "3g40gb": (9, (0, 4)),
+    "4g40gb": (5, (0,)),
+    "7g80gb": (0, (0,)),
+}
+
+
+def preview(tmp_path: Path, version: str, gpus: str = "all", node: str = "dgx-a100") -> list[dict]:
+    config = tmp_path / "dynamic.yaml"
+    config.write_text(f"version: v1\ndra:\n  enabled: true\n  gpus: {gpus}\n  dynamicMig: all\n")
+    result = exits(0, "plan", "--dra", "--node", node, "--config", str(config), "--kubernetes-version", version,
+                   "--format", "json")  # fmt: skip
+    return json.loads(result.stdout)["items"]
+
+
+def devices(slices: list[dict]) -> dict[str, dict]:
+    return {d["name"]: d for s in slices for d in s["spec"].get("devices", [])}
+
+
+@pytest.mark.parametrize("version", ["1.34", "1.36"])
+def test_every_profile_and_placement_is_a_device_of_its_gpu(tmp_path: Path, version: str) -> None:
+    slices = preview(tmp_path, version)
+    published = devices(slices)
+    expected = {f"gpu-{g}" for g in range(8)} | {
+        f"gpu-{g}-mig-{profile}-{profile_id}-{start}"
+        for g in range(8)
+        for profile, (profile_id, starts) in A100_PARTITIONS.items()
+        for start in starts
+    }
+    assert set(published) == expected  # 8 x (1 + 25)
+    partition = published["gpu-3-mig-3g40gb-9-4"]
+    attributes = partition["attributes"]
+    assert attributes["type"] == {"string": "mig"} and attributes["profile"] == {"string": "3g.40gb"}
+    assert attributes["parentUUID"] == published["gpu-3"]["attributes"]["uuid"]
+    assert "uuid" not in attributes  # it does not exist until a claim is prepared
+    (consumed,) = partition["consumesCounters"]
+    assert consumed["counterSet"] == "gpu-3-counter-set"
+    assert {k for k in consumed["counters"] if k.startswith("memory-slice")} == {
+        f"memory-slice-{i}" for i in range(4, 8)
+    }
+    assert consumed["counters"]["multiprocessors"] == {"value": "42"}
+    assert partition["capacity"]["memory"] == {"value": "40192Mi"}
+    sets = {c["name"]: c["counters"] for s in slices for c in s["spec"].get("sharedCounters", [])}
+    assert set(sets) == {f"gpu-{g}-counter-set" for g in range(8)}
+    # the full GPU consumes its whole set: it excludes every partition of its GPU
+    (whole,) = published["gpu-3"]["consumesCounters"]
+    assert whole == {"counterSet": "gpu-3-counter-set", "counters": sets["gpu-3-counter-set"]}
+
+
+@pytest.mark.parametrize(("version", "git_version"), [("1.34", "v1.34.2"), ("1.36", "v1.36.3")])
+def test_the_api_server_accepts_the_pool_in_its_layout(tmp_path: Path, version: str, git_version: str) -> None:
+    slices = preview(tmp_path, version)
+    if version == "1.34":  # counters travel with the devices that consume them
+        assert all(s["spec"].get("sharedCounters") and s["spec"].get("devices") for s in slices)
+    else:  # a slice holds counters or devices, counters first
+        assert slices[0]["spec"].get("sharedCounters") and not slices[0]["spec"].get("devices")
+        assert all(s["spec"].get("devices") and not s["spec"].get("sharedCounters") for s in slices[1:])
+        assert all(len(s["spec"]["devices"]) <= 64 for s in slices[1:])  # the limit with consumesCounters
+    for item in slices:
+        kubernetes_validate.validate(item, version, strict=True)
+    with ApiServer(git_version=git_version) as api:
+        api.add_node("dgx-a100", uid="00000000-0000-0000-0000-000000000000")
+        for item in slices:
+            api.create("resourceslices", item)
+        assert len(api.objects("resourceslices")) == len(slices)
+
+
+class Pool:
+    """One A100 in dynamic-MIG mode, as the scheduler sees it, and the claims allocated from it so far."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.slices = preview(tmp_path, "1.36", gpus="[0]")
+        self.classes = {
+            name: {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
+                   "spec": {"selectors": [{"cel": {"expression": expression}}]}}
+            for name, expression in (("mig.nvidia.com", MIG_CLASS), (DRIVER, GPU_CLASS))
+        }  # fmt: skip
+        self.allocated: set[tuple[str, str, str]] = set()
+        self.count = 0
+
+    def claim(self, device_class: str, selector: str | None = None) -> str:
+        """Allocate one device; its name, or raise Unschedulable."""
+        self.count += 1
+        exactly: dict = {"deviceClassName": device_class}
+        if selector:
+            exactly["selectors"] = [{"cel": {"expression": selector}}]
+        claim = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": f"c{self.count}", "namespace": "default", "uid": f"uid-{self.count}"},
+            "spec": {"devices": {"requests": [{"name": "r", "exactly": exactly}]}},
+        }
+        done = allocate(claim, self.slices, self.classes, self.allocated, "dgx-a100")
+        (result,) = done["status"]["allocation"]["devices"]["results"]
+        self.allocated.add((result["driver"], result["pool"], result["device"]))
+        return result["device"]
+
+
+def profile(name: str) -> str:
+    return f"device.attributes['gpu.nvidia.com'].profile == '{name}'"
+
+
+def test_seven_small_partitions_fit_and_an_eighth_does_not(tmp_path: Path) -> None:
+    pool = Pool(tmp_path)
+    got = [pool.claim("mig.nvidia.com", profile("1g.10gb")) for _ in range(7)]
+    assert sorted(got) == sorted(f"gpu-0-mig-1g10gb-19-{start}" for start in range(7))
+    with pytest.raises(Unschedulable):  # every compute slice is taken, though memory slice 7 is free
+        pool.claim("mig.nvidia.com", profile("1g.10gb"))
+    with pytest.raises(Unschedulable):
+        pool.claim(DRIVER)  # nor the whole GPU
+
+
+def test_overlapping_placements_exclude_each_other(tmp_path: Path) -> None:
+    pool = Pool(tmp_path)
+    first = pool.claim("mig.nvidia.com", profile("3g.40gb"))
+    assert first in ("gpu-0-mig-3g40gb-9-0", "gpu-0-mig-3g40gb-9-4")
+    if first.endswith("-0"):  # the only 4g.40gb placement starts at 0
+        with pytest.raises(Unschedulable):
+            pool.claim("mig.nvidia.com", profile("4g.40gb"))
+        assert pool.claim("mig.nvidia.com", profile("3g.40gb")) == "gpu-0-mig-3g40gb-9-4"
+    else:
+        assert pool.claim("mig.nvidia.com", profile("4g.40gb")) == "gpu-0-mig-4g40gb-5-0"
+    with pytest.raises(Unschedulable):
+        pool.claim("mig.nvidia.com", profile("3g.40gb"))
+
+
+def test_the_whole_gpu_excludes_every_partition(tmp_path: Path) -> None:
+    pool = Pool(tmp_path)
+    assert pool.claim(DRIVER) == "gpu-0"
+    with pytest.raises(Unschedulable):
+        pool.claim("mig.nvidia.com", profile("1g.10gb"))
+
+
+def test_a_gpu_named_that_dra_does_not_serve_or_cannot_do_mig_is_an_error(tmp_path: Path) -> None:
+    config = tmp_path / "dynamic.yaml"
+    config.write_text("version: v1\ndra:\n  enabled: true\n  gpus: [0]\n  dynamicMig: [0, 1]\n")
+    result = exits(1, "plan", "--dra", "--node", "dgx-a100", "--config", str(config))
+    assert "dra.dynamicMig: GPU 1 is not served by DRA (add it to dra.gpus)" in result.stderr
+    config.write_text("version: v1\ndra:\n  enabled: true\n  dynamicMig: [0]\n")
+    result = exits(1, "plan", "--dra", "--node", "t4x4", "--config", str(config))
+    assert "dra.dynamicMig: GPU 0 (Tesla T4) cannot do MIG" in result.stderr
+    config.write_text("version: v1\ndra:\n  enabled: true\n  dynamicMig: all\n")  # all: the MIG-capable ones
+    assert "mig" not in json.dumps(devices(preview(tmp_path, "1.36", node="t4x4")))
+
+
+# GPU 0 in MIG mode with no instance yet, GPU 1 with MIG off, both A100 80GB
+MIG_READY = {"gpus": [{"model": "A100-SXM4-80GB", "mig": {"instances": []}}, {"model": "A100-SXM4-80GB"}]}
+
+
+@pytest.mark.parametrize("world", [MIG_READY], indirect=True)
+def test_the_agent_publishes_a_dynamic_gpu_as_partitions_once_mig_is_on(world: World) -> None:  # noqa: F811
+    world.api.wait_for(lambda: world.devices() == ["gpu-1"], DEADLINE)  # GPU 0: MIG on, no instance, no dynamicMig
+    (world.base / "config.yaml").write_text("version: v1\ndra:\n  enabled: true\n  gpus: [0, 1]\n  dynamicMig: all\n")
+    world.api.wait_for(lambda: len(world.devices()) == 27, DEADLINE)  # GPU 0: whole + 25 partitions; GPU 1 whole
+    published = {d["name"]: d for s in world.slices() for d in s["spec"].get("devices", [])}
+    assert "gpu-0-mig-7g80gb-0-0" in published and "consumesCounters" not in published["gpu-1"]  # MIG off: whole
+    assert [c["name"] for s in world.slices() for c in s["spec"].get("sharedCounters", [])] == ["gpu-0-counter-set"]
+
+    world.api.create("deviceclasses", {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+                                       "metadata": {"name": "mig.nvidia.com"},
+                                       "spec": {"selectors": [{"cel": {"expression": MIG_CLASS}}]}})  # fmt: skip
+    request = {"deviceClassName": "mig.nvidia.com", "selectors": [{"cel": {"expression": profile("1g.10gb")}}]}
+    claim = world.api.create("resourceclaims", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "small", "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "mig", "exactly": request}]}},
+    })  # fmt: skip
+    classes = {c["metadata"]["name"]: c for c in world.api.objects("deviceclasses")}
+    world.api.update("resourceclaims", allocate(claim, world.slices(), classes, set(), NODE), status=True)
+    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered")
+    with pytest.raises(PodStartError, match="partition of a dynamic-MIG GPU, which this agent publishes but does not"):
+        world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
