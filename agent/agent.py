@@ -729,6 +729,15 @@ class Agent:
         except LayoutError as error:  # a LayoutFileError too (see _desired_layouts)
             self._mig.fail(str(error))
         else:
+            owned = self._dra.dynamic_mig_indices(self._inventory) if self._dra is not None else frozenset()
+            if layouts and owned & layouts.keys():
+                skipped = sorted(owned & layouts.keys())
+                gpus = ", ".join(map(str, skipped))
+                said = f"the MIG layout leaves GPUs {gpus} alone: dra.dynamicMig makes their MIG devices per claim"
+                if said not in self._said:
+                    self._said.add(said)
+                    log.warning("%s", said)
+                layouts = {index: layout for index, layout in layouts.items() if index not in owned}
             self._mig.desire(layouts, self._inventory, self._clock())
         if publish and self._mig.withdrawn != before:
             self._publish()

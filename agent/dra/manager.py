@@ -115,18 +115,28 @@ class DraManager:
                 del self._arriving[uuid]  # changed its mind: the device plugin keeps it
         self._wanted = wanted
 
-    def _dynamic_gpus(self, inventory: Inventory) -> frozenset[str]:
-        """DRA's GPUs in dynamic-MIG mode that are ready for it: MIG mode on (a GPU with MIG off is listed whole
-        until it is on; the MIG layout manager or ``nvidia-smi -mig 1`` turns it on)."""
+    def dynamic_mig_indices(self, inventory: Inventory) -> frozenset[int]:
+        """The indices of the GPUs dynamic MIG owns (served by DRA or on their way to it): no static MIG layout
+        touches them."""
+        gpus = self._served | set(self._arriving)
+        named = self._named_dynamic(inventory, frozenset(gpus))
+        return frozenset(g.index for g in inventory.gpus if g.uuid in named)
+
+    def _named_dynamic(self, inventory: Inventory, served: frozenset[str]) -> frozenset[str]:
         from agent.core.dra.ownership import OwnershipError
 
         if self._dynamic_mig is None:
             return frozenset()
-        capable = dynamic_mig_gpus("all", self._served, inventory)  # the MIG-capable GPUs DRA serves
+        capable = dynamic_mig_gpus("all", served, inventory)  # the MIG-capable GPUs among them
         try:
-            named = capable if self._dynamic_mig == "all" else dra_gpus(self._dynamic_mig, inventory) & capable  # type: ignore[arg-type]
+            return capable if self._dynamic_mig == "all" else dra_gpus(self._dynamic_mig, inventory) & capable  # type: ignore[arg-type]
         except OwnershipError:  # a named GPU is gone from the node: configure() says so; the rest stay as they are
-            named = frozenset()
+            return frozenset()
+
+    def _dynamic_gpus(self, inventory: Inventory) -> frozenset[str]:
+        """DRA's GPUs in dynamic-MIG mode that are ready for it: MIG mode on (a GPU with MIG off is listed whole
+        until it is on; ``nvidia-smi -i <gpu> -mig 1`` turns it on)."""
+        named = self._named_dynamic(inventory, frozenset(self._served))
         return frozenset(g.uuid for g in inventory.gpus if g.uuid in named and g.mig_enabled)
 
     def _roots(self, inventory: Inventory) -> dict[str, str]:

@@ -23,6 +23,7 @@ with an fsync) blocks, which is why none of it runs on the gRPC loop. The promis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,9 +33,11 @@ from agent.core.dra.cdi import CdiError, cdi_device_ids, check_claim_uid, claim_
 from agent.core.dra.checkpoint import (
     PREPARE_COMPLETED,
     Checkpoint,
+    CreatedMig,
     PreparedClaim,
     PreparedDevice,
     held_devices,
+    planned_mig,
     prepare_completed,
     prepare_started,
     unprepared,
@@ -44,6 +47,7 @@ from agent.dra.cdi_store import CdiStore, CdiStoreError
 from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
 from agent.dra.claims_api import ClaimReader, ClaimsUnavailable
 from agent.dra.devnodes import DeviceNodes
+from agent.dra.partitions import PartitionError
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,13 @@ class Devices(Protocol):
     def devices(self) -> Mapping[str, PreparableDevice]: ...
     @property
     def unhealthy(self) -> Mapping[str, str]: ...  # device name -> why
+
+
+class Partitions(Protocol):
+    """Creates and destroys the MIG devices of dynamic-MIG claims (``agent.dra.partitions.NvmlPartitions``)."""
+
+    def create(self, mig: CreatedMig) -> CreatedMig: ...
+    def destroy(self, mig: CreatedMig) -> None: ...
 
 
 class ClaimWorker:
@@ -79,6 +90,7 @@ class ClaimWorker:
         node_cdi_kind: str,
         common_edits: Mapping[str, Any] | None,
         device_nodes: DeviceNodes,
+        partitions: Partitions | None = None,
     ) -> None:
         self._driver, self._pool = driver, pool
         self._read_claim = read_claim
@@ -87,6 +99,11 @@ class ClaimWorker:
         self._node_wide, self._node_cdi_kind = node_wide, node_cdi_kind
         self._common_edits = common_edits
         self._device_nodes = device_nodes
+        if partitions is None:
+            from agent.dra.partitions import NvmlPartitions
+
+            partitions = NvmlPartitions()
+        self._partitions = partitions
         self.checkpoint: Checkpoint = checkpoints.load()
 
     # ----- Prepare ------------------------------------------------------------------------------------------------
@@ -144,24 +161,33 @@ class ClaimWorker:
         )
         if isinstance(plan, ClaimError):
             return plan
-        try:
-            spec, ids = self._spec(ref.uid, [(d.device, d.info) for d in plan.devices])
-        except CdiError as error:
-            return ClaimError(ref, f"cannot build its CDI spec: {error}")
-        started = prepare_started(self.checkpoint, plan)
+        if not any(planned_mig(d) for d in plan.devices):  # a spec that cannot be built fails before anything is done
+            try:
+                self._spec(ref.uid, [(d.device, d.info) for d in plan.devices])
+            except CdiError as error:
+                return ClaimError(ref, f"cannot build its CDI spec: {error}")
+        started = prepare_started(self.checkpoint, plan)  # with the placements of the MIG devices it creates
         try:
             self._store.save(started)
         except CheckpointSaveError as error:
             return ClaimError(ref, f"{error}; nothing was prepared", True)
         self.checkpoint = started
+        created: dict[str, CreatedMig] = {}
         try:
+            for planned in plan.devices:
+                if (intent := planned_mig(planned)) is not None:
+                    created[planned.device] = self._partitions.create(intent)
+            spec, ids = self._spec(
+                ref.uid, [(d.device, _concrete(d.info, created.get(d.device))) for d in plan.devices]
+            )
             self._cdi.write(ref.uid, spec)
-            completed = prepare_completed(self.checkpoint, plan, ids)
+            completed = prepare_completed(self.checkpoint, plan, ids, created)
             self._store.save(completed)
-        except (CdiStoreError, CheckpointSaveError) as error:
-            if (problem := self._roll_back(ref)) is not None:
-                return ClaimError(ref, f"{error}; rolling back failed too ({problem}): the next attempt retries it")
-            return ClaimError(ref, f"{error}; nothing was left prepared")
+        except (PartitionError, CdiError, CdiStoreError, CheckpointSaveError) as error:
+            reason = f"cannot build its CDI spec: {error}" if isinstance(error, CdiError) else str(error)
+            if (problem := self._roll_back(ref, created)) is not None:
+                return ClaimError(ref, f"{reason}; rolling back failed too ({problem}): the next attempt retries it")
+            return ClaimError(ref, f"{reason}; nothing was left prepared")
         self.checkpoint = completed
         return completed.claims[ref.uid].devices
 
@@ -179,7 +205,7 @@ class ClaimWorker:
                 "on this node, so it cannot be written again; delete the pod so the claim is unprepared",
             )
         try:
-            spec, _ = self._spec(ref.uid, [(d.device, devices[d.device]) for d in claim.devices])
+            spec, _ = self._spec(ref.uid, [(d.device, _concrete(devices[d.device], d.mig)) for d in claim.devices])
             path = self._cdi.write(ref.uid, spec)
         except (CdiError, CdiStoreError) as error:
             return ClaimError(ref, f"its CDI spec is gone and cannot be written again: {error}")
@@ -199,11 +225,20 @@ class ClaimWorker:
         }
         return spec, ids
 
-    def _roll_back(self, ref: ClaimRef) -> str | None:
-        """Undo a prepare that did not complete (spec, then record); the reason when the spec cannot be removed."""
+    def _roll_back(self, ref: ClaimRef, created: Mapping[str, CreatedMig] | None = None) -> str | None:
+        """Undo a prepare that did not complete (spec, MIG devices it created, then the record); the reason when
+        something cannot be undone (the record then stays, and the next attempt rolls back again).
+
+        ``created`` are the MIG devices this attempt made; a record left by an earlier attempt names only their
+        placements, and whatever sits there of that profile is what that attempt made."""
         try:
             self._cdi.remove(ref.uid)
-        except CdiStoreError as error:
+            record = self.checkpoint.claims.get(ref.uid)
+            for device in record.devices if record is not None else ():
+                mig = (created or {}).get(device.device) or device.mig
+                if mig is not None:
+                    self._partitions.destroy(mig)
+        except (CdiStoreError, PartitionError) as error:
             log.error("cannot roll back claim=%s/%s uid=%s error=%r", ref.namespace, ref.name, ref.uid, str(error))
             return str(error)
         rolled = unprepared(self.checkpoint, ref.uid)
@@ -247,7 +282,10 @@ class ClaimWorker:
                 return ""  # no file of ours can carry such a name, and nothing is recorded for it
         try:
             removed = self._cdi.remove(ref.uid)
-        except CdiStoreError as error:
+            for device in claim.devices if claim is not None else ():
+                if device.mig is not None:
+                    self._partitions.destroy(device.mig)  # the record stays until it is gone: the kubelet retries
+        except (CdiStoreError, PartitionError) as error:
             return _failed_unprepare(ref, str(error))
         if claim is None:
             log.info(
@@ -286,6 +324,13 @@ class ClaimWorker:
         if removed:
             log.info("stale CDI specs removed claims=%s", ",".join(removed))
         return removed
+
+
+def _concrete(info: PreparableDevice, mig: CreatedMig | None) -> PreparableDevice:
+    """The device as the CDI spec names it: a dynamic-MIG partition as the MIG device created for it."""
+    if mig is None or mig.uuid is None:
+        return info
+    return dataclasses.replace(info, uuid=mig.uuid, gi_id=mig.gi_id, ci_id=mig.ci_id)  # type: ignore[type-var]
 
 
 def _failed_unprepare(ref: ClaimRef, reason: str) -> str:

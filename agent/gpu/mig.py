@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from ctypes import byref
+from dataclasses import dataclass
 
 import pynvml
 
@@ -33,23 +35,26 @@ def set_mig_mode(gpu_index: int, enabled: bool) -> bool:
 def destroy_instance(gpu_index: int, gi_id: int) -> None:
     """Destroy a GPU instance and, first, its compute instances."""
     with nvml_session():
-        handle = _gpu(gpu_index)
-        try:
-            gpu_instance = pynvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
-            for ci_index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
-                try:
-                    info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                        gpu_instance, ci_index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
-                    )
-                except pynvml.NVMLError as error:
-                    if error_name(error) in ("NOT_SUPPORTED", "INVALID_ARGUMENT"):
-                        continue
-                    raise
-                for compute_instance in _compute_instances(gpu_instance, info.id, info.instanceCount):
-                    pynvml.nvmlComputeInstanceDestroy(compute_instance)
-            pynvml.nvmlGpuInstanceDestroy(gpu_instance)
-        except pynvml.NVMLError as error:
-            raise MigOperationError(f"GPU {gpu_index}: destroy GPU instance {gi_id}", error) from error
+        _destroy(_gpu(gpu_index), gi_id, f"GPU {gpu_index}")
+
+
+def _destroy(handle: object, gi_id: int, gpu: str) -> None:
+    try:
+        gpu_instance = pynvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
+        for ci_index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+            try:
+                info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gpu_instance, ci_index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+                )
+            except pynvml.NVMLError as error:
+                if error_name(error) in ("NOT_SUPPORTED", "INVALID_ARGUMENT"):
+                    continue
+                raise
+            for compute_instance in _compute_instances(gpu_instance, info.id, info.instanceCount):
+                pynvml.nvmlComputeInstanceDestroy(compute_instance)
+        pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+    except pynvml.NVMLError as error:
+        raise MigOperationError(f"{gpu}: destroy GPU instance {gi_id}", error) from error
 
 
 def create_instance(gpu_index: int, profile_id: int, placement: Placement, ci_profile_id: int) -> None:
@@ -64,6 +69,132 @@ def create_instance(gpu_index: int, profile_id: int, placement: Placement, ci_pr
             raise MigOperationError(
                 f"GPU {gpu_index}: create GPU instance profile {profile_id} at {placement}", error
             ) from error
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstance:
+    """A MIG device as NVML names it: its GPU and compute instance IDs and its UUID."""
+
+    gi_id: int
+    ci_id: int
+    uuid: str
+
+
+def create_partition(gpu_uuid: str, profile_id: int, placement: Placement) -> MigInstance:
+    """Create a GPU instance at exactly ``placement`` with the compute instance that spans it, for a dynamic-MIG
+    claim; a compute instance that cannot be made takes its GPU instance with it, so nothing is left half-made."""
+    with nvml_session():
+        handle = _gpu_by_uuid(gpu_uuid)
+        where = pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
+        what = f"GPU {gpu_uuid}: create GPU instance profile {profile_id} at {placement.start}+{placement.size}"
+        try:
+            slices = pynvml.nvmlDeviceGetGpuInstanceProfileInfoV(handle, _profile_index(handle, profile_id)).sliceCount
+            gpu_instance = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(handle, profile_id, byref(where))
+            gi_id = pynvml.nvmlGpuInstanceGetInfo(gpu_instance).id
+        except pynvml.NVMLError as error:
+            raise MigOperationError(what, error) from error
+        try:
+            pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, _full_compute_profile(gpu_instance, slices))
+            return _mig_device(handle, gi_id, what)
+        except (pynvml.NVMLError, MigOperationError) as error:
+            with contextlib.suppress(pynvml.NVMLError, MigOperationError):
+                _destroy(handle, gi_id, f"GPU {gpu_uuid}")
+            if isinstance(error, MigOperationError):
+                raise
+            raise MigOperationError(f"{what}: its compute instance", error) from error
+
+
+def gpu_instance_at(gpu_uuid: str, profile_id: int, start: int) -> int | None:
+    """The ID of the GPU instance of ``profile_id`` placed at ``start`` on the GPU, if there is one."""
+    with nvml_session():
+        handle = _gpu_by_uuid(gpu_uuid)
+        try:
+            capacity = pynvml.nvmlDeviceGetGpuInstanceProfileInfoV(
+                handle, _profile_index(handle, profile_id)
+            ).instanceCount
+            count = pynvml.c_uint(capacity)  # the array's size in; how many were written out
+            array = (pynvml.c_nvmlGpuInstance_t * max(capacity, 1))()
+            pynvml.nvmlDeviceGetGpuInstances(handle, profile_id, array, byref(count))
+            for i in range(count.value):
+                info = pynvml.nvmlGpuInstanceGetInfo(array[i])
+                if info.placement.start == start:
+                    return int(info.id)
+        except pynvml.NVMLError as error:
+            raise MigOperationError(f"GPU {gpu_uuid}: list GPU instances of profile {profile_id}", error) from error
+        return None
+
+
+def mig_instance(gpu_uuid: str, gi_id: int) -> MigInstance | None:
+    """The MIG device of GPU instance ``gi_id`` on the GPU, or None when there is none."""
+    with nvml_session():
+        handle = _gpu_by_uuid(gpu_uuid)
+        try:
+            return _mig_device(handle, gi_id, f"GPU {gpu_uuid}: GPU instance {gi_id}")
+        except MigOperationError as error:
+            if error.error == "NOT_FOUND":
+                return None
+            raise
+
+
+def destroy_partition(gpu_uuid: str, gi_id: int) -> None:
+    """Destroy a GPU instance (and its compute instances) of the GPU with this UUID."""
+    with nvml_session():
+        _destroy(_gpu_by_uuid(gpu_uuid), gi_id, f"GPU {gpu_uuid}")
+
+
+def _mig_device(handle: object, gi_id: int, what: str) -> MigInstance:
+    try:
+        for index in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+            except pynvml.NVMLError as error:
+                if error_name(error) == "NOT_FOUND":
+                    continue
+                raise
+            if pynvml.nvmlDeviceGetGpuInstanceId(mig) == gi_id:
+                uuid = pynvml.nvmlDeviceGetUUID(mig)
+                return MigInstance(gi_id, pynvml.nvmlDeviceGetComputeInstanceId(mig), str(uuid))
+    except pynvml.NVMLError as error:
+        raise MigOperationError(f"{what}: find its MIG device", error) from error
+    raise MigOperationError(f"{what}: find its MIG device", pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND))
+
+
+def _full_compute_profile(gpu_instance: object, slices: int) -> int:
+    """The ID of the compute-instance profile that spans a GPU instance of ``slices`` (not the REV1 variant)."""
+    for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+        if index == pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1:
+            continue
+        try:
+            info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                gpu_instance, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+            )
+        except pynvml.NVMLError as error:
+            if error_name(error) in ("NOT_SUPPORTED", "INVALID_ARGUMENT"):
+                continue
+            raise
+        if info.sliceCount == slices:
+            return int(info.id)
+    raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+
+def _profile_index(handle: object, profile_id: int) -> int:
+    """The NVML profile index (``NVML_GPU_INSTANCE_PROFILE_*``) whose profile has this ID."""
+    for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+        try:
+            if pynvml.nvmlDeviceGetGpuInstanceProfileInfoV(handle, index).id == profile_id:
+                return index
+        except pynvml.NVMLError as error:
+            if error_name(error) in ("NOT_SUPPORTED", "INVALID_ARGUMENT"):
+                continue
+            raise
+    raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+
+def _gpu_by_uuid(gpu_uuid: str) -> object:
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+    except pynvml.NVMLError as error:
+        raise MigOperationError(f"GPU {gpu_uuid}", error) from error
 
 
 def _gpu(gpu_index: int) -> object:

@@ -9,19 +9,24 @@ DeviceClass and counts the counters as the real one does.
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 
+from agent.core.dra.checkpoint import CHECKPOINT_FILE, PREPARE_STARTED, decode, encode
 from agent.sim.apiserver import ApiServer
-from agent.sim.kubelet.dra_common import PodStartError
+from agent.sim.kubelet.dra_common import PodStartError, PodStopError
 from agent.sim.scheduler import Unschedulable, allocate
 
-from .test_dra_e2e import DEADLINE, NODE, World, world  # noqa: F401 - the fixture
+from . import test_dra_e2e
+from .test_dra_e2e import DEADLINE, NODE, World
 from .test_previews_cli import exits
 
 DRIVER = "gpu.nvidia.com"
+world = test_dra_e2e.world  # the fixture: an agent, both kubelets and the API server on a simulated node
 MIG_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'"  # NVIDIA's
 GPU_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"
 # A100-SXM4-80GB: GPU-instance profile, its NVML profile ID, placements (start) -- mig-profiles.json
@@ -176,28 +181,139 @@ def test_a_gpu_named_that_dra_does_not_serve_or_cannot_do_mig_is_an_error(tmp_pa
 
 # GPU 0 in MIG mode with no instance yet, GPU 1 with MIG off, both A100 80GB
 MIG_READY = {"gpus": [{"model": "A100-SXM4-80GB", "mig": {"instances": []}}, {"model": "A100-SXM4-80GB"}]}
+DYNAMIC = "version: v1\ndra:\n  enabled: true\n  gpus: [0, 1]\n  dynamicMig: all\n"
 
 
-@pytest.mark.parametrize("world", [MIG_READY], indirect=True)
-def test_the_agent_publishes_a_dynamic_gpu_as_partitions_once_mig_is_on(world: World) -> None:  # noqa: F811
+def dynamic_world(world: World) -> None:
+    """Turn dynamic MIG on in the world's config and wait for GPU 0's partitions."""
     world.api.wait_for(lambda: world.devices() == ["gpu-1"], DEADLINE)  # GPU 0: MIG on, no instance, no dynamicMig
-    (world.base / "config.yaml").write_text("version: v1\ndra:\n  enabled: true\n  gpus: [0, 1]\n  dynamicMig: all\n")
+    (world.base / "config.yaml").write_text(DYNAMIC)
     world.api.wait_for(lambda: len(world.devices()) == 27, DEADLINE)  # GPU 0: whole + 25 partitions; GPU 1 whole
-    published = {d["name"]: d for s in world.slices() for d in s["spec"].get("devices", [])}
-    assert "gpu-0-mig-7g80gb-0-0" in published and "consumesCounters" not in published["gpu-1"]  # MIG off: whole
-    assert [c["name"] for s in world.slices() for c in s["spec"].get("sharedCounters", [])] == ["gpu-0-counter-set"]
-
     world.api.create("deviceclasses", {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
                                        "metadata": {"name": "mig.nvidia.com"},
                                        "spec": {"selectors": [{"cel": {"expression": MIG_CLASS}}]}})  # fmt: skip
-    request = {"deviceClassName": "mig.nvidia.com", "selectors": [{"cel": {"expression": profile("1g.10gb")}}]}
+    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered")
+
+
+def mig_claim(world: World, name: str, wanted: str) -> dict:
+    request = {"deviceClassName": "mig.nvidia.com", "selectors": [{"cel": {"expression": profile(wanted)}}]}
     claim = world.api.create("resourceclaims", {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": "small", "namespace": "default"},
+        "metadata": {"name": name, "namespace": "default"},
         "spec": {"devices": {"requests": [{"name": "mig", "exactly": request}]}},
     })  # fmt: skip
     classes = {c["metadata"]["name"]: c for c in world.api.objects("deviceclasses")}
-    world.api.update("resourceclaims", allocate(claim, world.slices(), classes, set(), NODE), status=True)
-    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered")
-    with pytest.raises(PodStartError, match="partition of a dynamic-MIG GPU, which this agent publishes but does not"):
+    held = {
+        (r["driver"], r["pool"], r["device"])
+        for c in world.api.objects("resourceclaims")
+        for r in (((c.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results", [])
+    }
+    return world.api.update("resourceclaims", allocate(claim, world.slices(), classes, held, NODE), status=True)
+
+
+def instances(world: World) -> dict[tuple[int, int], str]:
+    """GPU 0's MIG devices by placement: (start, size) -> MIG UUID."""
+    return {gi.placement: ci.uuid for gi, ci in world.driver.gpus[0].mig_devices()}
+
+
+@pytest.mark.parametrize("world", [MIG_READY], indirect=True)
+def test_a_claim_gets_its_mig_device_created_at_the_placement_and_destroyed_after(world: World) -> None:
+    dynamic_world(world)
+    published = {d["name"]: d for s in world.slices() for d in s["spec"].get("devices", [])}
+    assert "consumesCounters" not in published["gpu-1"]  # MIG off: published whole, as before
+    assert [c["name"] for s in world.slices() for c in s["spec"].get("sharedCounters", [])] == ["gpu-0-counter-set"]
+
+    claim = mig_claim(world, "small", "3g.40gb")
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    start = int(result["device"].rsplit("-", 1)[1])
+    ids = world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
+    mig_uuid = instances(world)[(start, 4)]  # exactly the allocated placement
+    assert (world.base / "cdi" / f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.yaml").exists()
+    assert f"nvidia.com/gpu={mig_uuid}" in ids["main"]  # the node-wide CDI spec's entry for the new MIG device
+
+    world.driver.add_process(0, 4242, 1024, mig_uuid=mig_uuid)  # a process outlives its pod
+    with pytest.raises(PodStopError, match="processes 4242 still run on it"):
+        world.dra.stop_pod("pod-1")
+    assert (start, 4) in instances(world)  # never destroyed under a process
+    world.driver.remove_process(4242)
+    world.dra.stop_pod("pod-1")  # the kubelet retries
+    assert instances(world) == {}
+
+
+@pytest.mark.parametrize("world", [MIG_READY], indirect=True)
+def test_a_placement_taken_outside_tessera_fails_the_claim_and_is_left_alone(world: World) -> None:
+    dynamic_world(world)
+    foreign = world.driver.create_gpu_instance(0, 19, (0, 1))  # someone ran nvidia-smi mig -cgi by hand
+    world.driver.create_compute_instance(0, foreign, 0)
+    before = instances(world)
+    mig_claim(world, "big", "4g.40gb")  # its only placement starts at 0
+    with pytest.raises(PodStartError, match="overlaps a MIG device that exists"):
+        world.dra.run_pod("default", "big", "pod-2", [("mig", "big")], {"main": [("mig", None)]})
+    assert instances(world) == before  # nothing created, the foreign device untouched
+    assert list((world.base / "cdi").glob("*.yaml")) == []
+
+
+@pytest.mark.parametrize("world", [MIG_READY], indirect=True)
+def test_a_failure_after_the_mig_device_is_created_takes_it_away_again(world: World) -> None:
+    dynamic_world(world)
+    mig_claim(world, "small", "1g.10gb")
+    cdi = world.base / "cdi"
+    shutil.rmtree(cdi, ignore_errors=True)
+    cdi.write_text("a regular file where the CDI directory should be: no spec can be written")
+    with pytest.raises(PodStartError, match="nothing was left prepared"):
         world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
+    assert instances(world) == {}  # created, then destroyed with the rest of the attempt
+    cdi.unlink()
+    world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})  # the retry works
+    assert len(instances(world)) == 1
+
+
+@pytest.mark.parametrize("world", [MIG_READY], indirect=True)
+def test_a_mig_device_made_just_before_an_agent_crash_is_found_by_its_placement_and_destroyed(world: World) -> None:
+    dynamic_world(world)
+    claim = mig_claim(world, "small", "2g.20gb")
+    world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
+    assert len(instances(world)) == 1
+    # What the disk holds when the agent dies after creating the device and before recording it: the placement only
+    world.agent.stop()
+    world.thread.join(timeout=20)
+    (path,) = (world.base / "plugins").rglob(CHECKPOINT_FILE)
+    saved = decode(path.read_bytes())
+    uid = claim["metadata"]["uid"]
+    record = saved.claims[uid]
+    devices = tuple(replace(d, cdi_device_ids=(), mig=replace(d.mig, gi_id=None, ci_id=None, uuid=None))
+                    for d in record.devices)  # fmt: skip
+    crashed = replace(saved, claims={uid: replace(record, state=PREPARE_STARTED, devices=devices)})
+    path.write_bytes(encode(crashed))
+    world.agent, world.thread = test_dra_e2e.start_agent(world.base, world.api)
+    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered again")
+    world.dra.stop_pod("pod-1")  # the pod is gone: Unprepare of a claim whose Prepare never completed
+    assert instances(world) == {}
+
+
+LAYOUT_TOO = """version: v1
+dra:
+  enabled: true
+  gpus: [0, 1]
+  dynamicMig: [0]
+migLayout:
+  config: small
+  layouts:
+    version: v1
+    mig-configs:
+      small:
+        - devices: [0]
+          mig-enabled: true
+          mig-devices:
+            1g.10gb: 7
+"""
+
+
+@pytest.mark.parametrize("world", [MIG_READY], indirect=True)
+def test_a_static_layout_never_touches_a_dynamic_mig_gpu(world: World, caplog: pytest.LogCaptureFixture) -> None:
+    world.api.wait_for(lambda: world.devices() == ["gpu-1"], DEADLINE)
+    (world.base / "config.yaml").write_text(LAYOUT_TOO)
+    world.api.wait_for(lambda: len(world.devices()) == 27, DEADLINE)  # GPU 0's partitions, GPU 1 whole
+    test_dra_e2e.poll(lambda: world.agent.status.mig_state == "success", "the MIG layout applied")
+    assert instances(world) == {}  # the layout's seven 1g.10gb were never made on GPU 0
+    assert "the MIG layout leaves GPUs 0 alone: dra.dynamicMig makes their MIG devices per claim" in caplog.text

@@ -210,3 +210,16 @@ def test_completing_without_cdi_ids_for_every_device_is_a_bug_caught_early():
     plan = a_plan(CLAIM_A, GPU0, GPU1)
     with pytest.raises(ValueError, match="no CDI device IDs for gpu-1"):
         cpt.prepare_completed(cpt.empty(BOOT), plan, {"gpu-0": ("x",)})
+
+
+def test_a_created_mig_device_is_recorded_by_placement_first_then_with_its_ids():
+    partition = Dev("gpu-0-mig-1g10gb-19-3", "mig", "", "GPU-aaaa", gi_profile_id=19, placement=(3, 1),
+                    consumes_counters={"gpu-0-counter-set": {"memory-slice-3": 1}})  # fmt: skip
+    answer = a_plan(CLAIM_A, partition)
+    started = cpt.prepare_started(cpt.empty(BOOT), answer)
+    intent = started.claims[UID_A].devices[0].mig
+    assert intent == cpt.CreatedMig("GPU-aaaa", 19, 3, 1)  # where, before it exists
+    made = cpt.CreatedMig("GPU-aaaa", 19, 3, 1, gi_id=10, ci_id=0, uuid="MIG-1111")
+    done = cpt.prepare_completed(started, answer, {partition.name: ("k/claim=x",)}, {partition.name: made})
+    assert cpt.decode(cpt.encode(done)).claims[UID_A].devices[0].mig == made
+    assert cpt.decode(cpt.encode(started)).claims[UID_A].devices[0].mig == intent

@@ -27,6 +27,8 @@ class Dev:
     gi_id: int | None = None
     ci_id: int | None = None
     consumes_counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    gi_profile_id: int | None = None
+    placement: tuple[int, int] | None = None
 
 
 DEVICES = {
@@ -322,10 +324,16 @@ def test_a_claim_that_cannot_be_prepared_says_why_and_whether_a_retry_can_help(
     assert answer.retriable is retriable
 
 
-def test_a_partition_of_a_dynamic_mig_gpu_is_refused_until_it_can_be_created():
+def test_a_partition_of_a_dynamic_mig_gpu_is_planned_and_the_whole_gpu_is_refused():
+    counters = {"gpu-0-counter-set": {"memory-slice-0": 1}}
     devices = {
-        **DEVICES,
-        "gpu-0-mig-1g10gb-19-0": Dev("gpu-0-mig-1g10gb-19-0", "mig", "", "GPU-aaaa", consumes_counters={"s": {"m": 1}}),
-    }
+        "gpu-0": Dev("gpu-0", "gpu", "GPU-aaaa", consumes_counters=counters),
+        "gpu-0-mig-1g10gb-19-0": Dev(
+            "gpu-0-mig-1g10gb-19-0", "mig", "", "GPU-aaaa", consumes_counters=counters, gi_profile_id=19,
+            placement=(0, 1),
+        ),
+    }  # fmt: skip
     answer = plan_prepare(REF, claim([result("gpu-0-mig-1g10gb-19-0")]), driver=DRIVER, pool=POOL, devices=devices)
-    assert isinstance(answer, ClaimError) and "partition of a dynamic-MIG GPU" in answer.message
+    assert isinstance(answer, PreparePlan) and answer.devices[0].info.placement == (0, 1)
+    answer = plan_prepare(REF, claim([result("gpu-0")]), driver=DRIVER, pool=POOL, devices=devices)
+    assert isinstance(answer, ClaimError) and "whole GPU in dynamic-MIG mode" in answer.message

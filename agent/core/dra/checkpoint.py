@@ -15,7 +15,13 @@ holds::
                                         "namespace": "...", "name": "...",
                                         "preparedDevices": [{"pool": "...", "device": "gpu-0",
                                                              "requests": ["gpu"], "cdiDeviceIDs": ["..."],
-                                                             "adminAccess": false, "shareID": "..."}]}}}
+                                                             "adminAccess": false, "shareID": "...",
+                                                             "mig": {"parentUUID": "GPU-…", "profileID": 19,
+                                                                     "placementStart": 0, "placementSize": 1,
+                                                                     "giID": 7, "ciID": 0, "uuid": "MIG-…"}}]}}}
+
+``mig`` is there for a device Prepare created (dynamic MIG): its placement from ``PrepareStarted`` on, its IDs once
+``PrepareCompleted``.
 
 ``decode`` refuses a wrong checksum, an unknown kind or version, or a malformed document with ``CheckpointError``;
 the caller then starts from ``empty(boot_id)`` and logs why. Unknown fields inside a good document are ignored, so
@@ -58,6 +64,21 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class CreatedMig:
+    """A MIG device Prepare creates for a dynamic-MIG partition. Where it goes is recorded before it is created
+    (``PrepareStarted``), what it became once it exists (``PrepareCompleted``): an agent that dies in between finds
+    the placement in the record and removes what it may have created there."""
+
+    gpu_uuid: str
+    profile_id: int  # the GPU-instance profile ID (NVML's, as in the device name)
+    start: int  # placement, in memory slices
+    size: int
+    gi_id: int | None = None  # None until created and recorded
+    ci_id: int | None = None
+    uuid: str | None = None  # the MIG device's UUID
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedDevice:
     """One device of a prepared claim, as the kubelet is told about it."""
 
@@ -67,6 +88,7 @@ class PreparedDevice:
     cdi_device_ids: tuple[str, ...] = ()  # empty while the claim is PrepareStarted
     admin_access: bool = False
     share_id: str | None = None
+    mig: CreatedMig | None = None  # the MIG device Prepare created (dynamic MIG), to be destroyed by Unprepare
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,19 +167,34 @@ def for_boot(checkpoint: Checkpoint, boot_id: str) -> Checkpoint:
 
 
 def prepare_started(checkpoint: Checkpoint, plan: PreparePlan) -> Checkpoint:
-    """Record that Prepare begins for the plan's claim (replacing an earlier attempt), before anything is done."""
-    devices = tuple(_device(d, ()) for d in plan.devices)
+    """Record that Prepare begins for the plan's claim (replacing an earlier attempt), before anything is done;
+    the MIG devices it will create are recorded by placement."""
+    devices = tuple(_device(d, (), planned_mig(d)) for d in plan.devices)
     return _with(checkpoint, plan.claim, PreparedClaim(PREPARE_STARTED, plan.claim.namespace, plan.claim.name, devices))
 
 
+def planned_mig(planned: PlannedDevice) -> CreatedMig | None:
+    """The MIG device Prepare creates for ``planned`` (a dynamic-MIG partition), not created yet; else None."""
+    info = planned.info
+    if info.placement is None or info.gi_profile_id is None or info.parent_uuid is None:
+        return None
+    start, size = info.placement
+    return CreatedMig(info.parent_uuid, info.gi_profile_id, start, size)
+
+
 def prepare_completed(
-    checkpoint: Checkpoint, plan: PreparePlan, cdi_device_ids: Mapping[str, Sequence[str]]
+    checkpoint: Checkpoint,
+    plan: PreparePlan,
+    cdi_device_ids: Mapping[str, Sequence[str]],
+    created: Mapping[str, CreatedMig] | None = None,
 ) -> Checkpoint:
-    """Record that the plan's claim is prepared; ``cdi_device_ids`` maps each device name to its CDI IDs."""
+    """Record that the plan's claim is prepared; ``cdi_device_ids`` maps each device name to its CDI IDs and
+    ``created`` to the MIG device made for it (dynamic MIG)."""
     missing = [d.device for d in plan.devices if not cdi_device_ids.get(d.device)]
     if missing:
         raise ValueError(f"claim {plan.claim}: no CDI device IDs for {', '.join(missing)}")
-    devices = tuple(_device(d, tuple(cdi_device_ids[d.device])) for d in plan.devices)
+    created = created or {}
+    devices = tuple(_device(d, tuple(cdi_device_ids[d.device]), created.get(d.device)) for d in plan.devices)
     claim = PreparedClaim(PREPARE_COMPLETED, plan.claim.namespace, plan.claim.name, devices)
     return _with(checkpoint, plan.claim, claim)
 
@@ -212,7 +249,7 @@ def _with(checkpoint: Checkpoint, ref: ClaimRef, claim: PreparedClaim) -> Checkp
     return replace(checkpoint, claims=MappingProxyType({**checkpoint.claims, ref.uid: claim}))
 
 
-def _device(planned: PlannedDevice, cdi_ids: tuple[str, ...]) -> PreparedDevice:
+def _device(planned: PlannedDevice, cdi_ids: tuple[str, ...], mig: CreatedMig | None) -> PreparedDevice:
     return PreparedDevice(
         pool=planned.pool,
         device=planned.device,
@@ -220,6 +257,42 @@ def _device(planned: PlannedDevice, cdi_ids: tuple[str, ...]) -> PreparedDevice:
         cdi_device_ids=cdi_ids,
         admin_access=planned.admin_access,
         share_id=planned.share_id,
+        mig=mig,
+    )
+
+
+def _mig_to_json(mig: CreatedMig) -> dict[str, Any]:
+    ids = {"giID": mig.gi_id, "ciID": mig.ci_id, "uuid": mig.uuid}
+    return {
+        "parentUUID": mig.gpu_uuid,
+        "profileID": mig.profile_id,
+        "placementStart": mig.start,
+        "placementSize": mig.size,
+        **{key: value for key, value in ids.items() if value is not None},
+    }
+
+
+def _mig_from_json(raw: Any, where: str) -> CreatedMig:
+    if not isinstance(raw, dict):
+        raise TypeError(f"{where} is not an object")
+
+    def number(key: str, required: bool = True) -> int | None:
+        value = raw.get(key)
+        if value is None and not required:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise TypeError(f"{where}.{key} is not a whole number")
+        return value
+
+    uuid = raw.get("uuid")
+    return CreatedMig(
+        gpu_uuid=_str(raw.get("parentUUID"), f"{where}.parentUUID"),
+        profile_id=number("profileID") or 0,
+        start=number("placementStart") or 0,
+        size=number("placementSize") or 0,
+        gi_id=number("giID", False),
+        ci_id=number("ciID", False),
+        uuid=None if uuid is None else _str(uuid, f"{where}.uuid"),
     )
 
 
@@ -241,6 +314,7 @@ def _to_json(checkpoint: Checkpoint) -> dict[str, Any]:
                         "cdiDeviceIDs": list(d.cdi_device_ids),
                         "adminAccess": d.admin_access,
                         **({"shareID": d.share_id} if d.share_id else {}),
+                        **({"mig": _mig_to_json(d.mig)} if d.mig is not None else {}),
                     }
                     for d in claim.devices
                 ],
@@ -290,6 +364,7 @@ def _device_from_json(raw: Any, where: str) -> PreparedDevice:
         cdi_device_ids=_strs(raw.get("cdiDeviceIDs", []), f"{where}.cdiDeviceIDs"),
         admin_access=admin,
         share_id=None if share_id is None else _str(share_id, f"{where}.shareID"),
+        mig=None if raw.get("mig") is None else _mig_from_json(raw["mig"], f"{where}.mig"),
     )
 
 

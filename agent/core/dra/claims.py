@@ -66,6 +66,10 @@ class PreparableDevice(Protocol):
     def ci_id(self) -> int | None: ...  # a MIG device's compute instance ID; None for a full GPU
     @property
     def consumes_counters(self) -> Mapping[str, Mapping[str, int]]: ...  # a dynamic-MIG GPU's devices only
+    @property
+    def gi_profile_id(self) -> int | None: ...  # a dynamic-MIG partition: the GPU-instance profile to create
+    @property
+    def placement(self) -> tuple[int, int] | None: ...  # ... and where: (start, size) in memory slices
 
 
 class ClaimRef(NamedTuple):
@@ -204,10 +208,10 @@ def plan_prepare(
                 "or re-partitioned since the claim was allocated"
             )
             continue
-        if info.consumes_counters:  # a device of a dynamic-MIG GPU: the partition, or the whole GPU, is made on demand
+        if info.consumes_counters and info.placement is None:  # the whole of a dynamic-MIG GPU
             problems.append(
-                f'requested device "{name}" is a partition of a dynamic-MIG GPU, which this agent publishes but '
-                "does not create yet; until it does, serve the GPU without dra.dynamicMig"
+                f'requested device "{name}" is a whole GPU in dynamic-MIG mode: its MIG mode stays on, so it is '
+                "handed out as its largest partition; request that MIG device instead (it excludes the same others)"
             )
             continue
         if not admin and name in unhealthy:
