@@ -770,6 +770,11 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
         for index, item in enumerate(slices):
             spec = item["spec"]
             print(f"slice {index} of pool {spec['pool']['name']} (driver {spec['driver']}, {layout} layout)")
+            for counter_set in spec.get("sharedCounters", []):
+                counters = counter_set["counters"]
+                slices_of = sum(1 for name in counters if name.startswith("memory-slice-"))
+                memory = counters.get("memory", {}).get("value", "-")
+                print(f"  counter set {counter_set['name']:<24} memory {memory}, {slices_of} memory slices")
             for device in spec.get("devices", []):
                 attributes = device["attributes"]
                 kind = attributes["type"]["string"]

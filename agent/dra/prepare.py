@@ -313,7 +313,20 @@ class ClaimWorker:
         return ""
 
     def sweep(self) -> list[str]:
-        """Remove the CDI specs of ours that no recorded claim owns (``CdiStore.stale``); their claim UIDs."""
+        """Roll back every Prepare an earlier agent left unfinished (nothing of it reached a container: its MIG
+        devices go now rather than when the kubelet calls again), then remove the CDI specs of ours that no
+        recorded claim owns (``CdiStore.stale``); the claim UIDs of those specs."""
+        for uid, claim in sorted(self.checkpoint.claims.items()):
+            if claim.state != PREPARE_COMPLETED:
+                ref = ClaimRef(claim.namespace, claim.name, uid)
+                problem = self._roll_back(ref)
+                log.info(
+                    "unfinished prepare from before rolled back claim=%s/%s uid=%s%s",
+                    ref.namespace,
+                    ref.name,
+                    uid,
+                    f" error={problem!r} (retried when the kubelet calls)" if problem else "",
+                )
         removed = []
         for uid in self._cdi.stale(self.checkpoint.claims.keys()):
             try:

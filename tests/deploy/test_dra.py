@@ -35,7 +35,7 @@ import yaml
 
 from agent.sim.scheduler import Unschedulable, allocate
 from agent.sim.scheduler.values import Quantity
-from tests.deploy.conftest import NEWEST_KUBERNETES, OLDEST_KUBERNETES, ROOT, VARIANTS, container
+from tests.deploy.conftest import CONFIGS, NEWEST_KUBERNETES, OLDEST_KUBERNETES, ROOT, VARIANTS, container
 from tests.deploy.test_manifests import (
     DRA_ENV,
     DRA_GRANTS,
@@ -88,7 +88,7 @@ def device_classes() -> dict[str, dict[str, Any]]:
 
 
 @functools.cache
-def _plan_dra(node: str, kubernetes_version: str) -> str:
+def _plan_dra(node: str, kubernetes_version: str, config: Path | None = None) -> str:
     result = subprocess.run(
         [
             sys.executable,
@@ -102,6 +102,7 @@ def _plan_dra(node: str, kubernetes_version: str) -> str:
             "yaml",
             "--kubernetes-version",
             kubernetes_version,
+            *(["--config", str(config)] if config else []),
         ],
         capture_output=True,
         text=True,
@@ -113,9 +114,9 @@ def _plan_dra(node: str, kubernetes_version: str) -> str:
     return result.stdout
 
 
-def slices(node: str, kubernetes_version: str = "1.35") -> list[dict[str, Any]]:
+def slices(node: str, kubernetes_version: str = "1.35", config: Path | None = None) -> list[dict[str, Any]]:
     """The ResourceSlices the agent would publish for every GPU of a simulated node (`tessera plan --dra`)."""
-    found = [d for d in yaml.safe_load_all(_plan_dra(node, kubernetes_version)) if d is not None]
+    found = [d for d in yaml.safe_load_all(_plan_dra(node, kubernetes_version, config)) if d is not None]
     assert found and all(s["kind"] == "ResourceSlice" for s in found), node
     return found
 
@@ -287,6 +288,14 @@ def test_mig_example_claim_gets_a_1g_10gb(node):
     (device,) = allocated(template_claim("mig-1g-10gb"), slices(node))
     assert device["attributes"]["type"]["string"] == "mig"
     assert device["attributes"]["profile"]["string"] == "1g.10gb"
+
+
+@pytest.mark.parametrize("kubernetes_version", ["1.34", "1.36"])
+def test_mig_example_claim_gets_a_partition_of_a_dynamic_mig_gpu(kubernetes_version):
+    dynamic = slices("dgx-h100", kubernetes_version, CONFIGS / "dra-dynamic-mig.yaml")
+    (device,) = allocated(template_claim("mig-1g-10gb"), dynamic)
+    assert device["name"] == "gpu-0-mig-1g10gb-19-0" and "uuid" not in device["attributes"]  # made by Prepare
+    assert device["consumesCounters"][0]["counterSet"] == "gpu-0-counter-set"
 
 
 def test_mig_example_claim_finds_nothing_without_mig():
