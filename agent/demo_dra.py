@@ -6,11 +6,13 @@ unix sockets; the API server stand-in (``agent.sim.apiserver``), spoken to over 
 and the structured-parameters allocator (``agent.sim.scheduler``), which plays the kube-scheduler's part and
 evaluates NVIDIA's DeviceClass selectors and the claims' CEL selectors with a real CEL implementation.
 
-The node is built in (``NODE_SPEC``): an H100 and three A100s, one of them split into seven 1g.10gb MIG devices.
+The node is built in (``NODE_SPEC``): an H100 and three A100s, one of them in MIG mode with no MIG device yet.
 The config gives DRA GPUs 0, 1 and 3 and leaves GPU 2 to the device plugin, so each GPU visibly belongs to one
-front end. The story: slices published, three claims allocated by selectors and prepared for a pod (CDI spec
-shown), an XID that taints a device and then recovers, a kubelet restart that wipes the slices and the agent
-putting them back, the pod stopping. The health recovery window is shortened, and the output says so.
+front end; GPU 3 is in dynamic-MIG mode (``dra.dynamicMig``): its slice lists every MIG profile and placement.
+The story: slices published, three claims allocated by selectors and prepared for a pod (CDI spec shown, the
+1g.10gb MIG device created for its claim), an XID that taints a device and then recovers, a kubelet restart that
+wipes the slices and the agent putting them back, the pod stopping (the MIG device destroyed). The health
+recovery window is shortened, and the output says so.
 
 Exit status: 0 when every step happened as told; 1 (``EXIT_FAILED``) with one ``tessera: demo --dra: ...`` line
 on stderr naming the step and what did not happen; 1 too when the reader of the output leaves early, as
@@ -54,11 +56,15 @@ NODE_SPEC: dict[str, Any] = {
     "gpus": [
         {"model": "H100-SXM5-80GB"},
         {"model": "A100-SXM4-80GB", "count": 2},
-        {"model": "A100-SXM4-80GB", "mig": {"instances": ["1g.10gb"] * 7}},
+        {"model": "A100-SXM4-80GB", "mig": {"instances": []}},  # MIG mode on, no MIG device yet
     ],
 }
 DRA_GPUS = (0, 1, 3)  # GPU 2 stays with the device plugin
-CONFIG = f"version: v1\ndra:\n  enabled: true\n  gpus: [{', '.join(map(str, DRA_GPUS))}]\n"
+DYNAMIC_MIG_GPUS = (3,)  # MIG devices made for each claim
+DRA_SECTION = (
+    f"{{enabled: true, gpus: [{', '.join(map(str, DRA_GPUS))}], dynamicMig: [{', '.join(map(str, DYNAMIC_MIG_GPUS))}]}}"
+)
+CONFIG = f"version: v1\ndra: {DRA_SECTION}\n"
 
 # NVIDIA's DeviceClasses, with the chart's exact selectors (facts/dra.md C1). The chart adds `extendedResourceName:
 # nvidia.com/gpu` to gpu.nvidia.com on resource.k8s.io/v1; left out here, where the device plugin serves that name.
@@ -211,12 +217,12 @@ class _DraDemo:
         for gpu in self.driver.gpus:
             profiles = Counter(gi.profile.name for gi, _ in gpu.mig_devices()) if gpu.mig_current else {}
             layout = "MIG: " + ", ".join(f"{n} × {p}" for p, n in profiles.items()) if profiles else "whole GPU"
+            if gpu.index in DYNAMIC_MIG_GPUS:
+                layout = "MIG, made per claim"
             owner = "DRA (ResourceSlices)" if gpu.index in DRA_GPUS else "device plugin (nvidia.com/gpu)"
-            print(f"{'':18}GPU {gpu.index}  {gpu.model.nvml_name:<24} {layout:<18} -> {owner}")
-        print(
-            f"  config          dra: {{enabled: true, gpus: [{', '.join(map(str, DRA_GPUS))}]}}: each GPU belongs "
-            "to one front end, never both"
-        )
+            print(f"{'':18}GPU {gpu.index}  {gpu.model.nvml_name:<24} {layout:<19} -> {owner}")
+        print(f"  config          dra: {DRA_SECTION}:")
+        print(f"{'':18}each GPU belongs to one front end, never both; GPU 3's MIG devices are made for each claim")
         print(
             f"  control plane   an API server stand-in (Kubernetes {KUBERNETES_VERSION}, resource.k8s.io/v1), "
             "the scheduler's DRA allocator"
@@ -253,8 +259,25 @@ class _DraDemo:
         )
         for item in slices:
             print(f"        {item['metadata']['name']}:")
-            for device in item["spec"]["devices"]:
-                print(f"          {_describe(device)}")
+            for counter_set in item["spec"].get("sharedCounters", []):
+                print(f"          counter set {counter_set['name']}: what the partitions of its GPU share")
+            partitions: dict[str, list[dict]] = {}
+            for device in item["spec"].get("devices", []):
+                if device.get("consumesCounters") and _attribute(device, "type") == "mig":
+                    partitions.setdefault(_attribute(device, "profile"), []).append(device)
+                else:
+                    print(f"          {_describe(device)}")
+            for profile, devices in partitions.items():
+                first = devices[0]
+                memory = first.get("capacity", {}).get("memory", {}).get("value", "?")
+                stem = first["name"].rsplit("-", 1)[0]
+                starts = ",".join(d["name"].rsplit("-", 1)[1] for d in devices)
+                print(f"          {stem}-{{{starts}}}: {len(devices)} × MIG {profile}, memory {memory}")
+        if any(s["spec"].get("sharedCounters") for s in slices):
+            print(
+                "      (GPU 3's partitions consume its counter set: overlapping placements exclude each other, the\n"
+                "      whole GPU excludes them all; a partition's MIG device is created when a claim is prepared)"
+            )
         print("      NVIDIA's DeviceClasses, created in the API server (the chart's exact selectors):")
         for cls in self.api.objects("deviceclasses"):
             selector = cls["spec"]["selectors"][0]["cel"]["expression"]
@@ -309,6 +332,16 @@ class _DraDemo:
             print(f"        {container}:")
             for cdi_id in ids:
                 print(f"          {cdi_id}")
+        made = self.driver.gpus[DYNAMIC_MIG_GPUS[0]].mig_devices()
+        if len(made) != 1:
+            raise DemoFailure(f"step 3: GPU 3 should hold the one MIG device made for claim mig-small, not {len(made)}")
+        gi, ci = made[0]
+        start, size = gi.placement
+        print(
+            f"      claim mig-small's MIG device was created for it: {ci.uuid} on GPU 3, GPU instance {gi.id}\n"
+            f"      at memory slice {start}{'' if size == 1 else f'-{start + size - 1}'}, exactly the allocated "
+            f"{self.chosen['mig-small']}"
+        )
         claim = self.claims["h100"]
         path = self.cdi_root / f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.yaml"
         if not path.is_file():
@@ -417,6 +450,12 @@ class _DraDemo:
             raise DemoFailure(f"step 6: pod {pod}'s claims were not unprepared: {why or 'still prepared'}")
         names = ", ".join(name for name, *_ in CLAIMS)
         print(f"      claims {names} unprepared; CDI specs in {self.cdi_root}: none left")
+        left_on_gpu = self.driver.gpus[DYNAMIC_MIG_GPUS[0]].mig_devices()
+        if left_on_gpu:
+            raise DemoFailure(
+                f"step 6: the MIG device made for claim mig-small is still on GPU 3: {left_on_gpu[0][1].uuid}"
+            )
+        print("      the MIG device made for claim mig-small was destroyed (no process ran on it): GPU 3 is free again")
         print(
             f"      {', '.join(self.chosen.values())} stay allocated to the claims until they are deleted, "
             "then go to other claims"
@@ -432,6 +471,7 @@ class _DraDemo:
         chosen = ", ".join(f"{name} -> {device}" for name, device in self.chosen.items())
         print(f"  - NVIDIA's DeviceClasses and CEL selectors chose Tessera's devices unchanged:\n      {chosen}")
         print("  - prepared with one CDI spec per claim (k8s.gpu.nvidia.com/claim=<claim UID>-<device>), unprepared")
+        print("  - the MIG 1g.10gb device was created for its claim at the allocated placement, and destroyed after")
         print("  - an XID tainted its device (gpu.nvidia.com/xid) and the taint went when the GPU recovered")
         print("  - the slices a kubelet restart wiped came back without the agent restarting")
         print("Done. Next: `tessera plan --dra --node dgx-a100` to see the slices of another node, or `tessera demo`.")
@@ -445,7 +485,7 @@ class _DraDemo:
         )
 
     def _slice_devices(self) -> list[dict]:
-        return [d for s in self._slices() for d in s["spec"]["devices"]]
+        return [d for s in self._slices() for d in s["spec"].get("devices", [])]
 
     def _devices(self) -> list[str]:
         return [d["name"] for d in self._slice_devices()]
@@ -463,7 +503,12 @@ class _DraDemo:
         expected = 0
         for index in DRA_GPUS:
             gpu = self.driver.gpus[index]
-            if gpu.mig_current:
+            if index in DYNAMIC_MIG_GPUS:  # the whole GPU and its partitions
+                count = sum(n.startswith(f"gpu-{gpu.minor_number}-mig-") for n in names)
+                if f"gpu-{gpu.minor_number}" not in names or not count:
+                    return False
+                expected += 1 + count
+            elif gpu.mig_current:
                 prefix = f"gpu-{gpu.minor_number}-mig-"
                 count = len(gpu.mig_devices())
                 if sum(n.startswith(prefix) for n in names) != count:

@@ -51,12 +51,13 @@ def test_each_gpu_belongs_to_one_front_end_and_the_slices_name_nvidias_devices(
 ) -> None:
     out = run.stdout
     assert re.search(r"GPU 2 +NVIDIA A100-SXM4-80GB +whole GPU +-> device plugin", out)
-    assert re.search(r"GPU 3 +NVIDIA A100-SXM4-80GB +MIG: 7 × 1g.10gb +-> DRA", out)
+    assert re.search(r"GPU 3 +NVIDIA A100-SXM4-80GB +MIG, made per claim +-> DRA", out)
     step = _step(out, 1)
     assert re.search(r"nvidia.com/gpu +allocatable 1: GPU-", step)  # the device plugin keeps one GPU
     assert re.search(r"gpu-0 +type gpu +NVIDIA H100 80GB HBM3 +memory 81559Mi", step)
     assert re.search(r"gpu-1 +type gpu +NVIDIA A100-SXM4-80GB +memory 80Gi", step)
-    assert len(re.findall(r"gpu-3-mig-1g10gb-\d+-\d+ +type mig .*MIG 1g.10gb +memory 9728Mi", step)) == 7
+    assert "gpu-3-mig-1g10gb-19-{0,1,2,3,4,5,6}: 7 × MIG 1g.10gb, memory 9728Mi" in step  # placements, made later
+    assert "gpu-3-mig-7g80gb-0-{0}: 1 × MIG 7g.80gb" in step and "counter set gpu-3-counter-set" in step
     assert "gpu-2" not in step  # never offered by both front ends
     for selector in (
         "gpu.nvidia.com   device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'",
@@ -84,6 +85,8 @@ def test_the_pod_gets_cdi_ids_and_a_spec_is_shown(run: subprocess.CompletedProce
     assert re.search(rf"k8s.gpu.nvidia.com/claim={uid}-gpu-3-mig-1g10gb-", step)
     assert re.search(rf"k8s.gpu.nvidia.com-claim_{uid}\.yaml", step)  # the spec file's path
     assert "| kind: k8s.gpu.nvidia.com/claim" in step and "- path: /dev/nvidia0" in step  # its content
+    made = re.search(r"claim mig-small's MIG device was created for it: (MIG-[0-9a-f-]+) on GPU 3", step)
+    assert made is not None and f"nvidia.com/gpu={made.group(1)}" in step  # the container gets the new device
 
 
 def test_an_xid_taints_the_device_and_the_taint_goes_after_the_shortened_window(
@@ -102,7 +105,7 @@ def test_the_slices_come_back_after_a_kubelet_restart(run: subprocess.CompletedP
     step = _step(run.stdout, 5)
     assert "Restarting the kubelet" in step
     assert "the kubelet deleted slice(s)" in step
-    back = re.search(r"slices back after (\d+\.\d+) s\n.*: 9 devices", step)
+    back = re.search(r"slices back after (\d+\.\d+) s\n.*: 28 devices", step)
     assert back is not None and float(back.group(1)) < 10
     assert "running pods keep their devices, nothing is prepared again: trainer" in step
 
@@ -111,6 +114,7 @@ def test_stopping_the_pod_unprepares_the_claims(run: subprocess.CompletedProcess
     step = _step(run.stdout, 6)
     assert "claims h100, big-memory, mig-small unprepared" in step
     assert "none left" in step
+    assert "the MIG device made for claim mig-small was destroyed (no process ran on it)" in step
 
 
 def test_flags_of_the_device_plugin_demo_are_refused_not_ignored() -> None:
