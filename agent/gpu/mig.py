@@ -160,10 +160,10 @@ def _mig_device(handle: object, gi_id: int, what: str) -> MigInstance:
 
 
 def _full_compute_profile(gpu_instance: object, slices: int) -> int:
-    """The ID of the compute-instance profile that spans a GPU instance of ``slices`` (not the REV1 variant)."""
+    """The ID of the compute-instance profile that spans a GPU instance of ``slices``, as ``nvidia-smi -C`` picks
+    it: the plain one, or ``1_SLICE_REV1`` where that is the only one (a ``1g.20gb``, ``1_SLICE_REV2``, instance)."""
+    found: dict[int, int] = {}
     for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
-        if index == pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1:
-            continue
         try:
             info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
                 gpu_instance, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
@@ -173,7 +173,10 @@ def _full_compute_profile(gpu_instance: object, slices: int) -> int:
                 continue
             raise
         if info.sliceCount == slices:
-            return int(info.id)
+            found[index] = int(info.id)
+    plain = [profile for index, profile in found.items() if index != pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1]
+    if plain or found:
+        return (plain or list(found.values()))[0]
     raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
 

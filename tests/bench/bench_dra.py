@@ -56,6 +56,7 @@ import copy
 import logging
 import os
 import platform
+import random
 import shutil
 import signal
 import statistics
@@ -79,7 +80,7 @@ from agent.sim.apiserver import DEFAULT_SCHEMA_VERSIONS, RESOURCE_SLICE, ApiServ
 from agent.sim.kubelet import DraKubeletEmulator, KubeletEmulator
 from agent.sim.kubelet.common import CHANNEL_OPTIONS
 from agent.sim.nvml.control import SimControlClient
-from agent.sim.scheduler import allocate
+from agent.sim.scheduler import Unschedulable, allocate
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -98,6 +99,10 @@ MIG_SPEC = (
     "    mig:\n      instances: [1g.10gb, 1g.10gb, 1g.10gb, 1g.10gb, 1g.10gb, 1g.10gb, 1g.10gb]\n"
 )
 MIG_DEVICES = 56
+DYNAMIC_SPEC = "name: dgx-h100-dynamic\ngpus:\n  - model: H100-SXM5-80GB\n    count: 8\n    mig:\n      instances: []\n"
+DYNAMIC_DEVICES = 8 * 26  # per GPU: the whole GPU and 25 profile placements (mig-profiles.json, H100 80GB)
+MIG_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'"  # NVIDIA's
+CHURN_PROFILES = ("1g.10gb", "1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")
 GPUS = 8
 XIDS = (48, 79, 95, 74)  # critical in the catalog: each taints its GPU's devices, and recovers
 RECOVERY_SECONDS = "0.05"
@@ -231,9 +236,9 @@ class _Until(threading.Thread):
 
 
 class World:
-    def __init__(self, base: Path, simulate: str, gpus: str, log_level: str) -> None:
+    def __init__(self, base: Path, simulate: str, gpus: str, log_level: str, dra_extra: str = "") -> None:
         self.base = base
-        (base / "config.yaml").write_text(f"version: v1\ndra:\n  enabled: true\n  gpus: {gpus}\n")
+        (base / "config.yaml").write_text(f"version: v1\ndra:\n  enabled: true\n  gpus: {gpus}\n{dra_extra}")
         self.api = ApiServer(git_version=GIT_VERSION)
         self.api.start()
         self.api.add_node(NODE)
@@ -331,8 +336,10 @@ class World:
         self.api.stop()
 
 
-def _with_world(base: Path, simulate: str, gpus: str, args: argparse.Namespace, body: Callable[[World], None]) -> None:
-    world = World(base, simulate, gpus, args.agent_log_level)
+def _with_world(
+    base: Path, simulate: str, gpus: str, args: argparse.Namespace, body: Callable[[World], None], dra_extra: str = ""
+) -> None:
+    world = World(base, simulate, gpus, args.agent_log_level, dra_extra)
     try:
         body(world)
     except Exception:
@@ -540,6 +547,103 @@ def mig_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure]) -
     _with_world(base, str(spec), "all", args, body)
 
 
+def dynamic_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure]) -> None:
+    """A dgx-h100 in MIG mode with no MIG device, every GPU in dynamic-MIG mode."""
+    spec = base / "dgx-h100-dynamic.yaml"
+    spec.write_text(DYNAMIC_SPEC)
+
+    def body(world: World) -> None:
+        api = world.api
+        world.spawn()
+        complete = api.wait_for(_pool_with(api, DYNAMIC_DEVICES), DEADLINE)
+        figures["dyn start"].add_one(complete - world.spawned)
+        figures["dyn slices"].add_one(len(_complete_pool(api) or []))
+        figures["dyn devices"].add_one(DYNAMIC_DEVICES)
+        world.registered()
+        api.create("deviceclasses", {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+                                     "metadata": {"name": "mig.nvidia.com"},
+                                     "spec": {"selectors": [{"cel": {"expression": MIG_CLASS}}]}})  # fmt: skip
+        classes = {c["metadata"]["name"]: c for c in api.objects("deviceclasses")}
+        slices = _complete_pool(api) or []
+        control = SimControlClient(world.base / "ctl.sock")
+        stub = world.stub()
+
+        def claim(name: str, profile: str, held: set[tuple[str, str, str]]) -> dict | None:
+            """A claim for one MIG device of ``profile``, allocated around ``held``; None when nothing fits."""
+            selector = f"device.attributes['gpu.nvidia.com'].profile == '{profile}'"
+            request = {"deviceClassName": "mig.nvidia.com", "selectors": [{"cel": {"expression": selector}}]}
+            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                    "metadata": {"name": name, "namespace": "default"},
+                    "spec": {"devices": {"requests": [{"name": "mig", "exactly": request}]}}}  # fmt: skip
+            created = api.create("resourceclaims", body)
+            try:
+                allocated = allocate(created, slices, classes, held, NODE)
+            except Unschedulable:
+                api.delete("resourceclaims", name, namespace="default")
+                return None
+            return api.update("resourceclaims", allocated, status=True)
+
+        # Prepare (creates the MIG device) and Unprepare (destroys it), one 1g.10gb claim at a time
+        one = claim("timed", "1g.10gb", set())
+        assert one is not None
+        prepare, unprepare = [], []
+        for _ in range(args.prepares // 4):
+            _pairs(stub, one, 1, prepare, unprepare)
+        figures["dyn prepare"].add(prepare)
+        figures["dyn unprepare"].add(unprepare)
+
+        # churn: claims of random profiles come and go; the node's MIG devices must always be exactly the prepared
+        # claims' partitions, at their placements
+        rng = random.Random(len(prepare))
+        live: dict[str, tuple[dict, tuple[str, str, str]]] = {}
+        refused = checks = 0
+        for n in range(args.churn):
+            if live and (rng.random() < 0.45 or len(live) > 40):
+                name = rng.choice(sorted(live))
+                done, _ = live.pop(name)
+                _check(stub.NodeUnprepareResources(_request(done)[1], timeout=45), done, None)
+                api.delete("resourceclaims", name, namespace="default")
+            else:
+                made = claim(f"churn-{n}", rng.choice(CHURN_PROFILES), {d for _, d in live.values()})
+                if made is None:
+                    refused += 1
+                    continue
+                (result,) = made["status"]["allocation"]["devices"]["results"]
+                _check(stub.NodePrepareResources(_request(made)[0], timeout=45), made, 1)
+                live[made["metadata"]["name"]] = (made, (result["driver"], result["pool"], result["device"]))
+            if n % 10 == 0 or n == args.churn - 1:
+                checks += 1
+                _same_partitions(control.call("mig_devices"), [device for _, (_, _, device) in live.values()])
+        for done, _ in live.values():
+            _check(stub.NodeUnprepareResources(_request(done)[1], timeout=45), done, None)
+        left = control.call("mig_devices")
+        specs = list((world.base / "cdi").glob("*.yaml"))
+        if left or specs:
+            raise RuntimeError(f"after the churn: MIG devices {left}, CDI specs {[p.name for p in specs]}")
+        figures["dyn churn"].add_one(args.churn)
+        figures["dyn refused"].add_one(refused)
+        figures["dyn checks"].add_one(checks)
+        figures["dyn rss"].add_one(world.rss())
+
+    _with_world(base, str(spec), "all", args, body, dra_extra="  dynamicMig: all\n")
+
+
+def _same_partitions(made: list[dict], prepared: list[str]) -> None:
+    """The node's MIG devices are exactly the prepared partitions (``gpu-<minor>-mig-<profile>-<id>-<start>``):
+    none missing, none left over, none overlapping another on its GPU."""
+    have = sorted((m["gpu"], m["start"]) for m in made)
+    want = sorted((int(d.split("-")[1]), int(d.rsplit("-", 1)[1])) for d in prepared)
+    if have != want:
+        raise RuntimeError(f"MIG devices at {have}, prepared partitions at {want}")
+    for gpu in {m["gpu"] for m in made}:
+        used: set[int] = set()
+        for m in (m for m in made if m["gpu"] == gpu):
+            slices = set(range(m["start"], m["start"] + m["size"]))
+            if used & slices:
+                raise RuntimeError(f"overlapping MIG devices on GPU {gpu}: {made}")
+            used |= slices
+
+
 def both_front_ends(base: Path, args: argparse.Namespace, figures: dict[str, Figure]) -> None:
     def body(world: World) -> None:
         world.spawn()
@@ -625,6 +729,20 @@ SECTIONS: tuple[tuple[str, dict[str, tuple[str, ...]]], ...] = (
             "both rss loop": ("RSS after prepare pairs + device-plugin pods", "< 100 MB", "MB"),
         },
     ),
+    (
+        "4. dgx-h100 in dynamic-MIG mode (8 GPUs, MIG on, no MIG device; issue 16)",
+        {
+            "dyn start": ("spawn -> complete pool (whole GPUs + every profile placement)", "< 2 s"),
+            "dyn devices": ("devices in the pool", "-", "n"),
+            "dyn slices": ("slices in the pool (1.36: counter slice + device slices)", "-", "n"),
+            "dyn prepare": ("NodePrepareResources, 1g.10gb (creates the MIG device)", "p99 < 200 ms"),
+            "dyn unprepare": ("NodeUnprepareResources, 1g.10gb (destroys it)", "p99 < 200 ms"),
+            "dyn churn": ("churn steps (claims of random profiles, prepared and unprepared)", "-", "n"),
+            "dyn refused": ("  of which no room (the allocator found no free placement)", "-", "n"),
+            "dyn checks": ("  node's MIG devices == prepared partitions, no overlap: checks passed", "-", "n"),
+            "dyn rss": ("RSS after the churn", "-", "MB"),
+        },
+    ),
 )
 
 
@@ -679,7 +797,8 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=10, help="kubelet restarts per round")
     parser.add_argument("--writes", type=int, default=30, help="stand-in slice writes per round (floor)")
     parser.add_argument("--agent-log-level", default="warning")
-    parser.add_argument("--parts", default="prepare,mig,both", help="which parts to run (comma-separated)")
+    parser.add_argument("--churn", type=int, default=1000, help="dynamic-MIG claim churn steps per round")
+    parser.add_argument("--parts", default="prepare,mig,both,dynamic", help="which parts to run (comma-separated)")
     args = parser.parse_args()
     logging.disable(logging.ERROR)  # the emulators' and the stand-in's notes are not the report
 
@@ -688,6 +807,7 @@ def main() -> None:
         "prepare": lambda base: prepare_node(base, args, figures),
         "mig": lambda base: (floors(figures), mig_node(base, args, figures)),
         "both": lambda base: both_front_ends(base, args, figures),
+        "dynamic": lambda base: dynamic_node(base, args, figures),
     }
     steps = [parts[name] for name in args.parts.split(",")]
     global AGENT_HOME

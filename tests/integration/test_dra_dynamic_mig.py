@@ -318,3 +318,27 @@ def test_a_static_layout_never_touches_a_dynamic_mig_gpu(world: World, caplog: p
     test_dra_e2e.poll(lambda: world.agent.status.mig_state == "success", "the MIG layout applied")
     assert instances(world) == {}  # the layout's seven 1g.10gb were never made on GPU 0
     assert "the MIG layout leaves GPUs 0 alone: dra.dynamicMig makes their MIG devices per claim" in caplog.text
+
+
+@pytest.mark.parametrize("model", ["A100-SXM4-80GB", "H100-SXM5-80GB"])
+def test_every_published_partition_can_be_created_and_destroyed(sim_node, model: str) -> None:
+    """What the slices offer, the driver can make: each profile at each placement, its full compute instance
+    included (1g.20gb's is the 1_SLICE_REV1 compute profile, as ``nvidia-smi -C`` picks it)."""
+    from agent.core.inventory import Placement
+    from agent.core.mig_catalog import mig_catalogs
+    from agent.gpu.mig import create_partition, destroy_partition, mig_instance
+
+    driver = sim_node({"gpus": [{"model": model, "mig": {"instances": []}}]})
+    uuid = driver.gpus[0].uuid
+    (catalog,) = [c for c in mig_catalogs() if c.key == model]
+    for profile in catalog.profiles:
+        for placement in profile.placements:
+            made = create_partition(uuid, profile.id, Placement(placement.start, placement.size))
+            ((gi, ci),) = driver.gpus[0].mig_devices()
+            assert (gi.profile.name, gi.placement, ci.uuid) == (
+                profile.name,
+                (placement.start, placement.size),
+                made.uuid,
+            )
+            destroy_partition(uuid, made.gi_id)
+            assert mig_instance(uuid, made.gi_id) is None and driver.gpus[0].mig_devices() == []

@@ -626,3 +626,16 @@ def test_control_socket_refuses_an_endless_request_without_buffering_it(
         reply = json.loads(connection.makefile("rb").readline())
     assert reply == {"ok": False, "error": f"a request is at most {MAX_REQUEST_BYTES} bytes"}
     client.call("inject_xid", gpu=0, xid=48)  # the server still serves
+
+
+def test_control_socket_lists_the_mig_devices(
+    nvml_node: Callable[[object], SimDriver], control: Callable[[SimDriver], SimControlClient]
+) -> None:
+    driver = nvml_node({"gpus": [{"model": "A100-SXM4-80GB", "mig": {"instances": ["3g.40gb", "1g.10gb"]}}]})
+    listed = control(driver).call("mig_devices")
+    expected = [
+        {"gpu": 0, "gi": gi.id, "ci": ci.id, "uuid": ci.uuid, "profile": gi.profile.name,
+         "start": gi.placement[0], "size": gi.placement[1]}
+        for gi, ci in driver.gpus[0].mig_devices()
+    ]  # fmt: skip
+    assert listed == expected and sorted(m["profile"] for m in listed) == ["1g.10gb", "3g.40gb"]

@@ -71,6 +71,7 @@ def _node_operations(driver: SimDriver) -> _Operations:
         "set_health_signals": (lambda gpu, **signals: driver.set_health_signals(gpu, **signals), _HEALTH_SIGNALS),
         "hide_gi_profile": (driver.hide_gi_profile, {"profile_index": int}),
         "destructive_calls": (lambda: _destructive_calls(driver), {}),
+        "mig_devices": (lambda: _mig_devices(driver), {}),
     }
 
 
@@ -114,6 +115,17 @@ def _symbols(symbols: list[Any] | None) -> list[str] | None:
 def _destructive_calls(driver: SimDriver) -> list[dict[str, Any]]:
     """Read-only: the destructive-call log, oldest first, with each result as its ``Return`` name."""
     return [{**asdict(call), "result": call.result.name} for call in driver.destructive_calls]
+
+
+def _mig_devices(driver: SimDriver) -> list[dict[str, Any]]:
+    """Read-only: every MIG device of the node, with its GPU, instance IDs, profile and placement."""
+    with driver.lock:
+        return [
+            {"gpu": gpu.index, "gi": gi.id, "ci": ci.id, "uuid": ci.uuid, "profile": gi.profile.name,
+             "start": gi.placement[0], "size": gi.placement[1]}
+            for gpu in driver.gpus
+            for gi, ci in gpu.mig_devices()
+        ]  # fmt: skip
 
 
 def _compute_mode(driver: SimDriver, uuid: str) -> int:
