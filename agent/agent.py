@@ -109,6 +109,7 @@ class AgentOptions:
     dra_plugins_dir: Path = Path("/var/lib/kubelet/plugins")  # <dir>/<driver>/: the DRA socket and checkpoint
     cdi_root: Path = Path("/var/run/cdi")  # CDI specs of prepared DRA claims
     sys_root: Path = Path("/sys")  # the host's sysfs: each DRA GPU's PCIe root
+    nvidia_smi: str = "nvidia-smi"  # sets the time-slice of DRA claims' time-sliced GPUs
     pod_uid: str | None = None  # this agent's pod: DRA socket names that allow a rolling update
     mig_config: Path | None = None  # a MIG layout file (mig-parted's format); else the config's migLayout
     mig_config_name: str | None = None  # which layout (else the node label nvidia.com/mig.config, else the config's)
@@ -797,6 +798,7 @@ class Agent:
             plugins_dir=self.options.dra_plugins_dir,
             cdi_root=self.options.cdi_root,
             sys_root=self.options.sys_root,
+            nvidia_smi=self.options.nvidia_smi,
             pod_uid=self.options.pod_uid,
             cdi_kind=self._effective.allocation.cdi_kind,
         )

@@ -244,6 +244,13 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
     _env_flag(parser, "--mps-control", "TESSERA_MPS_CONTROL", help="the nvidia-cuda-mps-control binary (default: PATH)")
     _env_flag(
         parser,
+        "--nvidia-smi",
+        "TESSERA_NVIDIA_SMI",
+        default="nvidia-smi",
+        help="with dra: the host driver's nvidia-smi, which sets a time-slicing claim's GPU time-slice (default: PATH)",
+    )
+    _env_flag(
+        parser,
         "--mps-keeper",
         "TESSERA_MPS_KEEPER",
         help="the socket of a `tessera mps-keeper` on this node: MPS daemons start in its container and outlive "

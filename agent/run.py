@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -84,6 +85,7 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> RunOptio
             mps_root=_mps_root(mps_root.value, mps_root.source),
         ),
         mps_control=args.mps_control,
+        nvidia_smi=args.nvidia_smi,
         mps_keeper=_socket_path("--mps-keeper", args.mps_keeper),
         dra_registry_dir=_host_dir("--dra-registry-dir", args.dra_registry_dir),
         dra_plugins_dir=_host_dir("--dra-plugins-dir", args.dra_plugins_dir),
@@ -213,6 +215,8 @@ def run_agent(options: AgentOptions, simulate: str | None, sim_control: str | No
                 control = SimControlServer(driver, Path(sim_control))
                 control.start()
                 stack.callback(control.stop)
+                # the emulators the agent runs (nvidia-smi: agent.sim.smi) reach the simulated node through it
+                os.environ["TESSERA_SIM_CONTROL"] = str(Path(sim_control).resolve())
         if isinstance(options, RunOptions) and options.fail_on_init_error:
             _nvml_starts()
         agent = Agent(options)

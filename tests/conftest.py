@@ -113,6 +113,16 @@ def mps_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def smi_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding ``nvidia-smi``: the emulator (``agent.sim.smi``) under the real binary's name."""
+    directory = tmp_path_factory.mktemp("smi-bin")
+    launcher = directory / "nvidia-smi"
+    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agent.sim.smi "$@"\n')
+    launcher.chmod(0o755)
+    return directory
+
+
+@pytest.fixture
 def nvml_node(sim_node: Callable[[object], SimDriver]) -> Iterator[Callable[[object], SimDriver]]:
     """``nvml_node(spec)``: a simulated node with ``pynvml.nvmlInit`` done; shut down again afterwards."""
     import pynvml

@@ -75,6 +75,7 @@ class DraFrontEnd:
         from agent.dra.publisher import SlicePublisher
         from agent.dra.registration import DRA_SERVICES, HEALTH_SERVICE, DraRegistrar
         from agent.dra.service import DraService
+        from agent.dra.timeslices import NvidiaSmiTimeslices
 
         s = self.settings
         endpoint = dra_socket(s.plugins_dir, s.driver, s.pod_uid)
@@ -87,6 +88,7 @@ class DraFrontEnd:
             cdi=CdiStore(s.cdi_root),
             checkpoints=CheckpointStore(checkpoint_path(endpoint.parent)),
             node_cdi_kind=s.cdi_kind,
+            timeslices=NvidiaSmiTimeslices(s.nvidia_smi),
         )
         self._service.start()
         if s.pod_uid is None:  # one instance per node: a spec no recorded claim owns is a leftover (a crash)

@@ -48,6 +48,7 @@ from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
 from agent.dra.claims_api import ClaimReader, ClaimsUnavailable
 from agent.dra.devnodes import DeviceNodes
 from agent.dra.partitions import PartitionError
+from agent.dra.timeslices import TimesliceFailed
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,13 @@ class Partitions(Protocol):
 
     def create(self, mig: CreatedMig) -> CreatedMig: ...
     def destroy(self, mig: CreatedMig) -> None: ...
+
+
+class Timeslices(Protocol):
+    """Sets and resets a GPU's compute time-slice (``agent.dra.timeslices.NvidiaSmiTimeslices``)."""
+
+    def apply(self, gpu_uuid: str, level: int) -> None: ...
+    def reset(self, gpu_uuid: str) -> None: ...
 
 
 class ClaimWorker:
@@ -91,6 +99,7 @@ class ClaimWorker:
         common_edits: Mapping[str, Any] | None,
         device_nodes: DeviceNodes,
         partitions: Partitions | None = None,
+        timeslices: Timeslices | None = None,
     ) -> None:
         self._driver, self._pool = driver, pool
         self._read_claim = read_claim
@@ -104,6 +113,11 @@ class ClaimWorker:
 
             partitions = NvmlPartitions()
         self._partitions = partitions
+        if timeslices is None:
+            from agent.dra.timeslices import NvidiaSmiTimeslices
+
+            timeslices = NvidiaSmiTimeslices()
+        self._timeslices = timeslices
         self.checkpoint: Checkpoint = checkpoints.load()
 
     # ----- Prepare ------------------------------------------------------------------------------------------------
@@ -177,13 +191,15 @@ class ClaimWorker:
             for planned in plan.devices:
                 if (intent := planned_mig(planned)) is not None:
                     created[planned.device] = self._partitions.create(intent)
+                if planned.timeslice is not None:
+                    self._timeslices.apply(planned.info.uuid, planned.timeslice)
             spec, ids = self._spec(
                 ref.uid, [(d.device, _concrete(d.info, created.get(d.device))) for d in plan.devices]
             )
             self._cdi.write(ref.uid, spec)
             completed = prepare_completed(self.checkpoint, plan, ids, created)
             self._store.save(completed)
-        except (PartitionError, CdiError, CdiStoreError, CheckpointSaveError) as error:
+        except (PartitionError, TimesliceFailed, CdiError, CdiStoreError, CheckpointSaveError) as error:
             reason = f"cannot build its CDI spec: {error}" if isinstance(error, CdiError) else str(error)
             if (problem := self._roll_back(ref, created)) is not None:
                 return ClaimError(ref, f"{reason}; rolling back failed too ({problem}): the next attempt retries it")
@@ -235,10 +251,12 @@ class ClaimWorker:
             self._cdi.remove(ref.uid)
             record = self.checkpoint.claims.get(ref.uid)
             for device in record.devices if record is not None else ():
+                if device.timeslice is not None:
+                    self._timeslices.reset(device.timeslice.gpu_uuid)
                 mig = (created or {}).get(device.device) or device.mig
                 if mig is not None:
                     self._partitions.destroy(mig)
-        except (CdiStoreError, PartitionError) as error:
+        except (CdiStoreError, PartitionError, TimesliceFailed) as error:
             log.error("cannot roll back claim=%s/%s uid=%s error=%r", ref.namespace, ref.name, ref.uid, str(error))
             return str(error)
         rolled = unprepared(self.checkpoint, ref.uid)
@@ -283,9 +301,11 @@ class ClaimWorker:
         try:
             removed = self._cdi.remove(ref.uid)
             for device in claim.devices if claim is not None else ():
+                if device.timeslice is not None:
+                    self._timeslices.reset(device.timeslice.gpu_uuid)
                 if device.mig is not None:
                     self._partitions.destroy(device.mig)  # the record stays until it is gone: the kubelet retries
-        except (CdiStoreError, PartitionError) as error:
+        except (CdiStoreError, PartitionError, TimesliceFailed) as error:
             return _failed_unprepare(ref, str(error))
         if claim is None:
             log.info(

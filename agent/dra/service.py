@@ -48,7 +48,7 @@ from agent.dra.checkpoint_store import CheckpointStore
 from agent.dra.claims_api import ClaimReader
 from agent.dra.devnodes import DeviceNodes, default_device_nodes
 from agent.dra.names import MAX_SOCKET_PATH, check_driver_name
-from agent.dra.prepare import ClaimWorker
+from agent.dra.prepare import ClaimWorker, Timeslices
 from agent.grpc_loop import GrpcLoop, grpc_loop
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class DraService:
         node_cdi_kind: str = DEFAULT_CDI_KIND,
         cdi_common_edits: Mapping[str, Any] | None = None,
         device_nodes: DeviceNodes | None = None,
+        timeslices: Timeslices | None = None,
         health_timeout_seconds: int = HEALTH_TIMEOUT_SECONDS,
         loop: GrpcLoop | None = None,
     ) -> None:
@@ -132,6 +133,7 @@ class DraService:
             node_cdi_kind=node_cdi_kind,
             common_edits=cdi_common_edits,
             device_nodes=device_nodes or default_device_nodes(node_wide_cdi),
+            timeslices=timeslices,
         )
         self._executor: ThreadPoolExecutor | None = None
         self._server: grpc.aio.Server | None = None

@@ -19,6 +19,7 @@ class DraSettings:
     pod_uid: str | None = None  # with it, socket names allow a rolling update of the DaemonSet
     cdi_kind: str = "nvidia.com/gpu"  # the node-wide CDI spec's kind (nvidia-ctk cdi generate), as --cdi-kind
     sys_root: Path = Path("/sys")  # where the GPUs' PCIe roots are read (resource.kubernetes.io/pcieRoot)
+    nvidia_smi: str = "nvidia-smi"  # sets a time-slicing claim's GPU time-slice
 
 
 @dataclass(frozen=True, slots=True)

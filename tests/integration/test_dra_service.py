@@ -399,10 +399,10 @@ BAD_CLAIMS: dict[str, tuple[Callable[[Node], None], dict[str, Any], list[str]]] 
     ),
     "unhealthy device": (unhealthy_gpu1, claim(2, "gpu-1"), ["gpu-1", "Unhealthy", "XID 79"]),
     "unknown device": (lambda node: None, claim(2, "gpu-9"), ['"gpu-9" does not exist on this node']),
-    "sharing asked for": (
+    "MPS asked for": (
         lambda node: None,
-        claim(2, "gpu-1", configs=[opaque(sharing={"strategy": "TimeSlicing"})]),
-        ["TimeSlicing", "not available in this Tessera release yet"],
+        claim(2, "gpu-1", configs=[opaque(sharing={"strategy": "MPS"})]),
+        ["MPS", "not available in this Tessera release yet"],
     ),
     "unknown config kind": (
         lambda node: None,

@@ -200,13 +200,24 @@ def test_a_config_naming_the_request_of_the_wrong_type_is_refused_in_nvidias_wor
     assert not answer.retriable
 
 
-def test_sharing_is_refused_until_issue_16_naming_the_claim_and_the_config():
-    answer = refused(claim([result("gpu-0"), result("gpu-1")], [opaque(requests=["gpu"], **GPU_SHORT)]))
-    assert answer.reason.startswith(
-        "config[0] (FromClaim, GpuConfig, requests [gpu]) asks for TimeSlicing sharing (devices gpu-0, gpu-1): "
-        "sharing through DRA (TimeSlicing/MPS) is not available in this Tessera release yet"
+def test_time_slicing_plans_the_interval_on_whole_gpus_only():
+    answer = planned(claim([result("gpu-0"), result("gpu-1")], [opaque(requests=["gpu"], **GPU_SHORT)]))
+    assert [d.timeslice for d in answer.devices] == [1, 1]  # Short
+    mig = {"sharing": {"strategy": "TimeSlicing"}}
+    answer = planned(
+        claim([result("gpu-2-mig-1g10gb-19-0", "mig")], [opaque("MigDeviceConfig", requests=["mig"], **mig)])
     )
-    assert "Remove `sharing` from the config" in answer.reason
+    assert answer.devices[0].timeslice is None  # accepted and does nothing, as on NVIDIA's driver
+
+
+def test_mps_is_refused_until_it_arrives_naming_the_claim_and_the_config():
+    mps = {"sharing": {"strategy": "MPS"}}
+    answer = refused(claim([result("gpu-0"), result("gpu-1")], [opaque(requests=["gpu"], **mps)]))
+    assert answer.reason.startswith(
+        "config[0] (FromClaim, GpuConfig, requests [gpu]) asks for MPS sharing (devices gpu-0, gpu-1): "
+        "MPS sharing through DRA is not available in this Tessera release yet"
+    )
+    assert "remove `sharing` from the config" in answer.reason
 
 
 def test_mps_from_a_device_class_is_refused_too():

@@ -21,7 +21,9 @@ holds::
                                                                      "giID": 7, "ciID": 0, "uuid": "MIG-…"}}]}}}
 
 ``mig`` is there for a device Prepare created (dynamic MIG): its placement from ``PrepareStarted`` on, its IDs once
-``PrepareCompleted``.
+``PrepareCompleted``. ``timeSlice`` (``{"gpuUUID", "level"}``; NVIDIA records ``timeSliceApplied``) is the
+time-slice Prepare sets on a GPU whose config time-slices it, recorded before it is set, so a rollback or
+Unprepare puts the GPU back to Default.
 
 ``decode`` refuses a wrong checksum, an unknown kind or version, or a malformed document with ``CheckpointError``;
 the caller then starts from ``empty(boot_id)`` and logs why. Unknown fields inside a good document are ignored, so
@@ -79,6 +81,14 @@ class CreatedMig:
 
 
 @dataclass(frozen=True, slots=True)
+class Timeslice:
+    """The compute time-slice Prepare sets on a GPU whose config time-slices it (recorded before it is set)."""
+
+    gpu_uuid: str
+    level: int  # 0 Default, 1 Short, 2 Medium, 3 Long
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedDevice:
     """One device of a prepared claim, as the kubelet is told about it."""
 
@@ -89,6 +99,7 @@ class PreparedDevice:
     admin_access: bool = False
     share_id: str | None = None
     mig: CreatedMig | None = None  # the MIG device Prepare created (dynamic MIG), to be destroyed by Unprepare
+    timeslice: Timeslice | None = None  # the time-slice Prepare sets on the GPU, reset by Unprepare
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +269,7 @@ def _device(planned: PlannedDevice, cdi_ids: tuple[str, ...], mig: CreatedMig | 
         admin_access=planned.admin_access,
         share_id=planned.share_id,
         mig=mig,
+        timeslice=None if planned.timeslice is None else Timeslice(planned.info.uuid, planned.timeslice),
     )
 
 
@@ -315,6 +327,7 @@ def _to_json(checkpoint: Checkpoint) -> dict[str, Any]:
                         "adminAccess": d.admin_access,
                         **({"shareID": d.share_id} if d.share_id else {}),
                         **({"mig": _mig_to_json(d.mig)} if d.mig is not None else {}),
+                        **({"timeSlice": _timeslice_to_json(d.timeslice)} if d.timeslice is not None else {}),
                     }
                     for d in claim.devices
                 ],
@@ -365,7 +378,21 @@ def _device_from_json(raw: Any, where: str) -> PreparedDevice:
         admin_access=admin,
         share_id=None if share_id is None else _str(share_id, f"{where}.shareID"),
         mig=None if raw.get("mig") is None else _mig_from_json(raw["mig"], f"{where}.mig"),
+        timeslice=None if raw.get("timeSlice") is None else _timeslice(raw["timeSlice"], f"{where}.timeSlice"),
     )
+
+
+def _timeslice_to_json(timeslice: Timeslice) -> dict[str, Any]:
+    return {"gpuUUID": timeslice.gpu_uuid, "level": timeslice.level}
+
+
+def _timeslice(raw: Any, where: str) -> Timeslice:
+    if not isinstance(raw, dict):
+        raise TypeError(f"{where} is not an object")
+    level = raw.get("level")
+    if type(level) is not int or not 0 <= level <= 3:
+        raise TypeError(f"{where}.level is not a time-slice level 0-3")
+    return Timeslice(_str(raw.get("gpuUUID"), f"{where}.gpuUUID"), level)
 
 
 def _str(value: Any, where: str) -> str:

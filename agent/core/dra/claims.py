@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
-from agent.core.dra.opaque import GPU_CONFIG, DeviceConfig, OpaqueConfigError, decode
+from agent.core.dra.opaque import GPU_CONFIG, TIME_SLICING, DeviceConfig, OpaqueConfigError, decode
 
 MAX_RESULTS = 32  # resource.k8s.io AllocationResultsMaxSize
 FROM_CLASS = "FromClass"
@@ -101,6 +101,15 @@ class PlannedDevice:
         """The request name the kubelet matches against containers' ``resources.claims[].request``."""
         return base_request(self.request)
 
+    @property
+    def timeslice(self) -> int | None:
+        """The time-slice level (0-3) Prepare sets on a whole GPU its config time-slices; None otherwise (a MIG
+        device's TimeSlicing does nothing, as on NVIDIA's driver)."""
+        sharing = self.config.sharing if self.config is not None else None
+        if sharing is None or sharing.strategy != TIME_SLICING or self.info.kind != "gpu":
+            return None
+        return sharing.interval_value
+
 
 @dataclass(frozen=True, slots=True)
 class PreparePlan:
@@ -124,9 +133,9 @@ class ClaimError:
 
 
 SHARING_NOT_YET = (
-    "sharing through DRA (TimeSlicing/MPS) is not available in this Tessera release yet. "
-    "Remove `sharing` from the config to get the device unshared, or request a shared resource from Tessera's "
-    "device plugin (e.g. nvidia.com/gpu.shared) instead"
+    "MPS sharing through DRA is not available in this Tessera release yet. Use TimeSlicing, remove `sharing` "
+    "from the config to get the device unshared, or request an MPS resource from Tessera's device plugin "
+    "(e.g. nvidia.com/gpu-10gb) instead"
 )
 
 
@@ -228,7 +237,7 @@ def plan_prepare(
             problems.append(chosen)
             continue
         config, source = chosen
-        if config is not None and config.sharing is not None:
+        if config is not None and config.sharing is not None and config.sharing.strategy != TIME_SLICING:
             sharing.setdefault(f"{source} asks for {config.sharing.strategy} sharing", []).append(name)
         planned.append(
             PlannedDevice(

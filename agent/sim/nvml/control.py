@@ -72,6 +72,11 @@ def _node_operations(driver: SimDriver) -> _Operations:
         "hide_gi_profile": (driver.hide_gi_profile, {"profile_index": int}),
         "destructive_calls": (lambda: _destructive_calls(driver), {}),
         "mig_devices": (lambda: _mig_devices(driver), {}),
+        "set_timeslice": (
+            lambda uuid, level: driver.set_timeslice(driver.find_uuid(uuid)[0], level),
+            {"uuid": str, "level": int},
+        ),
+        "timeslice": (lambda uuid: driver.gpus[driver.find_uuid(uuid)[0]].timeslice, {"uuid": str}),
     }
 
 

@@ -125,6 +125,7 @@ class SimGpu:
     mig_pending: bool = False
     mig_needs_reset: bool = False  # a MIG mode change only takes effect at the next GPU reset
     compute_mode: int = 0
+    timeslice: int = 0  # nvidia-smi compute-policy --set-timeslice: 0 Default, 1 Short, 2 Medium, 3 Long
     gis: dict[int, SimGpuInstance] = field(default_factory=dict)
     processes: dict[int, SimProcess] = field(default_factory=dict)
     utilization: tuple[int, int] = (0, 0)
@@ -404,6 +405,7 @@ class SimDriver:
             gpu.gis.clear()
             self._emit(gpu.index, EVENT_MIG_CONFIG_CHANGE, 0)
         gpu.compute_mode = 0
+        gpu.timeslice = 0
         gpu.utilization = (0, 0)
         if gpu.recovery_action is not None:
             gpu.recovery_action = 0
@@ -567,6 +569,16 @@ class SimDriver:
         return gpu.model.max_gpu_instances if gpu.model.mig_capable and gpu.mig_current else 0
 
     # ----- compute mode, processes, utilization ---------------------------------------------------
+
+    def set_timeslice(self, index: int, level: int) -> None:
+        """``nvidia-smi compute-policy --set-timeslice``: the GPU's time-slice for contexts sharing it."""
+        with self.lock:
+            gpu = self.gpu(index)
+            if level not in (0, 1, 2, 3):
+                raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"time-slice {level} is not one of 0-3")
+            if gpu.mig_current:
+                raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "the time-slice of a GPU in MIG mode cannot be set")
+            gpu.timeslice = level
 
     def set_compute_mode(self, index: int, mode: int, ci: SimComputeInstance | None = None) -> None:
         with self.lock:

@@ -1,0 +1,117 @@
+"""Sharing through DRA, as NVIDIA's ``GpuConfig`` asks for it in a claim: time-slicing per claim.
+
+The agent (in process, on a simulated dgx-a100) prepares a claim whose opaque config time-slices its GPU: the
+GPU's time-slice is set through ``nvidia-smi compute-policy`` (the emulator, ``agent.sim.smi``, reaching the
+simulated node through its control socket) and reset to Default when the claim is unprepared.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.sim.kubelet.dra_common import PodStartError
+from agent.sim.nvml.control import SimControlServer
+from agent.sim.scheduler import allocate
+
+from . import test_dra_e2e
+from .test_dra_e2e import DEADLINE, DRIVER, NODE, World
+
+world = test_dra_e2e.world  # the fixture: an agent, both kubelets and the API server on a simulated dgx-a100
+LEVELS = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
+
+
+def gpu_config(sharing: dict) -> dict:
+    return {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": sharing}
+
+
+@pytest.fixture
+def smi(world: World, smi_bin: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """``nvidia-smi`` on PATH, reaching the world's simulated node."""
+    control = SimControlServer(world.driver, tmp_path / "ctl.sock")
+    control.start()
+    monkeypatch.setenv("TESSERA_SIM_CONTROL", str(tmp_path / "ctl.sock"))
+    monkeypatch.setenv("PATH", f"{smi_bin}:{os.environ['PATH']}")
+    yield
+    control.stop()
+
+
+def shared_claim(world: World, name: str, parameters: dict) -> dict:
+    """A claim for one whole GPU with ``parameters`` as its opaque config, allocated and stored."""
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered")
+    claim = world.api.create("resourceclaims", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}],
+            "config": [{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": parameters}}],
+        }},
+    })  # fmt: skip
+    classes = {c["metadata"]["name"]: c for c in world.api.objects("deviceclasses")}
+    return world.api.update("resourceclaims", allocate(claim, world.slices(), classes, set(), NODE), status=True)
+
+
+def gpu_of(world: World, claim: dict) -> int:
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    return int(result["device"].removeprefix("gpu-"))
+
+
+@pytest.mark.parametrize("interval", ["Short", "Medium", "Long"])
+def test_a_time_slicing_claim_sets_its_gpus_time_slice_and_unprepare_resets_it(
+    world: World, smi: None, interval: str
+) -> None:
+    claim = shared_claim(
+        world, "ts", gpu_config({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}})
+    )
+    gpu = world.driver.gpus[gpu_of(world, claim)]
+    world.dra.run_pod("default", "ts", "pod-1", [("gpu", "ts")], {"a": [("gpu", None)], "b": [("gpu", None)]})
+    assert gpu.timeslice == LEVELS[interval]
+    world.dra.stop_pod("pod-1")
+    assert gpu.timeslice == LEVELS["Default"]
+
+
+def test_time_slicing_without_an_interval_is_nvidias_default(world: World, smi: None) -> None:
+    claim = shared_claim(world, "ts", gpu_config({"strategy": "TimeSlicing"}))
+    gpu = world.driver.gpus[gpu_of(world, claim)]
+    gpu.timeslice = 2  # left by someone else
+    world.dra.run_pod("default", "ts", "pod-1", [("gpu", "ts")], {"a": [("gpu", None)]})
+    assert gpu.timeslice == LEVELS["Default"]
+
+
+def test_a_gpu_in_another_compute_mode_goes_to_default_only_when_nothing_runs_on_it(world: World, smi: None) -> None:
+    claim = shared_claim(
+        world, "ts", gpu_config({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}})
+    )
+    index = gpu_of(world, claim)
+    gpu = world.driver.gpus[index]
+    gpu.compute_mode = 3  # EXCLUSIVE_PROCESS
+    world.driver.add_process(index, 4242, 512)
+    with pytest.raises(PodStartError, match="processes 4242 run on it; its mode is not changed under them"):
+        world.dra.run_pod("default", "ts", "pod-1", [("gpu", "ts")], {"a": [("gpu", None)]})
+    assert (gpu.compute_mode, gpu.timeslice) == (3, 0)
+    world.driver.remove_process(4242)
+    world.dra.run_pod("default", "ts", "pod-1", [("gpu", "ts")], {"a": [("gpu", None)]})  # the kubelet retries
+    assert (gpu.compute_mode, gpu.timeslice) == (0, 3)
+
+
+def test_without_nvidia_smi_the_claim_fails_naming_the_fix_and_nothing_is_prepared(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    claim = shared_claim(
+        world, "ts", gpu_config({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}})
+    )
+    with pytest.raises(PodStartError, match="nvidia-smi not found; mount the host driver's nvidia-smi"):
+        world.dra.run_pod("default", "ts", "pod-1", [("gpu", "ts")], {"a": [("gpu", None)]})
+    assert world.driver.gpus[gpu_of(world, claim)].timeslice == 0
+    assert list((world.base / "cdi").glob("*.yaml")) == []
+
+
+def test_mps_is_still_refused_per_claim_with_what_to_do(world: World, smi: None) -> None:
+    shared_claim(world, "mps", gpu_config({"strategy": "MPS"}))
+    with pytest.raises(PodStartError, match="MPS sharing through DRA is not available in this Tessera release yet"):
+        world.dra.run_pod("default", "mps", "pod-1", [("gpu", "mps")], {"a": [("gpu", None)]})
