@@ -219,8 +219,8 @@ def test_device_classes_are_nvidias():
         spec = classes[name]["spec"]
         assert classes[name]["apiVersion"] == "resource.k8s.io/v1"
         assert spec["selectors"] == [{"cel": {"expression": expression}}], name
-        # KEP-5004 (nvidia.com/gpu served through DRA) is issue 16: not before Tessera serves those claims
-        assert "extendedResourceName" not in spec, name
+        # KEP-5004: pods asking for nvidia.com/gpu are served from DRA where no device plugin advertises it
+        assert spec.get("extendedResourceName") == ("nvidia.com/gpu" if name == "gpu.nvidia.com" else None), name
         assert "config" not in spec, name
 
 

@@ -115,3 +115,46 @@ def test_mps_is_still_refused_per_claim_with_what_to_do(world: World, smi: None)
     shared_claim(world, "mps", gpu_config({"strategy": "MPS"}))
     with pytest.raises(PodStartError, match="MPS sharing through DRA is not available in this Tessera release yet"):
         world.dra.run_pod("default", "mps", "pod-1", [("gpu", "mps")], {"a": [("gpu", None)]})
+
+
+# ----- nvidia.com/gpu pods served through DRA (KEP-5004) ---------------------------------------------------------
+
+
+def test_an_unchanged_nvidia_com_gpu_pod_is_served_through_dra_with_the_class_config(world: World, smi: None) -> None:
+    from agent.sim.scheduler.extended import ANNOTATION, extended_resource_claim
+
+    (world.base / "config.yaml").write_text("version: v1\ndra:\n  enabled: true\n  gpus: all\n")  # the whole node
+    world.api.wait_for(lambda: len(world.devices()) == 8, DEADLINE)
+    world.kubelet.wait_for(lambda: not world.kubelet.devices("nvidia.com/gpu"), timeout=DEADLINE, what="no plugin GPU")
+    device_class = world.api.get("deviceclasses", DRIVER)
+    device_class["spec"]["extendedResourceName"] = "nvidia.com/gpu"  # as deploy/dra/deviceclass-gpu.yaml has it
+    long = gpu_config({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}})
+    device_class["spec"]["config"] = [{"opaque": {"driver": DRIVER, "parameters": long}}]
+    world.api.update("deviceclasses", device_class)
+
+    pod = {"metadata": {"name": "trainer", "namespace": "default", "uid": "5f0c6d3e-0000-4000-8000-000000000001"},
+           "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "2"}}},
+                                   {"name": "sidecar", "resources": {}}]}}  # fmt: skip
+    classes = {c["metadata"]["name"]: c for c in world.api.objects("deviceclasses")}
+    built = extended_resource_claim(pod, classes)
+    assert built is not None
+    claim, mappings = built
+    assert mappings == [
+        {"containerName": "main", "resourceName": "nvidia.com/gpu", "requestName": "container-0-request-0"}
+    ]
+    created = world.api.create("resourceclaims", claim)
+    assert created["metadata"]["annotations"][ANNOTATION] == "true"
+    allocated = world.api.update("resourceclaims", allocate(created, world.slices(), classes, set(), NODE), status=True)
+    gpus = [int(r["device"].removeprefix("gpu-")) for r in allocated["status"]["allocation"]["devices"]["results"]]
+    assert len(gpus) == 2
+
+    ids = world.dra.run_pod(
+        "default", "trainer", pod["metadata"]["uid"], [("extended", created["metadata"]["name"])],
+        {"main": [("extended", "container-0-request-0")], "sidecar": []},
+    )  # fmt: skip
+    uuids = {world.driver.gpus[i].uuid for i in gpus}
+    assert {i.split("=", 1)[1] for i in ids["main"] if i.startswith("nvidia.com/gpu=")} == uuids
+    assert ids["sidecar"] == []
+    assert [world.driver.gpus[i].timeslice for i in gpus] == [3, 3]  # the class's config, the only one it has
+    world.dra.stop_pod(pod["metadata"]["uid"])
+    assert [world.driver.gpus[i].timeslice for i in gpus] == [0, 0]

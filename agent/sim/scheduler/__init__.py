@@ -27,6 +27,9 @@ request and why. What it does as the scheduler does:
 * Constraints ``matchAttribute`` and ``distinctAttribute`` over the named requests (or all); shared counters
   (``sharedCounters``/``consumesCounters``) less what allocated devices consume.
 
+``extended.extended_resource_claim`` builds the claim the scheduler writes for a pod whose containers ask for an
+extended resource a DeviceClass serves (KEP-5004).
+
 Left out: scoring and other nodes (one node, first solution); slices selected by ``nodeSelector`` or
 per-device node selection; consumable capacity (``allowMultipleAllocations``, ``capacity.requests``,
 ``shareID``, ``consumedCapacity``); binding conditions; the admin-access namespace label; ``reservedFor``,
