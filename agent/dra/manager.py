@@ -282,7 +282,11 @@ class DraManager:
             return set()
         from agent.core.dra.devices import dra_devices
 
-        return {d.gpu_uuid for d in dra_devices(inventory) if d.name in names}
+        # a claim's device by either name it can have: a MIG device that exists, or a dynamic-MIG partition whose
+        # MIG device is being made (not in the inventory yet) or whose GPU has left dynamic MIG since
+        every_partition = frozenset(g.uuid for g in inventory.gpus)
+        devices = (*dra_devices(inventory), *dra_devices(inventory, dynamic_mig=every_partition))
+        return {d.gpu_uuid for d in devices if d.name in names}
 
     def _check(self, scopes: dict[str, frozenset[str]]) -> None:
         """Worker: is anything using each GPU's devices (a device-plugin pod, a process)?"""

@@ -342,3 +342,17 @@ def test_every_published_partition_can_be_created_and_destroyed(sim_node, model:
             )
             destroy_partition(uuid, made.gi_id)
             assert mig_instance(uuid, made.gi_id) is None and driver.gpus[0].mig_devices() == []
+
+
+@pytest.mark.parametrize("world", [MIG_READY], indirect=True)
+def test_a_gpu_whose_partition_a_claim_holds_stays_with_dra_until_it_is_unprepared(world: World) -> None:
+    dynamic_world(world)
+    mig_claim(world, "small", "1g.10gb")
+    world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
+    (world.base / "config.yaml").write_text("version: v1\ndra:\n  enabled: true\n  gpus: [1]\n")  # GPU 0 leaves DRA
+    world.api.wait_for(lambda: world.devices() == ["gpu-1"], DEADLINE)  # no new claim gets GPU 0
+    assert world.kubelet.allocatable("nvidia.com/gpu") == 0  # nor the device plugin: a claim holds a partition
+    assert len(instances(world)) == 1
+    world.dra.stop_pod("pod-1")
+    assert instances(world) == {}
+    world.kubelet.wait_for(lambda: world.kubelet.allocatable("nvidia.com/gpu") == 1, timeout=DEADLINE, what="GPU 0")
