@@ -1165,7 +1165,8 @@ class Agent:
         self._announce(before, self.status)
 
     def _dra_event(self, event: object) -> None:
-        """The DRA front end's news (a handover answer, a registration verdict, slices published or not)."""
+        """The DRA front end's news (a handover answer, a registration verdict, slices published or not, claims
+        prepared or unprepared): each is in the status."""
         from agent.dra.types import DraHandoverChecked, DraRegistration, SlicesFailed, SlicesPublished
 
         assert self._dra is not None

@@ -119,6 +119,14 @@ def render_text(document: Mapping[str, Any]) -> str:
         error = f"; {dra['error']}" if dra["error"] else ""
         lines.append(f"DRA:        driver {dra['driver']} serves {served}{error}")
         lines += [f"  leaving for the device plugin once no claim holds it: {uuid}" for uuid in dra["leaving"]]
+        for claim in dra.get("claims") or []:
+            made = []
+            for device in claim["devices"]:
+                extra = [f"MIG device {device['mig']}"] if device.get("mig") else []
+                extra += [f"time-slice {device['timeslice']}"] if device.get("timeslice") else []
+                made.append(device["device"] + (f" ({', '.join(extra)})" if extra else ""))
+            state = "" if claim["state"] == "PrepareCompleted" else f" [{claim['state']}]"
+            lines.append(f"  claim {claim['claim']}{state}: {', '.join(made)}")
     for entry in document["cordoned"]:
         lines.append(f"Cordoned:   {entry['unit']} (by {', '.join(entry['by'])})")
     lines += [f"  ignored: {problem}" for problem in document["cordon_problems"]]

@@ -13,7 +13,7 @@ from typing import Any
 
 from agent.core.dra.devices import DraDevice
 from agent.core.dra.taints import DeviceTaint
-from agent.dra.types import DraRegistration, DraSettings
+from agent.dra.types import DraClaimsChanged, DraRegistration, DraSettings
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ class DraFrontEnd:
             return set()
         return {name for names in self._service.prepared().values() for name in names}
 
+    def claims(self) -> list[dict[str, object]]:
+        return self._service.claims() if self._service is not None else []
+
     def register_again(self) -> None:
         if self._registrar is not None:
             self._registrar.restart()
@@ -89,6 +92,7 @@ class DraFrontEnd:
             checkpoints=CheckpointStore(checkpoint_path(endpoint.parent)),
             node_cdi_kind=s.cdi_kind,
             timeslices=NvidiaSmiTimeslices(s.nvidia_smi),
+            claims_changed=lambda: self._post(DraClaimsChanged()),
         )
         self._service.start()
         if s.pod_uid is None:  # one instance per node: a spec no recorded claim owns is a leftover (a crash)

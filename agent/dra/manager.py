@@ -264,6 +264,7 @@ class DraManager:
             "waiting": {uuid: list(w.why) for uuid, w in self._arriving.items()},
             "leaving": sorted(self._served - self._wanted),
             "error": self.error,
+            "claims": self._front.claims() if self._front is not None else [],
         }
 
     def shutdown(self) -> None:

@@ -100,6 +100,7 @@ class ClaimWorker:
         device_nodes: DeviceNodes,
         partitions: Partitions | None = None,
         timeslices: Timeslices | None = None,
+        changed: Callable[[], None] = lambda: None,
     ) -> None:
         self._driver, self._pool = driver, pool
         self._read_claim = read_claim
@@ -118,6 +119,7 @@ class ClaimWorker:
 
             timeslices = NvidiaSmiTimeslices()
         self._timeslices = timeslices
+        self._changed = changed  # told after every Prepare and Unprepare call
         self.checkpoint: Checkpoint = checkpoints.load()
 
     # ----- Prepare ------------------------------------------------------------------------------------------------
@@ -138,6 +140,7 @@ class ClaimWorker:
                 outcome = ClaimError(ref, f"internal error while preparing: {type(error).__name__}: {error}", True)
             _log_prepare(ref, outcome)
             outcomes[ref.uid] = outcome
+        self._changed()
         return outcomes
 
     def _prepare(self, ref: ClaimRef) -> Outcome:
@@ -288,6 +291,7 @@ class ClaimWorker:
             except Exception as error:
                 log.exception("unexpected error unpreparing claim=%s/%s uid=%s", ref.namespace, ref.name, ref.uid)
                 errors[ref.uid] = ClaimError(ref, f"internal error while unpreparing: {error}").message
+        self._changed()
         return errors
 
     def _unprepare(self, ref: ClaimRef) -> str:

@@ -105,6 +105,7 @@ class DraService:
         cdi_common_edits: Mapping[str, Any] | None = None,
         device_nodes: DeviceNodes | None = None,
         timeslices: Timeslices | None = None,
+        claims_changed: Callable[[], None] = lambda: None,
         health_timeout_seconds: int = HEALTH_TIMEOUT_SECONDS,
         loop: GrpcLoop | None = None,
     ) -> None:
@@ -134,6 +135,7 @@ class DraService:
             common_edits=cdi_common_edits,
             device_nodes=device_nodes or default_device_nodes(node_wide_cdi),
             timeslices=timeslices,
+            changed=claims_changed,
         )
         self._executor: ThreadPoolExecutor | None = None
         self._server: grpc.aio.Server | None = None
@@ -193,6 +195,25 @@ class DraService:
         """Claim UID -> its device names, for every claim recorded (completed or still being prepared): a GPU
         holding one must stay with DRA."""
         return {uid: tuple(d.device for d in c.devices) for uid, c in self._claims.checkpoint.claims.items()}
+
+    def claims(self) -> list[dict[str, object]]:
+        """The recorded claims as the status shows them: name, state, devices, and what Prepare made for them."""
+        from agent.core.dra.opaque import INTERVALS
+
+        levels = {level: name for name, level in INTERVALS.items()}
+        shown = []
+        for uid, claim in sorted(self._claims.checkpoint.claims.items(), key=lambda c: (c[1].namespace, c[1].name)):
+            devices = []
+            for device in claim.devices:
+                entry: dict[str, object] = {"device": device.device}
+                if device.mig is not None:
+                    entry["mig"] = device.mig.uuid or f"being made at memory slice {device.mig.start}"
+                if device.timeslice is not None:
+                    entry["timeslice"] = levels.get(device.timeslice.level, str(device.timeslice.level))
+                devices.append(entry)
+            shown.append({"claim": f"{claim.namespace}/{claim.name}", "uid": uid, "state": claim.state,
+                          "devices": devices})  # fmt: skip
+        return shown
 
     def sweep_stale_specs(self) -> list[str]:
         """Remove CDI specs of ours that no recorded claim owns, on the worker (between calls); their claim UIDs.

@@ -38,6 +38,11 @@ class DraHandoverChecked:
 
 
 @dataclass(frozen=True, slots=True)
+class DraClaimsChanged:
+    """A Prepare or Unprepare call ended: the prepared claims (what the status shows) may be different."""
+
+
+@dataclass(frozen=True, slots=True)
 class SlicesPublished:
     """The API server holds exactly what was asked for (``generation`` of the pool)."""
 

@@ -211,6 +211,12 @@ def mig_claim(world: World, name: str, wanted: str) -> dict:
     return world.api.update("resourceclaims", allocate(claim, world.slices(), classes, held, NODE), status=True)
 
 
+def status_text(world: World) -> str:
+    from agent.status_report import render_text, status_document
+
+    return render_text(status_document(world.agent.status, version="test"))
+
+
 def instances(world: World) -> dict[tuple[int, int], str]:
     """GPU 0's MIG devices by placement: (start, size) -> MIG UUID."""
     return {gi.placement: ci.uuid for gi, ci in world.driver.gpus[0].mig_devices()}
@@ -230,6 +236,9 @@ def test_a_claim_gets_its_mig_device_created_at_the_placement_and_destroyed_afte
     mig_uuid = instances(world)[(start, 4)]  # exactly the allocated placement
     assert (world.base / "cdi" / f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.yaml").exists()
     assert f"nvidia.com/gpu={mig_uuid}" in ids["main"]  # the node-wide CDI spec's entry for the new MIG device
+
+    text = test_dra_e2e.poll(lambda: "claim default/small" in status_text(world) and status_text(world), "status")
+    assert f"claim default/small: {result['device']} (MIG device {mig_uuid})" in text  # what `tessera status` says
 
     world.driver.add_process(0, 4242, 1024, mig_uuid=mig_uuid)  # a process outlives its pod
     with pytest.raises(PodStopError, match="processes 4242 still run on it"):

@@ -70,6 +70,12 @@ def test_a_time_slicing_claim_sets_its_gpus_time_slice_and_unprepare_resets_it(
     gpu = world.driver.gpus[gpu_of(world, claim)]
     world.dra.run_pod("default", "ts", "pod-1", [("gpu", "ts")], {"a": [("gpu", None)], "b": [("gpu", None)]})
     assert gpu.timeslice == LEVELS[interval]
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    test_dra_e2e.poll(
+        lambda: any(c["devices"] == [{"device": result["device"], "timeslice": interval}]
+                    for c in (world.agent.status.dra or {}).get("claims", [])),
+        "the claim and its time-slice in the status",
+    )  # fmt: skip
     world.dra.stop_pod("pod-1")
     assert gpu.timeslice == LEVELS["Default"]
 
