@@ -452,9 +452,11 @@ class Agent:
                 self._apply_config()
             case MpsDaemonReady():
                 if self._mps.on_ready(event):
+                    self._tell_dra_mps()
                     self._publish()
             case MpsDaemonFailed():
                 if self._mps.on_failed(event, self._clock()):
+                    self._tell_dra_mps()
                     self._publish()
             case ProcessExited():
                 if self._mps.on_exited(event, self._clock()):
@@ -693,7 +695,7 @@ class Agent:
         )
         self._loaded, self._effective, self._plan, self._config_error = loaded, chosen, new_plan, None
         self._policy = self.options.health.with_config_overrides(chosen.health_overrides)
-        self._mps.reconcile(mps_daemons(new_plan), Path(chosen.allocation.mps_root), self._clock())
+        self._reconcile_mps(new_plan, Path(chosen.allocation.mps_root))
         self._update_mig(publish=False)
         self._publish()  # also when nothing was served before (an agent that started on a bad config)
 
@@ -755,7 +757,7 @@ class Agent:
             except PlanError as error:
                 log.error("the node's devices do not fit the config; advertising nothing error=%r", str(error))
                 self._plan = ResourcePlan((), self._plan.mig_strategy if self._plan else MigStrategy.NONE)
-            self._mps.reconcile(mps_daemons(self._plan), Path(self._effective.allocation.mps_root), self._clock())
+            self._reconcile_mps(self._plan, Path(self._effective.allocation.mps_root))
             self._update_mig(publish=False)
             try:
                 self._configure_dra(self._loaded.model.dra if self._loaded else None)
@@ -801,6 +803,7 @@ class Agent:
             nvidia_smi=self.options.nvidia_smi,
             pod_uid=self.options.pod_uid,
             cdi_kind=self._effective.allocation.cdi_kind,
+            mps_root=self._effective.allocation.mps_root,
         )
 
     def _read_inventory(self, reason: str, stale: frozenset[str] = frozenset()) -> bool:
@@ -1164,12 +1167,30 @@ class Agent:
         )
         self._announce(before, self.status)
 
+    def _reconcile_mps(self, resource_plan: ResourcePlan, root: Path) -> None:
+        """One MPS manager for both front ends: the device plugin's MPS resources and the DRA claims' daemons."""
+        dra = self._dra.mps_specs() if self._dra is not None else ()
+        self._mps.reconcile((*mps_daemons(resource_plan), *dra), root, self._clock())
+        self._tell_dra_mps()
+
+    def _tell_dra_mps(self) -> None:
+        if self._dra is not None:
+            self._dra.mps_changed(self._mps.status(), self._effective.allocation.mps_root)
+
     def _dra_event(self, event: object) -> None:
         """The DRA front end's news (a handover answer, a registration verdict, slices published or not, claims
         prepared or unprepared): each is in the status."""
-        from agent.dra.types import DraHandoverChecked, DraRegistration, SlicesFailed, SlicesPublished
+        from agent.dra.types import (
+            DraClaimsChanged,
+            DraHandoverChecked,
+            DraRegistration,
+            SlicesFailed,
+            SlicesPublished,
+        )
 
         assert self._dra is not None
+        if isinstance(event, DraClaimsChanged) and self._plan is not None:  # a claim's MPS daemon may be new or gone
+            self._reconcile_mps(self._plan, Path(self._effective.allocation.mps_root))
         if isinstance(event, DraHandoverChecked):
             if self._dra.on_checked(event, self._clock()):
                 self._publish()

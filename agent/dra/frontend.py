@@ -8,6 +8,7 @@ registration that advertises it, the devices before either, so the first Prepare
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,9 @@ class DraFrontEnd:
         self._registrar: Any = None
         self._publisher: Any = None
         self._registered_once = False
+        self._mps_cond = threading.Condition()
+        self._mps_states: dict[str, tuple[str, str | None]] = {}
+        self._mps_root = settings.mps_root
 
     def update(
         self,
@@ -54,6 +58,28 @@ class DraFrontEnd:
         if self._service is None:
             return set()
         return {name for names in self._service.prepared().values() for name in names}
+
+    def mps_records(self) -> dict[str, Any]:
+        return self._service.mps_records() if self._service is not None else {}
+
+    def mps_changed(self, states: Mapping[str, tuple[str, str | None]], root: str) -> None:
+        """The loop's word on the MPS daemons DRA claims use: key -> (state, last error), and the MPS root."""
+        with self._mps_cond:
+            self._mps_states, self._mps_root = dict(states), root
+            self._mps_cond.notify_all()
+
+    def _wait_mps(self, key: str, timeout: float) -> str | None:
+        """Worker: None once the daemon ``key`` is ready; why not when it failed or did not answer in time."""
+
+        def settled() -> bool:
+            state, error = self._mps_states.get(key, ("pending", None))
+            return state == "ready" or (state == "down" and error is not None)
+
+        with self._mps_cond:
+            if not self._mps_cond.wait_for(settled, timeout):
+                return f"it did not answer within {timeout:.0f} s"
+            state, error = self._mps_states[key]
+        return None if state == "ready" else error
 
     def claims(self) -> list[dict[str, object]]:
         return self._service.claims() if self._service is not None else []
@@ -93,6 +119,8 @@ class DraFrontEnd:
             node_cdi_kind=s.cdi_kind,
             timeslices=NvidiaSmiTimeslices(s.nvidia_smi),
             claims_changed=lambda: self._post(DraClaimsChanged()),
+            mps_ready=self._wait_mps,
+            mps_root=lambda: self._mps_root,
         )
         self._service.start()
         if s.pod_uid is None:  # one instance per node: a spec no recorded claim owns is a leftover (a crash)

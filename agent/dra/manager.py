@@ -16,7 +16,7 @@ The rule: each GPU is served by one front end, and nothing moves under a running
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,6 +32,7 @@ from agent.supervise import submit
 
 if TYPE_CHECKING:
     from agent.core.dra.taints import DeviceTaint
+    from agent.core.mps import MpsDaemonSpec
     from agent.dra.frontend import DraFrontEnd
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,27 @@ class DraManager:
             if uuid not in wanted:
                 del self._arriving[uuid]  # changed its mind: the device plugin keeps it
         self._wanted = wanted
+
+    def mps_specs(self) -> tuple[MpsDaemonSpec, ...]:
+        """The MPS daemons DRA claims need (prepared or being prepared): the MPS manager keeps them running."""
+        if self._front is None:
+            return ()
+        from agent.core.dra.mps import records_specs
+
+        return records_specs(self._front.mps_records())
+
+    def mps_changed(self, status: Mapping[str, Mapping[str, object]], root: str) -> None:
+        """The MPS manager's state of DRA's daemons (and the MPS root), for the claims waiting on them."""
+        if self._front is None:
+            return
+        from agent.core.dra.mps import KEY_PREFIX
+
+        states = {
+            key: (str(entry.get("state")), entry.get("error"))  # type: ignore[misc]
+            for key, entry in status.items()
+            if key.startswith(f"{KEY_PREFIX}/")
+        }
+        self._front.mps_changed(states, root)
 
     def dynamic_mig_indices(self, inventory: Inventory) -> frozenset[int]:
         """The indices of the GPUs dynamic MIG owns (served by DRA or on their way to it): no static MIG layout

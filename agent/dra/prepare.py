@@ -41,8 +41,11 @@ from agent.core.dra.checkpoint import (
     prepare_completed,
     prepare_started,
     unprepared,
+    with_mps,
 )
-from agent.core.dra.claims import ClaimError, ClaimRef, PreparableDevice, plan_prepare
+from agent.core.dra.claims import ClaimError, ClaimRef, PreparableDevice, PreparePlan, plan_prepare
+from agent.core.dra.mps import MpsRecord, client_edits, mps_record
+from agent.core.dra.opaque import OpaqueConfigError
 from agent.dra.cdi_store import CdiStore, CdiStoreError
 from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
 from agent.dra.claims_api import ClaimReader, ClaimsUnavailable
@@ -53,6 +56,11 @@ from agent.dra.timeslices import TimesliceFailed
 log = logging.getLogger(__name__)
 
 Outcome = tuple[PreparedDevice, ...] | ClaimError  # one claim's Prepare: its devices, or why not
+MPS_READY_SECONDS = 30.0  # a claim's MPS daemon must answer within this, or the Prepare fails (the kubelet retries)
+
+
+class MpsNotReady(RuntimeError):
+    """The claim's MPS daemon did not become ready; the message says why."""
 
 
 class Devices(Protocol):
@@ -101,6 +109,8 @@ class ClaimWorker:
         partitions: Partitions | None = None,
         timeslices: Timeslices | None = None,
         changed: Callable[[], None] = lambda: None,
+        mps_ready: Callable[[str, float], str | None] = lambda key, timeout: "no MPS manager runs for DRA here",
+        mps_root: Callable[[], str] = lambda: "/run/nvidia/mps",
     ) -> None:
         self._driver, self._pool = driver, pool
         self._read_claim = read_claim
@@ -120,6 +130,8 @@ class ClaimWorker:
             timeslices = NvidiaSmiTimeslices()
         self._timeslices = timeslices
         self._changed = changed  # told after every Prepare and Unprepare call
+        self._mps_ready = mps_ready  # (daemon key, timeout) -> None once the daemon is ready, else why not
+        self._mps_root = mps_root  # the MPS root on the host now (the config's mpsRoot), for the clients' mounts
         self.checkpoint: Checkpoint = checkpoints.load()
 
     # ----- Prepare ------------------------------------------------------------------------------------------------
@@ -196,19 +208,40 @@ class ClaimWorker:
                     created[planned.device] = self._partitions.create(intent)
                 if planned.timeslice is not None:
                     self._timeslices.apply(planned.info.uuid, planned.timeslice)
-            spec, ids = self._spec(
-                ref.uid, [(d.device, _concrete(d.info, created.get(d.device))) for d in plan.devices]
-            )
+            made = [(d.device, _concrete(d.info, created.get(d.device))) for d in plan.devices]
+            record = self._start_mps(ref, plan, dict(made))
+            edits = {d.device: client_edits(record, self._mps_root()) for d in plan.devices if record and d.mps}
+            spec, ids = self._spec(ref.uid, made, edits)
             self._cdi.write(ref.uid, spec)
             completed = prepare_completed(self.checkpoint, plan, ids, created)
             self._store.save(completed)
-        except (PartitionError, TimesliceFailed, CdiError, CdiStoreError, CheckpointSaveError) as error:
+        except (
+            PartitionError, TimesliceFailed, MpsNotReady, OpaqueConfigError, CdiError, CdiStoreError,
+            CheckpointSaveError,
+        ) as error:  # fmt: skip
             reason = f"cannot build its CDI spec: {error}" if isinstance(error, CdiError) else str(error)
             if (problem := self._roll_back(ref, created)) is not None:
                 return ClaimError(ref, f"{reason}; rolling back failed too ({problem}): the next attempt retries it")
             return ClaimError(ref, f"{reason}; nothing was left prepared")
         self.checkpoint = completed
         return completed.claims[ref.uid].devices
+
+    def _start_mps(self, ref: ClaimRef, plan: PreparePlan, devices: Mapping[str, PreparableDevice]) -> MpsRecord | None:
+        """Record the MPS daemon the claim's MPS devices need, have the loop start it (or keep it: claims on the
+        same devices share it), and wait until it answers."""
+        mps = [d for d in plan.devices if d.mps is not None]
+        if not mps:
+            return None
+        record = mps_record([devices[d.device].uuid for d in mps], mps[0].mps)  # type: ignore[arg-type]
+        staged = with_mps(self.checkpoint, ref.uid, record)
+        self._store.save(staged)
+        self.checkpoint = staged
+        self._changed()  # the loop reads the daemons it must run from the checkpoint
+        problem = self._mps_ready(record.key, MPS_READY_SECONDS)
+        if problem is not None:
+            devices_text = ", ".join(record.devices)
+            raise MpsNotReady(f"its MPS daemon ({record.key}, devices {devices_text}) is not ready: {problem}")
+        return record
 
     def _prepared_before(self, ref: ClaimRef, claim: PreparedClaim) -> Outcome:
         """The same answer as the first time; the CDI spec written again if it is gone (a reboot empties tmpfs)."""
@@ -224,7 +257,11 @@ class ClaimWorker:
                 "on this node, so it cannot be written again; delete the pod so the claim is unprepared",
             )
         try:
-            spec, _ = self._spec(ref.uid, [(d.device, _concrete(devices[d.device], d.mig)) for d in claim.devices])
+            made = [(d.device, _concrete(devices[d.device], d.mig)) for d in claim.devices]
+            record = claim.mps  # only its MPS devices carry the daemon's edits
+            edits = {name: client_edits(record, self._mps_root()) for name, info in made
+                     if record is not None and info.uuid in record.devices}  # fmt: skip
+            spec, _ = self._spec(ref.uid, made, edits)
             path = self._cdi.write(ref.uid, spec)
         except (CdiError, CdiStoreError) as error:
             return ClaimError(ref, f"its CDI spec is gone and cannot be written again: {error}")
@@ -232,10 +269,13 @@ class ClaimWorker:
         return claim.devices
 
     def _spec(
-        self, claim_uid: str, devices: Sequence[tuple[str, PreparableDevice]]
+        self,
+        claim_uid: str,
+        devices: Sequence[tuple[str, PreparableDevice]],
+        device_edits: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]]:
         nodes = {name: tuple(self._device_nodes(info)) for name, info in devices}
-        spec = claim_spec(claim_uid, nodes, common_edits=self._common_edits)
+        spec = claim_spec(claim_uid, nodes, common_edits=self._common_edits, device_edits=device_edits)
         ids = {
             name: cdi_device_ids(
                 claim_uid, name, info.uuid, node_wide=self._node_wide, node_cdi_kind=self._node_cdi_kind

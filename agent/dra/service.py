@@ -41,8 +41,10 @@ from agent.api.dra.v1 import api_pb2 as dra_v1
 from agent.api.dra.v1beta1 import api_pb2 as dra_v1beta1
 from agent.api.drahealth.v1alpha1 import api_pb2 as dra_health
 from agent.core.allocation import DEFAULT_CDI_KIND
+from agent.core.dra.checkpoint import mps_records
 from agent.core.dra.claims import ClaimError, ClaimRef
 from agent.core.dra.devices import DraDevice
+from agent.core.dra.mps import MpsRecord
 from agent.dra.cdi_store import CdiStore
 from agent.dra.checkpoint_store import CheckpointStore
 from agent.dra.claims_api import ClaimReader
@@ -106,6 +108,8 @@ class DraService:
         device_nodes: DeviceNodes | None = None,
         timeslices: Timeslices | None = None,
         claims_changed: Callable[[], None] = lambda: None,
+        mps_ready: Callable[[str, float], str | None] = lambda key, timeout: "no MPS manager runs for DRA here",
+        mps_root: Callable[[], str] = lambda: "/run/nvidia/mps",
         health_timeout_seconds: int = HEALTH_TIMEOUT_SECONDS,
         loop: GrpcLoop | None = None,
     ) -> None:
@@ -136,6 +140,8 @@ class DraService:
             device_nodes=device_nodes or default_device_nodes(node_wide_cdi),
             timeslices=timeslices,
             changed=claims_changed,
+            mps_ready=mps_ready,
+            mps_root=mps_root,
         )
         self._executor: ThreadPoolExecutor | None = None
         self._server: grpc.aio.Server | None = None
@@ -195,6 +201,10 @@ class DraService:
         """Claim UID -> its device names, for every claim recorded (completed or still being prepared): a GPU
         holding one must stay with DRA."""
         return {uid: tuple(d.device for d in c.devices) for uid, c in self._claims.checkpoint.claims.items()}
+
+    def mps_records(self) -> dict[str, MpsRecord]:
+        """Claim UID -> the MPS daemon it needs (a consistent view: the checkpoint is replaced whole)."""
+        return mps_records(self._claims.checkpoint)
 
     def claims(self) -> list[dict[str, object]]:
         """The recorded claims as the status shows them: name, state, devices, and what Prepare made for them."""

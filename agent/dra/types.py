@@ -20,6 +20,7 @@ class DraSettings:
     cdi_kind: str = "nvidia.com/gpu"  # the node-wide CDI spec's kind (nvidia-ctk cdi generate), as --cdi-kind
     sys_root: Path = Path("/sys")  # where the GPUs' PCIe roots are read (resource.kubernetes.io/pcieRoot)
     nvidia_smi: str = "nvidia-smi"  # sets a time-slicing claim's GPU time-slice
+    mps_root: str = "/run/nvidia/mps"  # the MPS root on the host (mpsRoot): MPS claims' pipes and shared memory
 
 
 @dataclass(frozen=True, slots=True)

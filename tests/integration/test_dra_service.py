@@ -402,7 +402,7 @@ BAD_CLAIMS: dict[str, tuple[Callable[[Node], None], dict[str, Any], list[str]]] 
     "MPS asked for": (
         lambda node: None,
         claim(2, "gpu-1", configs=[opaque(sharing={"strategy": "MPS"})]),
-        ["MPS", "not available in this Tessera release yet"],
+        ["its MPS daemon (dra/", "is not ready", "nothing was left prepared"],
     ),
     "unknown config kind": (
         lambda node: None,

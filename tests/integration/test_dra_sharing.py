@@ -117,10 +117,15 @@ def test_without_nvidia_smi_the_claim_fails_naming_the_fix_and_nothing_is_prepar
     assert list((world.base / "cdi").glob("*.yaml")) == []
 
 
-def test_mps_is_still_refused_per_claim_with_what_to_do(world: World, smi: None) -> None:
+def test_an_mps_claim_without_the_mps_binary_fails_naming_the_fix_and_leaves_nothing(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
     shared_claim(world, "mps", gpu_config({"strategy": "MPS"}))
-    with pytest.raises(PodStartError, match="MPS sharing through DRA is not available in this Tessera release yet"):
+    with pytest.raises(PodStartError, match=r"its MPS daemon .* is not ready: nvidia-cuda-mps-control not found"):
         world.dra.run_pod("default", "mps", "pod-1", [("gpu", "mps")], {"a": [("gpu", None)]})
+    assert list((world.base / "cdi").glob("*.yaml")) == []
+    test_dra_e2e.poll(lambda: not any(k.startswith("dra/") for k in world.agent.status.mps), "no daemon left wanted")
 
 
 # ----- nvidia.com/gpu pods served through DRA (KEP-5004) ---------------------------------------------------------
@@ -131,7 +136,9 @@ def test_an_unchanged_nvidia_com_gpu_pod_is_served_through_dra_with_the_class_co
 
     (world.base / "config.yaml").write_text("version: v1\ndra:\n  enabled: true\n  gpus: all\n")  # the whole node
     world.api.wait_for(lambda: len(world.devices()) == 8, DEADLINE)
-    world.kubelet.wait_for(lambda: not world.kubelet.devices("nvidia.com/gpu"), timeout=DEADLINE, what="no plugin GPU")
+    world.kubelet.wait_for(
+        lambda: world.kubelet.allocatable("nvidia.com/gpu") == 0, timeout=DEADLINE, what="no plugin GPU"
+    )
     device_class = world.api.get("deviceclasses", DRIVER)
     device_class["spec"]["extendedResourceName"] = "nvidia.com/gpu"  # as deploy/dra/deviceclass-gpu.yaml has it
     long = gpu_config({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}})
@@ -164,3 +171,44 @@ def test_an_unchanged_nvidia_com_gpu_pod_is_served_through_dra_with_the_class_co
     assert [world.driver.gpus[i].timeslice for i in gpus] == [3, 3]  # the class's config, the only one it has
     world.dra.stop_pod(pod["metadata"]["uid"])
     assert [world.driver.gpus[i].timeslice for i in gpus] == [0, 0]
+
+
+# ----- MPS per claim -----------------------------------------------------------------------------------------------
+
+
+def test_an_mps_claim_gets_a_supervised_daemon_with_its_limits_which_stops_after(
+    world: World, mps_bin: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = world.base / "mps"
+    before = world.agent.status.config_digest
+    (world.base / "config.yaml").write_text(
+        f"version: v1\nflags: {{mpsRoot: '{root}'}}\ndra:\n  enabled: true\n  gpus: [0, 1]\n"
+    )
+    test_dra_e2e.poll(lambda: world.agent.status.config_digest != before, "the config with the MPS root applied")
+    monkeypatch.setenv("PATH", f"{mps_bin}:{os.environ['PATH']}")
+    mps = {
+        "strategy": "MPS",
+        "mpsConfig": {"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "10Gi"},
+    }
+    claim = shared_claim(world, "mps", gpu_config(mps))
+    index = gpu_of(world, claim)
+    uuid = world.driver.gpus[index].uuid
+    world.dra.run_pod("default", "mps", "pod-1", [("gpu", "mps")], {"a": [("gpu", None)], "b": [("gpu", None)]})
+
+    (key,) = [k for k, d in world.agent.status.mps.items() if k.startswith("dra/") and d["state"] == "ready"]
+    spec = (world.base / "cdi" / f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.yaml").read_text()
+    for line in (
+        f"CUDA_MPS_PIPE_DIRECTORY=/mps/{key}/pipe",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+        f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={uuid}=10240M",
+        f"hostPath: {root}/{key}/pipe",
+    ):
+        assert line in spec, line
+    assert (root / key / "pipe").is_dir()  # the daemon's pipe, where the claim's containers reach it
+    assert world.driver.gpus[index].compute_mode == 3  # EXCLUSIVE_PROCESS: the daemon is the GPU's only client
+
+    world.dra.stop_pod("pod-1")
+    test_dra_e2e.poll(
+        lambda: not any(k.startswith("dra/") for k in world.agent.status.mps), "the claim's daemon stopped"
+    )
+    test_dra_e2e.poll(lambda: world.driver.gpus[index].compute_mode == 0, "the GPU back in compute mode DEFAULT")

@@ -223,3 +223,25 @@ def test_a_created_mig_device_is_recorded_by_placement_first_then_with_its_ids()
     done = cpt.prepare_completed(started, answer, {partition.name: ("k/claim=x",)}, {partition.name: made})
     assert cpt.decode(cpt.encode(done)).claims[UID_A].devices[0].mig == made
     assert cpt.decode(cpt.encode(started)).claims[UID_A].devices[0].mig == intent
+
+
+def test_a_claims_mps_daemon_is_recorded_and_read_back_and_claims_on_the_same_devices_share_it():
+    from agent.core.dra.mps import client_edits, mps_record, records_specs
+    from agent.core.dra.opaque import MpsConfig
+
+    config = MpsConfig(default_active_thread_percentage=25, default_pinned_device_memory_limit="10240M")
+    record = mps_record(["GPU-aaaa", "GPU-bbbb"], config)
+    assert record.env == (
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=GPU-aaaa=10240M,GPU-bbbb=10240M",
+    )
+    started = cpt.prepare_started(cpt.empty(BOOT), a_plan(CLAIM_A, GPU0, GPU1))
+    staged = cpt.with_mps(started, UID_A, record)
+    assert cpt.decode(cpt.encode(staged)).claims[UID_A].mps == record
+    other = mps_record(["GPU-bbbb", "GPU-aaaa"], MpsConfig())  # the same devices, other limits
+    assert other.key == record.key and len(records_specs({UID_A: record, UID_B: other})) == 1
+    edits = client_edits(record, "/run/nvidia/mps")
+    assert edits["env"][0] == f"CUDA_MPS_PIPE_DIRECTORY=/mps/{record.key}/pipe"
+    assert {"containerPath": "/dev/shm", "hostPath": "/run/nvidia/mps/shm", "options": ["rbind", "rw"]} in edits[
+        "mounts"
+    ]

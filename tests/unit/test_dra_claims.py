@@ -210,20 +210,21 @@ def test_time_slicing_plans_the_interval_on_whole_gpus_only():
     assert answer.devices[0].timeslice is None  # accepted and does nothing, as on NVIDIA's driver
 
 
-def test_mps_is_refused_until_it_arrives_naming_the_claim_and_the_config():
-    mps = {"sharing": {"strategy": "MPS"}}
-    answer = refused(claim([result("gpu-0"), result("gpu-1")], [opaque(requests=["gpu"], **mps)]))
-    assert answer.reason.startswith(
-        "config[0] (FromClaim, GpuConfig, requests [gpu]) asks for MPS sharing (devices gpu-0, gpu-1): "
-        "MPS sharing through DRA is not available in this Tessera release yet"
-    )
-    assert "remove `sharing` from the config" in answer.reason
-
-
-def test_mps_from_a_device_class_is_refused_too():
+def test_mps_plans_the_claims_settings_for_its_devices():
     mps = {"sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}}}
-    answer = refused(claim([result("gpu-0")], [opaque(source="FromClass", **mps)]))
-    assert "config[0] (FromClass, GpuConfig, requests [all]) asks for MPS sharing (devices gpu-0)" in answer.reason
+    answer = planned(claim([result("gpu-0"), result("gpu-1")], [opaque(source="FromClass", **mps)]))
+    assert [d.mps.default_active_thread_percentage for d in answer.devices] == [50, 50]
+    assert all(d.timeslice is None for d in answer.devices)
+
+
+def test_one_claims_mps_devices_must_share_one_config():
+    fifty = {"sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}}}
+    twenty = {"sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 20}}}
+    answer = refused(
+        claim([result("gpu-0"), result("gpu-1", request="other")],
+              [opaque(requests=["gpu"], **fifty), opaque(requests=["other"], **twenty)])
+    )  # fmt: skip
+    assert "have different MPS settings; one claim's MPS devices share one daemon" in answer.reason
 
 
 def test_a_misspelt_field_in_a_claim_config_names_the_claim_the_config_and_the_field():

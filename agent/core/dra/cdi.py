@@ -163,11 +163,13 @@ def claim_spec(
     device_nodes: Mapping[str, Sequence[DeviceNode]],
     *,
     common_edits: Mapping[str, Any] | None = None,
+    device_edits: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The CDI spec document for one claim: ``device_nodes`` maps each prepared device's name to its nodes.
 
     Entries keep the given order (the plan's). ``common_edits`` (CDI ``containerEdits`` keys: ``env``,
-    ``deviceNodes``, ``mounts``, ``hooks``) are added at spec level after ``NVIDIA_VISIBLE_DEVICES=void``.
+    ``deviceNodes``, ``mounts``, ``hooks``) are added at spec level after ``NVIDIA_VISIBLE_DEVICES=void``;
+    ``device_edits`` (``env``, ``mounts``) to one device's entry (an MPS client's pipe, shared memory, limits).
     """
     check_claim_uid(claim_uid)
     if not device_nodes:
@@ -176,12 +178,10 @@ def claim_spec(
     for name, nodes in device_nodes.items():
         if not nodes:
             raise CdiError(f"device {name} of claim {claim_uid} has no device nodes; a CDI device needs edits")
-        devices.append(
-            {
-                "name": claim_device_name(claim_uid, name),
-                "containerEdits": {"deviceNodes": [node.to_cdi() for node in nodes]},
-            }
-        )
+        entry: dict[str, Any] = {"deviceNodes": [node.to_cdi() for node in nodes]}
+        for key, value in ((device_edits or {}).get(name) or {}).items():
+            entry[key] = list(value)
+        devices.append({"name": claim_device_name(claim_uid, name), "containerEdits": entry})
     edits: dict[str, Any] = {"env": [VISIBLE_DEVICES_VOID]}
     for key, value in (common_edits or {}).items():
         if key == "env":

@@ -13,6 +13,7 @@ holds::
     {"kind": "TesseraDRACheckpoint", "version": 1, "nodeBootID": "<boot id>",
      "preparedClaims": {"<claim uid>": {"checkpointState": "PrepareStarted" | "PrepareCompleted",
                                         "namespace": "...", "name": "...",
+                                        "mps": {"key": "dra/…", "devices": ["GPU-…"]},
                                         "preparedDevices": [{"pool": "...", "device": "gpu-0",
                                                              "requests": ["gpu"], "cdiDeviceIDs": ["..."],
                                                              "adminAccess": false, "shareID": "...",
@@ -23,7 +24,8 @@ holds::
 ``mig`` is there for a device Prepare created (dynamic MIG): its placement from ``PrepareStarted`` on, its IDs once
 ``PrepareCompleted``. ``timeSlice`` (``{"gpuUUID", "level"}``; NVIDIA records ``timeSliceApplied``) is the
 time-slice Prepare sets on a GPU whose config time-slices it, recorded before it is set, so a rollback or
-Unprepare puts the GPU back to Default.
+Unprepare puts the GPU back to Default. ``mps`` names the MPS daemon a claim's devices are served by (MPS sharing),
+recorded before the daemon is asked for: the agent's MPS manager keeps every recorded claim's daemon running.
 
 ``decode`` refuses a wrong checksum, an unknown kind or version, or a malformed document with ``CheckpointError``;
 the caller then starts from ``empty(boot_id)`` and logs why. Unknown fields inside a good document are ignored, so
@@ -50,6 +52,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from agent.core.dra.claims import ClaimRef, PlannedDevice, PreparePlan
+from agent.core.dra.mps import MpsRecord
 
 CHECKPOINT_FILE = "tessera-checkpoint.json"
 KIND = "TesseraDRACheckpoint"
@@ -108,6 +111,7 @@ class PreparedClaim:
     namespace: str
     name: str
     devices: tuple[PreparedDevice, ...] = ()
+    mps: MpsRecord | None = None  # the MPS daemon its devices are served by (MPS sharing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +210,21 @@ def prepare_completed(
         raise ValueError(f"claim {plan.claim}: no CDI device IDs for {', '.join(missing)}")
     created = created or {}
     devices = tuple(_device(d, tuple(cdi_device_ids[d.device]), created.get(d.device)) for d in plan.devices)
-    claim = PreparedClaim(PREPARE_COMPLETED, plan.claim.namespace, plan.claim.name, devices)
+    started = checkpoint.claims.get(plan.claim.uid)
+    mps = started.mps if started is not None else None
+    claim = PreparedClaim(PREPARE_COMPLETED, plan.claim.namespace, plan.claim.name, devices, mps)
     return _with(checkpoint, plan.claim, claim)
+
+
+def with_mps(checkpoint: Checkpoint, claim_uid: str, record: MpsRecord) -> Checkpoint:
+    """Record, while Prepare runs, the MPS daemon the claim needs: the loop starts it from the checkpoint."""
+    claim = checkpoint.claims[claim_uid]
+    return replace(checkpoint, claims=MappingProxyType({**checkpoint.claims, claim_uid: replace(claim, mps=record)}))
+
+
+def mps_records(checkpoint: Checkpoint) -> dict[str, MpsRecord]:
+    """Claim UID -> the MPS daemon it needs, for every recorded claim with one (completed or being prepared)."""
+    return {uid: claim.mps for uid, claim in checkpoint.claims.items() if claim.mps is not None}
 
 
 def unprepared(checkpoint: Checkpoint, claim_uid: str) -> Checkpoint:
@@ -318,6 +335,7 @@ def _to_json(checkpoint: Checkpoint) -> dict[str, Any]:
                 "checkpointState": claim.state,
                 "namespace": claim.namespace,
                 "name": claim.name,
+                **({"mps": _mps_to_json(claim.mps)} if claim.mps else {}),
                 "preparedDevices": [
                     {
                         "pool": d.pool,
@@ -354,11 +372,22 @@ def _from_json(document: Mapping[str, Any]) -> Checkpoint:
         if not isinstance(raw_devices, list):
             raise TypeError(f"{where}.preparedDevices is not a list")
         devices = tuple(_device_from_json(d, f"{where}.preparedDevices[{i}]") for i, d in enumerate(raw_devices))
+        raw_mps = raw.get("mps")
+        mps = None
+        if raw_mps is not None:
+            if not isinstance(raw_mps, dict):
+                raise TypeError(f"{where}.mps is not an object")
+            mps = MpsRecord(
+                _str(raw_mps.get("key"), f"{where}.mps.key"),
+                _strs(raw_mps.get("devices"), f"{where}.mps.devices"),
+                _strs(raw_mps.get("env", []), f"{where}.mps.env"),
+            )
         claims[uid] = PreparedClaim(
             state=state,
             namespace=_str(raw.get("namespace"), f"{where}.namespace"),
             name=_str(raw.get("name"), f"{where}.name"),
             devices=devices,
+            mps=mps,
         )
     return Checkpoint(boot_id=boot_id, claims=MappingProxyType(claims))
 
@@ -380,6 +409,10 @@ def _device_from_json(raw: Any, where: str) -> PreparedDevice:
         mig=None if raw.get("mig") is None else _mig_from_json(raw["mig"], f"{where}.mig"),
         timeslice=None if raw.get("timeSlice") is None else _timeslice(raw["timeSlice"], f"{where}.timeSlice"),
     )
+
+
+def _mps_to_json(record: MpsRecord) -> dict[str, Any]:
+    return {"key": record.key, "devices": list(record.devices), "env": list(record.env)}
 
 
 def _timeslice_to_json(timeslice: Timeslice) -> dict[str, Any]:

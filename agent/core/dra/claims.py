@@ -15,8 +15,9 @@ decides, without touching anything:
 - that each device exists on this node, is healthy and is not prepared for another claim (NVIDIA's
   ``requested device gpu-0 is already allocated to different claim <uid>``). Admin-access results may use a
   device another claim holds, and an unhealthy one: that is what admin access (monitoring, diagnostics) is for;
-- that no applicable config asks for sharing: TimeSlicing and MPS through DRA arrive with issue 16, so until then
-  a claim that asks for them gets a clear per-claim error instead of silently running unshared.
+- the sharing each device's config asks for: TimeSlicing (``PlannedDevice.timeslice``, whole GPUs; a MIG device's
+  TimeSlicing does nothing, as on NVIDIA's driver) or MPS (``PlannedDevice.mps``, GPUs and MIG devices, dynamic
+  ones too); a claim's MPS devices share one daemon, so they must share one MPS config.
 
 Decisions where NVIDIA and the API differ or the facts are unsure:
 
@@ -40,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
-from agent.core.dra.opaque import GPU_CONFIG, TIME_SLICING, DeviceConfig, OpaqueConfigError, decode
+from agent.core.dra.opaque import GPU_CONFIG, MPS, TIME_SLICING, DeviceConfig, MpsConfig, OpaqueConfigError, decode
 
 MAX_RESULTS = 32  # resource.k8s.io AllocationResultsMaxSize
 FROM_CLASS = "FromClass"
@@ -110,6 +111,12 @@ class PlannedDevice:
             return None
         return sharing.interval_value
 
+    @property
+    def mps(self) -> MpsConfig | None:
+        """The MPS settings when the device's config shares it through MPS (GPU or MIG device)."""
+        sharing = self.config.sharing if self.config is not None else None
+        return sharing.mps if sharing is not None and sharing.strategy == MPS else None
+
 
 @dataclass(frozen=True, slots=True)
 class PreparePlan:
@@ -130,13 +137,6 @@ class ClaimError:
     @property
     def message(self) -> str:
         return f"ResourceClaim {self.claim}: {self.reason}"
-
-
-SHARING_NOT_YET = (
-    "MPS sharing through DRA is not available in this Tessera release yet. Use TimeSlicing, remove `sharing` "
-    "from the config to get the device unshared, or request an MPS resource from Tessera's device plugin "
-    "(e.g. nvidia.com/gpu-10gb) instead"
-)
 
 
 def base_request(request: str) -> str:
@@ -237,8 +237,8 @@ def plan_prepare(
             problems.append(chosen)
             continue
         config, source = chosen
-        if config is not None and config.sharing is not None and config.sharing.strategy != TIME_SLICING:
-            sharing.setdefault(f"{source} asks for {config.sharing.strategy} sharing", []).append(name)
+        if config is not None and config.sharing is not None and config.sharing.strategy == MPS:
+            sharing.setdefault(_mps_identity(config.sharing.mps), []).append(name)
         planned.append(
             PlannedDevice(
                 request=request,
@@ -251,13 +251,22 @@ def plan_prepare(
                 config_source=source,
             )
         )
-    problems += [f"{what} (devices {', '.join(names)}): {SHARING_NOT_YET}" for what, names in sharing.items()]
+    if len(sharing) > 1:  # one daemon serves the claim's MPS devices: their clients share one pipe
+        problems.append(
+            f"its MPS devices ({', '.join(n for names in sharing.values() for n in names)}) have different MPS "
+            "settings; one claim's MPS devices share one daemon, so give them one config"
+        )
     if problems:
         return fail("; ".join(problems))
     return PreparePlan(ref, tuple(planned))
 
 
 # ----- configs ----------------------------------------------------------------------------------------------------
+
+
+def _mps_identity(mps: MpsConfig | None) -> str:
+    """Configs that give the same limits (a claim's MPS devices must agree)."""
+    return repr(mps)
 
 
 class _Config(NamedTuple):
