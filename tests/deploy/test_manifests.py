@@ -118,7 +118,12 @@ RBAC_KINDS = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
 # the file each is generated from: they work only with that overlay, so they ship only there. overlays/dra's
 # `dra` gives a node's GPUs to DRA, which needs the overlay's host paths and RBAC. Not in a configs/ directory:
 # test_config_copies_in_daemonset_are_identical_to_the_catalogue checks those.
-OVERLAY_CONFIGS = {"dra": {"dra": DAEMONSET / "overlays" / "dra" / "dra.yaml"}}
+OVERLAY_CONFIGS = {
+    "dra": {
+        "dra": DAEMONSET / "overlays" / "dra" / "dra.yaml",
+        "dra-dynamic-mig": DAEMONSET / "overlays" / "dra" / "dra-dynamic-mig.yaml",  # a copy of configs/'s
+    }
+}
 READ_VERBS = {"get", "list", "watch"}
 
 
@@ -683,15 +688,18 @@ def test_config_map_keys_are_the_catalogue(rendered):
     overlay may add named configs of its own (OVERLAY_CONFIGS) that work only with it.
     Keys are the file names without .yaml (the value of nvidia.com/device-plugin.config)."""
     files = config_files()
-    without_layout = {p.stem for p in files if not has_mig_layout(p)}
+    dra_only = {p.stem for p in files if "dra" in (yaml.safe_load(p.read_text(encoding="utf-8")) or {})}
+    without_layout = {p.stem for p in files if not has_mig_layout(p)} - dra_only  # DRA's ship with its overlay
     assert set(OVERLAY_CONFIGS) <= set(VARIANTS)
     for variant in set(VARIANTS) - {"mig-manager"}:
         expected = without_layout | set(OVERLAY_CONFIGS.get(variant, {}))
         assert set(config_map(rendered[variant], "tessera-config")["data"]) == expected, variant
-    assert set(config_map(rendered["mig-manager"], "tessera-config")["data"]) == {p.stem for p in files}
+    assert set(config_map(rendered["mig-manager"], "tessera-config")["data"]) == {p.stem for p in files} - dra_only
     for name, objects in rendered.items():
         own = OVERLAY_CONFIGS.get(name, {})
-        assert not set(own) & {p.stem for p in files}, f"{name} shadows a config of the catalogue"
+        assert not (set(own) - dra_only) & {p.stem for p in files}, f"{name} shadows a config of the catalogue"
+        for stem in set(own) & dra_only:  # the catalogue's DRA configs ship with the dra overlay, unchanged
+            assert own[stem].read_text(encoding="utf-8") == (CONFIGS / f"{stem}.yaml").read_text(encoding="utf-8")
         for key, text in config_map(objects, "tessera-config")["data"].items():
             source = own.get(key, CONFIGS / f"{key}.yaml")
             assert text == source.read_text(encoding="utf-8"), (name, key)
