@@ -42,6 +42,7 @@ from agent.core.dra.checkpoint import (
     prepare_started,
     unprepared,
     with_mps,
+    without_mps,
 )
 from agent.core.dra.claims import ClaimError, ClaimRef, PreparableDevice, PreparePlan, plan_prepare
 from agent.core.dra.mps import MpsRecord, client_edits, mps_record
@@ -344,12 +345,14 @@ class ClaimWorker:
                 return ""  # no file of ours can carry such a name, and nothing is recorded for it
         try:
             removed = self._cdi.remove(ref.uid)
+            if claim is not None and claim.mps is not None:
+                self._release_mps(ref.uid)  # its daemon may go now; a MIG device it served is destroyed after it
             for device in claim.devices if claim is not None else ():
                 if device.timeslice is not None:
                     self._timeslices.reset(device.timeslice.gpu_uuid)
                 if device.mig is not None:
                     self._partitions.destroy(device.mig)  # the record stays until it is gone: the kubelet retries
-        except (CdiStoreError, PartitionError, TimesliceFailed) as error:
+        except (CdiStoreError, PartitionError, TimesliceFailed, CheckpointSaveError) as error:
             return _failed_unprepare(ref, str(error))
         if claim is None:
             log.info(
@@ -375,6 +378,14 @@ class ClaimWorker:
             claim.state,
         )
         return ""
+
+    def _release_mps(self, claim_uid: str) -> None:
+        """The claim no longer needs its MPS daemon: recorded first, so the loop can retire the daemon (once no
+        client runs) even while the claim's other devices are still being taken down."""
+        released = without_mps(self.checkpoint, claim_uid)
+        self._store.save(released)
+        self.checkpoint = released
+        self._changed()
 
     def sweep(self) -> list[str]:
         """Roll back every Prepare an earlier agent left unfinished (nothing of it reached a container: its MIG

@@ -365,3 +365,37 @@ def test_a_gpu_whose_partition_a_claim_holds_stays_with_dra_until_it_is_unprepar
     world.dra.stop_pod("pod-1")
     assert instances(world) == {}
     world.kubelet.wait_for(lambda: world.kubelet.allocatable("nvidia.com/gpu") == 1, timeout=DEADLINE, what="GPU 0")
+
+
+@pytest.mark.parametrize("world", [MIG_READY], indirect=True)
+def test_mps_on_a_mig_device_made_for_the_claim(world: World, mps_bin, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What NVIDIA's driver refuses: MPS with dynamic MIG. The daemon serves the MIG device made for the claim."""
+    import os
+
+    root = world.base / "mps"
+    dynamic_world(world)
+    before = world.agent.status.config_digest
+    (world.base / "config.yaml").write_text(DYNAMIC + f"flags: {{mpsRoot: '{root}'}}\n")
+    test_dra_e2e.poll(lambda: world.agent.status.config_digest != before, "the config with the MPS root applied")
+    monkeypatch.setenv("PATH", f"{mps_bin}:{os.environ['PATH']}")
+    mps = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig",
+           "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 30}}}  # fmt: skip
+    request = {"deviceClassName": "mig.nvidia.com", "selectors": [{"cel": {"expression": profile("3g.40gb")}}]}
+    claim = world.api.create("resourceclaims", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "mps-mig", "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "mig", "exactly": request}],
+                             "config": [{"requests": ["mig"], "opaque": {"driver": DRIVER, "parameters": mps}}]}},
+    })  # fmt: skip
+    classes = {c["metadata"]["name"]: c for c in world.api.objects("deviceclasses")}
+    world.api.update("resourceclaims", allocate(claim, world.slices(), classes, set(), NODE), status=True)
+    world.dra.run_pod("default", "mps-mig", "pod-1", [("mig", "mps-mig")], {"main": [("mig", None)]})
+    ((gi, ci),) = world.driver.gpus[0].mig_devices()
+    assert gi.profile.name == "3g.40gb"
+    (key,) = [k for k, d in world.agent.status.mps.items() if k.startswith("dra/") and d["state"] == "ready"]
+    spec = (world.base / "cdi" / f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.yaml").read_text()
+    assert f"CUDA_MPS_PIPE_DIRECTORY=/mps/{key}/pipe" in spec and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in spec
+    assert ci.compute_mode == 3  # the daemon's MIG device in EXCLUSIVE_PROCESS
+    world.dra.stop_pod("pod-1")
+    test_dra_e2e.poll(lambda: not any(k.startswith("dra/") for k in world.agent.status.mps), "the daemon stopped")
+    test_dra_e2e.poll(lambda: instances(world) == {}, "the MIG device destroyed once its daemon is gone")

@@ -222,6 +222,12 @@ def with_mps(checkpoint: Checkpoint, claim_uid: str, record: MpsRecord) -> Check
     return replace(checkpoint, claims=MappingProxyType({**checkpoint.claims, claim_uid: replace(claim, mps=record)}))
 
 
+def without_mps(checkpoint: Checkpoint, claim_uid: str) -> Checkpoint:
+    """The claim no longer needs its MPS daemon (Unprepare under way)."""
+    claim = checkpoint.claims[claim_uid]
+    return replace(checkpoint, claims=MappingProxyType({**checkpoint.claims, claim_uid: replace(claim, mps=None)}))
+
+
 def mps_records(checkpoint: Checkpoint) -> dict[str, MpsRecord]:
     """Claim UID -> the MPS daemon it needs, for every recorded claim with one (completed or being prepared)."""
     return {uid: claim.mps for uid, claim in checkpoint.claims.items() if claim.mps is not None}
