@@ -102,24 +102,25 @@ def sim_node() -> Iterator[Callable[[object], SimDriver]]:
     uninstall()
 
 
-@pytest.fixture
-def mps_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding ``nvidia-cuda-mps-control``: the MPS control emulator under the real binary's name."""
-    directory = tmp_path_factory.mktemp("mps-bin")
-    launcher = directory / "nvidia-cuda-mps-control"
-    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agent.sim.mps.control "$@"\n')
+def _emulator_bin(tmp_path_factory: pytest.TempPathFactory, binary: str, module: str) -> Path:
+    """A directory holding ``binary``: a launcher running the emulator ``module`` under the real binary's name."""
+    directory = tmp_path_factory.mktemp(f"{binary}-bin")
+    launcher = directory / binary
+    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
     launcher.chmod(0o755)
     return directory
+
+
+@pytest.fixture
+def mps_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``nvidia-cuda-mps-control``: the MPS control emulator (``agent.sim.mps.control``)."""
+    return _emulator_bin(tmp_path_factory, "nvidia-cuda-mps-control", "agent.sim.mps.control")
 
 
 @pytest.fixture
 def smi_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding ``nvidia-smi``: the emulator (``agent.sim.smi``) under the real binary's name."""
-    directory = tmp_path_factory.mktemp("smi-bin")
-    launcher = directory / "nvidia-smi"
-    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agent.sim.smi "$@"\n')
-    launcher.chmod(0o755)
-    return directory
+    """``nvidia-smi``: the emulator of its ``compute-policy --set-timeslice`` (``agent.sim.smi``)."""
+    return _emulator_bin(tmp_path_factory, "nvidia-smi", "agent.sim.smi")
 
 
 @pytest.fixture

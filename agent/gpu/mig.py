@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from ctypes import byref
 from dataclasses import dataclass
+from typing import Any
 
 import pynvml
 
@@ -41,15 +43,7 @@ def destroy_instance(gpu_index: int, gi_id: int) -> None:
 def _destroy(handle: object, gi_id: int, gpu: str) -> None:
     try:
         gpu_instance = pynvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
-        for ci_index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
-            try:
-                info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gpu_instance, ci_index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
-                )
-            except pynvml.NVMLError as error:
-                if error_name(error) in ("NOT_SUPPORTED", "INVALID_ARGUMENT"):
-                    continue
-                raise
+        for _, info in _compute_profiles(gpu_instance):
             for compute_instance in _compute_instances(gpu_instance, info.id, info.instanceCount):
                 pynvml.nvmlComputeInstanceDestroy(compute_instance)
         pynvml.nvmlGpuInstanceDestroy(gpu_instance)
@@ -162,7 +156,15 @@ def _mig_device(handle: object, gi_id: int, what: str) -> MigInstance:
 def _full_compute_profile(gpu_instance: object, slices: int) -> int:
     """The ID of the compute-instance profile that spans a GPU instance of ``slices``, as ``nvidia-smi -C`` picks
     it: the plain one, or ``1_SLICE_REV1`` where that is the only one (a ``1g.20gb``, ``1_SLICE_REV2``, instance)."""
-    found: dict[int, int] = {}
+    found = {index: int(info.id) for index, info in _compute_profiles(gpu_instance) if info.sliceCount == slices}
+    plain = [profile for index, profile in found.items() if index != pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1]
+    if plain or found:
+        return (plain or list(found.values()))[0]
+    raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+
+def _compute_profiles(gpu_instance: object) -> Iterator[tuple[int, Any]]:
+    """The compute-instance profiles the GPU instance supports: (NVML profile index, its info)."""
     for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
         try:
             info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
@@ -172,12 +174,7 @@ def _full_compute_profile(gpu_instance: object, slices: int) -> int:
             if error_name(error) in ("NOT_SUPPORTED", "INVALID_ARGUMENT"):
                 continue
             raise
-        if info.sliceCount == slices:
-            found[index] = int(info.id)
-    plain = [profile for index, profile in found.items() if index != pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1]
-    if plain or found:
-        return (plain or list(found.values()))[0]
-    raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        yield index, info
 
 
 def _profile_index(handle: object, profile_id: int) -> int:

@@ -278,6 +278,11 @@ class World:
         self.agent = subprocess.Popen(self.command, env=env, cwd=AGENT_HOME, stdout=log, stderr=log)
         log.close()
 
+    def spawn_until_pool(self, devices: int) -> float:
+        """Start the agent; when (monotonic) the stand-in held its complete pool of ``devices`` devices."""
+        self.spawn()
+        return self.api.wait_for(_pool_with(self.api, devices), DEADLINE)
+
     def registered(self) -> float:
         """When the DRA kubelet emulator registered the driver (monotonic)."""
         self.dra.wait_for(lambda: DRIVER in self.dra.drivers(), DEADLINE, "the DRA driver registered")
@@ -450,8 +455,7 @@ def mig_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure]) -
 
     def body(world: World) -> None:
         api = world.api
-        world.spawn()
-        complete = api.wait_for(_pool_with(api, MIG_DEVICES), DEADLINE)
+        complete = world.spawn_until_pool(MIG_DEVICES)
         registered = world.registered()
         figures["mig start"].add_one(complete - world.spawned)
         figures["mig registered"].add_one(registered - world.spawned)
@@ -554,8 +558,7 @@ def dynamic_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure
 
     def body(world: World) -> None:
         api = world.api
-        world.spawn()
-        complete = api.wait_for(_pool_with(api, DYNAMIC_DEVICES), DEADLINE)
+        complete = world.spawn_until_pool(DYNAMIC_DEVICES)
         figures["dyn start"].add_one(complete - world.spawned)
         figures["dyn slices"].add_one(len(_complete_pool(api) or []))
         figures["dyn devices"].add_one(DYNAMIC_DEVICES)
