@@ -729,6 +729,7 @@ def _preview(
 
 
 PLACEHOLDER_NODE_UID = "00000000-0000-0000-0000-000000000000"
+PARTITIONABLE_DEVICES_ON = 36  # DRAPartitionableDevices: alpha in 1.33-1.35, beta and on from 1.36 (dra.md B1)
 
 
 def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: ConfigModel, notes: list[str]) -> int:
@@ -762,6 +763,14 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
     kept = [str(g.index) for g in inventory.gpus if g.uuid not in chosen]
     if kept:
         notes.append(f"GPUs {', '.join(kept)} stay with the device plugin (tessera plan without --dra shows them)")
+    parts = args.kubernetes_version.lstrip("v").split(".")
+    minor = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else PARTITIONABLE_DEVICES_ON
+    if dynamic and minor < PARTITIONABLE_DEVICES_ON:
+        notes.append(
+            f"dynamic MIG publishes partitionable devices: Kubernetes 1.{minor} needs the DRAPartitionableDevices "
+            "feature gate (alpha) on the API server, scheduler and kubelet; without it the API server drops the "
+            "counters and the scheduler could pick overlapping MIG placements (their Prepare then fails)"
+        )
     if not args.node_uid:
         notes.append(
             "ownerReferences name the Node by a placeholder UID; give --node-uid "

@@ -83,6 +83,17 @@ def test_every_profile_and_placement_is_a_device_of_its_gpu(tmp_path: Path, vers
     assert whole == {"counterSet": "gpu-3-counter-set", "counters": sets["gpu-3-counter-set"]}
 
 
+@pytest.mark.parametrize(("version", "gate_said"), [("1.34", True), ("1.35", True), ("1.36", False)])
+def test_the_preview_says_when_the_cluster_needs_the_partitionable_devices_gate(
+    tmp_path: Path, version: str, gate_said: bool
+) -> None:
+    config = tmp_path / "dynamic.yaml"
+    config.write_text("version: v1\ndra:\n  enabled: true\n  dynamicMig: all\n")
+    result = exits(0, "plan", "--dra", "--node", "dgx-h100", "--config", str(config), "--kubernetes-version", version)
+    said = f"Kubernetes {version} needs the DRAPartitionableDevices feature gate (alpha)" in result.stderr
+    assert said == gate_said
+
+
 @pytest.mark.parametrize(("version", "git_version"), [("1.34", "v1.34.2"), ("1.36", "v1.36.3")])
 def test_the_api_server_accepts_the_pool_in_its_layout(tmp_path: Path, version: str, git_version: str) -> None:
     slices = preview(tmp_path, version)
