@@ -207,6 +207,12 @@ def test_an_mps_claim_gets_a_supervised_daemon_with_its_limits_which_stops_after
     assert (root / key / "pipe").is_dir()  # the daemon's pipe, where the claim's containers reach it
     assert world.driver.gpus[index].compute_mode == 3  # EXCLUSIVE_PROCESS: the daemon is the GPU's only client
 
+    # an agent restart (a rollout) keeps the claim's daemon: the new agent adopts it from the checkpoint
+    pid = (root / key / "pipe" / "nvidia-cuda-mps-control.pid").read_text().strip()
+    world.restart_agent()
+    test_dra_e2e.poll(lambda: world.agent.status.mps.get(key, {}).get("state") == "ready", "the daemon adopted")
+    assert (root / key / "pipe" / "nvidia-cuda-mps-control.pid").read_text().strip() == pid  # the same daemon
+
     world.dra.stop_pod("pod-1")
     test_dra_e2e.poll(
         lambda: not any(k.startswith("dra/") for k in world.agent.status.mps), "the claim's daemon stopped"
