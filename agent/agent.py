@@ -1191,6 +1191,9 @@ class Agent:
         assert self._dra is not None
         if isinstance(event, DraClaimsChanged) and self._plan is not None:  # a claim's MPS daemon may be new or gone
             self._reconcile_mps(self._plan, Path(self._effective.allocation.mps_root))
+            if self._dra.made_mig_changed():  # a MIG device made or destroyed for a claim: the node changed
+                self._rediscover("a DRA claim's MIG device was made or destroyed")
+                return
         if isinstance(event, DraHandoverChecked):
             if self._dra.on_checked(event, self._clock()):
                 self._publish()

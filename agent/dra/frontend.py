@@ -59,6 +59,9 @@ class DraFrontEnd:
             return set()
         return {name for names in self._service.prepared().values() for name in names}
 
+    def made_mig_devices(self) -> dict[str, str]:
+        return self._service.made_mig_devices() if self._service is not None else {}
+
     def mps_records(self) -> dict[str, Any]:
         return self._service.mps_records() if self._service is not None else {}
 

@@ -74,6 +74,8 @@ class DraManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dra")
         self._sys_root = Path("/sys")
         self._dynamic_mig: object = None  # the config's dra.dynamicMig
+        self._seen_made: set[str] = set()  # MIG devices made for claims that the inventory has shown
+        self._last_made: frozenset[str] = frozenset()
         self._pcie_roots: dict[str, str | None] = {}  # by PCI bus ID, read once per GPU (None: sysfs does not say)
         self._leaving_check = 0.0
         self.error: str | None = None  # why DRA cannot run (no API), said in the status
@@ -212,8 +214,24 @@ class DraManager:
                 taint = earlier or DeviceTaint(key=CORDON_TAINT, time_added=rfc3339(self._now()))
                 self._taints[device.name] = (*self._taints.get(device.name, ()), taint)
         self._cordon_taints = {n: t for n, t in self._taints.items() if any(x.key == CORDON_TAINT for x in t)}
+        for name, uuid in self._vanished(inventory).items():  # the claim's container lost its device
+            unhealthy[name] = f"the MIG device made for its claim ({uuid}) is gone: a GPU reset destroys MIG devices"
         first_answers_due = any(not w.answered for w in self._arriving.values())
         self._front.update(devices, unhealthy, self._taints, published=offered, slices=not first_answers_due)
+
+    def made_mig_changed(self) -> bool:
+        """True once each time the MIG devices made for claims are different from the last time asked."""
+        made = frozenset(self._front.made_mig_devices().values()) if self._front is not None else frozenset()
+        changed, self._last_made = made != self._last_made, made
+        return changed
+
+    def _vanished(self, inventory: Inventory) -> dict[str, str]:
+        """Prepared dynamic-MIG devices whose MIG device the inventory had and has no more (a GPU reset). One the
+        inventory has not shown yet (just made, not read again) is not gone."""
+        made = self._front.made_mig_devices() if self._front is not None else {}
+        present = {mig.uuid for gpu in inventory.gpus for mig in gpu.mig_devices}
+        self._seen_made = (self._seen_made | (set(made.values()) & present)) & set(made.values())
+        return {name: uuid for name, uuid in made.items() if uuid in self._seen_made and uuid not in present}
 
     def next_deadline(self) -> float | None:
         due = [w.next_check for w in self._arriving.values() if not w.in_flight]

@@ -41,7 +41,7 @@ from agent.api.dra.v1 import api_pb2 as dra_v1
 from agent.api.dra.v1beta1 import api_pb2 as dra_v1beta1
 from agent.api.drahealth.v1alpha1 import api_pb2 as dra_health
 from agent.core.allocation import DEFAULT_CDI_KIND
-from agent.core.dra.checkpoint import mps_records
+from agent.core.dra.checkpoint import PREPARE_COMPLETED, mps_records
 from agent.core.dra.claims import ClaimError, ClaimRef
 from agent.core.dra.devices import DraDevice
 from agent.core.dra.mps import MpsRecord
@@ -201,6 +201,16 @@ class DraService:
         """Claim UID -> its device names, for every claim recorded (completed or still being prepared): a GPU
         holding one must stay with DRA."""
         return {uid: tuple(d.device for d in c.devices) for uid, c in self._claims.checkpoint.claims.items()}
+
+    def made_mig_devices(self) -> dict[str, str]:
+        """Device name -> the UUID of the MIG device Prepare made for it, for every completed claim."""
+        return {
+            d.device: d.mig.uuid
+            for claim in self._claims.checkpoint.claims.values()
+            if claim.state == PREPARE_COMPLETED
+            for d in claim.devices
+            if d.mig is not None and d.mig.uuid is not None
+        }
 
     def mps_records(self) -> dict[str, MpsRecord]:
         """Claim UID -> the MPS daemon it needs (a consistent view: the checkpoint is replaced whole)."""

@@ -410,3 +410,22 @@ def test_mps_on_a_mig_device_made_for_the_claim(world: World, mps_bin, monkeypat
     world.dra.stop_pod("pod-1")
     test_dra_e2e.poll(lambda: not any(k.startswith("dra/") for k in world.agent.status.mps), "the daemon stopped")
     test_dra_e2e.poll(lambda: instances(world) == {}, "the MIG device destroyed once its daemon is gone")
+
+
+@pytest.mark.parametrize("world", [{**MIG_READY, "recovery_seconds": 0.2}], indirect=True)
+def test_a_claims_mig_device_gone_after_a_gpu_recovery_is_reported_unhealthy(world: World) -> None:
+    dynamic_world(world)
+    claim = mig_claim(world, "small", "2g.20gb")
+    device = claim["status"]["allocation"]["devices"]["results"][0]["device"]
+    world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
+    world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, device) == "Healthy", DEADLINE, "Healthy")
+    world.driver.lose_gpu(0)  # Xid 79: off the bus
+    world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, device) == "Unhealthy", DEADLINE, "lost")
+    world.driver.recover_gpu(0)  # back, as after a node-level recovery, without its MIG devices
+    other = "gpu-0-mig-1g10gb-19-6" if device != "gpu-0-mig-1g10gb-19-6" else "gpu-0-mig-1g10gb-19-0"
+    world.dra.wait_for(  # the GPU recovered: its other placements are Healthy again...
+        lambda: world.dra.device_health(DRIVER, NODE, other) == "Healthy", DEADLINE, "the GPU recovered"
+    )
+    assert world.dra.device_health(DRIVER, NODE, device) == "Unhealthy"  # ...but the claim's MIG device is not back
+    world.dra.stop_pod("pod-1")  # nothing left to destroy: Unprepare succeeds
+    assert instances(world) == {}

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from agent.agent import Agent, AgentOptions
+from agent.core.health import HealthPolicy
 from agent.sim.apiserver import ApiServer
 from agent.sim.kubelet import DraKubeletEmulator, KubeletEmulator
 from agent.sim.kubelet.dra_common import PodStartError
@@ -47,11 +48,12 @@ def poll(predicate: Callable[[], object], what: str, timeout: float = DEADLINE) 
 
 
 def start_agent(
-    base: Path, api: ApiServer, telemetry: TelemetrySettings | None = None
+    base: Path, api: ApiServer, telemetry: TelemetrySettings | None = None, health: HealthPolicy | None = None
 ) -> tuple[Agent, threading.Thread]:
     agent = Agent(
         AgentOptions(
             telemetry=telemetry,
+            health=health or HealthPolicy(),
             device_plugin_dir=base / "dp",
             pod_resources_socket=base / "pr" / "kubelet.sock",
             config_path=base / "config.yaml",
@@ -128,8 +130,11 @@ def fake_sysfs(root: Path, links: dict[str, str]) -> None:
 
 @pytest.fixture
 def world(request: pytest.FixtureRequest, sim_node: Callable[[object], SimDriver]) -> Iterator[World]:
-    """A dgx-a100, or the node spec a test gives (``parametrize("world", [spec], indirect=True)``)."""
-    driver = sim_node(getattr(request, "param", "dgx-a100"))
+    """A dgx-a100, or the node spec a test gives (``parametrize("world", [spec], indirect=True)``; a spec with
+    ``"recovery_seconds"`` gives the agent that health quiet period)."""
+    spec = getattr(request, "param", "dgx-a100")
+    recovery = spec.pop("recovery_seconds", None) if isinstance(spec, dict) else None
+    driver = sim_node(spec)
     base = Path(tempfile.mkdtemp(prefix="e", dir="/tmp"))  # unix socket paths stay short
     fake_sysfs(base / "sys", {driver.gpus[0].pci_bus_id.removeprefix("0000"): "pci0000:00"})  # GPU 1: no link
     (base / "config.yaml").write_text(CONFIG)
@@ -143,7 +148,8 @@ def world(request: pytest.FixtureRequest, sim_node: Callable[[object], SimDriver
     kubelet.start()
     dra = DraKubeletEmulator(base / "registry", NODE, api.api_client(), wipe_delay=1.0)
     dra.start()
-    world = World(driver, api, kubelet, dra, *start_agent(base, api), base)
+    health = HealthPolicy(quiet_seconds=recovery) if recovery is not None else None
+    world = World(driver, api, kubelet, dra, *start_agent(base, api, health=health), base)
     try:
         yield world
         assert world.thread.is_alive(), "the agent's reconcile loop ended by itself"
