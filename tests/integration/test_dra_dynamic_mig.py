@@ -305,9 +305,12 @@ def test_a_mig_device_made_just_before_an_agent_crash_is_found_by_its_placement_
                     for d in record.devices)  # fmt: skip
     crashed = replace(saved, claims={uid: replace(record, state=PREPARE_STARTED, devices=devices)})
     path.write_bytes(encode(crashed))
+    registered = len(world.dra.registration_events("registered", DRIVER))
     world.agent, world.thread = test_dra_e2e.start_agent(world.base, world.api)
     test_dra_e2e.poll(lambda: instances(world) == {}, "the leftover destroyed when the agent starts")
-    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered again")
+    world.dra.wait_for(
+        lambda: len(world.dra.registration_events("registered", DRIVER)) > registered, DEADLINE, "registered again"
+    )
     world.dra.stop_pod("pod-1")  # the pod is gone: Unprepare of a claim nothing is recorded for any more
     assert decode(path.read_bytes()).claims == {}
 

@@ -209,8 +209,12 @@ def test_an_mps_claim_gets_a_supervised_daemon_with_its_limits_which_stops_after
 
     # an agent restart (a rollout) keeps the claim's daemon: the new agent adopts it from the checkpoint
     pid = (root / key / "pipe" / "nvidia-cuda-mps-control.pid").read_text().strip()
+    registered = len(world.dra.registration_events("registered", DRIVER))
     world.restart_agent()
     test_dra_e2e.poll(lambda: world.agent.status.mps.get(key, {}).get("state") == "ready", "the daemon adopted")
+    world.dra.wait_for(
+        lambda: len(world.dra.registration_events("registered", DRIVER)) > registered, DEADLINE, "registered again"
+    )
     assert (root / key / "pipe" / "nvidia-cuda-mps-control.pid").read_text().strip() == pid  # the same daemon
 
     world.dra.stop_pod("pod-1")
