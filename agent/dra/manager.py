@@ -321,13 +321,12 @@ class DraManager:
         names = self._front.prepared_devices()
         if not names:
             return set()
-        from agent.core.dra.devices import dra_devices
+        from agent.core.dra.devices import gpu_minor_of
 
-        # a claim's device by either name it can have: a MIG device that exists, or a dynamic-MIG partition whose
+        # by the name's GPU minor: a claim's device may be a MIG device that exists, or a dynamic-MIG partition whose
         # MIG device is being made (not in the inventory yet) or whose GPU has left dynamic MIG since
-        every_partition = frozenset(g.uuid for g in inventory.gpus)
-        devices = (*dra_devices(inventory), *dra_devices(inventory, dynamic_mig=every_partition))
-        return {d.gpu_uuid for d in devices if d.name in names}
+        minors = {gpu_minor_of(name) for name in names}
+        return {g.uuid for g in inventory.gpus if g.minor_number in minors}
 
     def _check(self, scopes: dict[str, frozenset[str]]) -> None:
         """Worker: is anything using each GPU's devices (a device-plugin pod, a process)?"""

@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agent.core.dra.cdi import CdiError, cdi_device_ids, check_claim_uid, claim_spec
@@ -85,6 +86,14 @@ class Timeslices(Protocol):
 
     def apply(self, gpu_uuid: str, level: int) -> None: ...
     def reset(self, gpu_uuid: str) -> None: ...
+
+
+@dataclass
+class _Done:
+    """What one Prepare attempt has done so far: the MIG devices it made, the devices whose time-slice it set."""
+
+    created: dict[str, CreatedMig] = field(default_factory=dict)
+    timesliced: set[str] = field(default_factory=set)
 
 
 class ClaimWorker:
@@ -202,13 +211,15 @@ class ClaimWorker:
         except CheckpointSaveError as error:
             return ClaimError(ref, f"{error}; nothing was prepared", True)
         self.checkpoint = started
-        created: dict[str, CreatedMig] = {}
+        done = _Done()
+        created = done.created
         try:
             for planned in plan.devices:
                 if (intent := planned_mig(planned)) is not None:
                     created[planned.device] = self._partitions.create(intent)
                 if planned.timeslice is not None:
                     self._timeslices.apply(planned.info.uuid, planned.timeslice)
+                    done.timesliced.add(planned.device)
             made = [(d.device, _concrete(d.info, created.get(d.device))) for d in plan.devices]
             record = self._start_mps(ref, plan, dict(made))
             edits = {d.device: client_edits(record, self._mps_root()) for d in plan.devices if record and d.mps}
@@ -221,7 +232,7 @@ class ClaimWorker:
             CheckpointSaveError,
         ) as error:  # fmt: skip
             reason = f"cannot build its CDI spec: {error}" if isinstance(error, CdiError) else str(error)
-            if (problem := self._roll_back(ref, created)) is not None:
+            if (problem := self._roll_back(ref, done)) is not None:
                 return ClaimError(ref, f"{reason}; rolling back failed too ({problem}): the next attempt retries it")
             return ClaimError(ref, f"{reason}; nothing was left prepared")
         self.checkpoint = completed
@@ -285,19 +296,21 @@ class ClaimWorker:
         }
         return spec, ids
 
-    def _roll_back(self, ref: ClaimRef, created: Mapping[str, CreatedMig] | None = None) -> str | None:
-        """Undo a prepare that did not complete (spec, MIG devices it created, then the record); the reason when
+    def _roll_back(self, ref: ClaimRef, done: _Done | None = None) -> str | None:
+        """Undo a prepare that did not complete (spec, time-slices, MIG devices, then the record); the reason when
         something cannot be undone (the record then stays, and the next attempt rolls back again).
 
-        ``created`` are the MIG devices this attempt made; a record left by an earlier attempt names only their
-        placements, and whatever sits there of that profile is what that attempt made."""
+        ``done`` is what this attempt did, and only that is undone: a MIG device found at the placement (made by
+        hand) or a time-slice that could not be set is not this attempt's. A record left by an earlier attempt
+        (an agent that died) names only the placements and levels it meant: whatever sits there of that profile
+        is taken for what that attempt made."""
         try:
             self._cdi.remove(ref.uid)
             record = self.checkpoint.claims.get(ref.uid)
             for device in record.devices if record is not None else ():
-                if device.timeslice is not None:
+                if device.timeslice is not None and (done is None or device.device in done.timesliced):
                     self._timeslices.reset(device.timeslice.gpu_uuid)
-                mig = (created or {}).get(device.device) or device.mig
+                mig = device.mig if done is None else done.created.get(device.device)
                 if mig is not None:
                     self._partitions.destroy(mig)
         except (CdiStoreError, PartitionError, TimesliceFailed) as error:

@@ -432,3 +432,16 @@ def test_a_claims_mig_device_gone_after_a_gpu_recovery_is_reported_unhealthy(wor
     assert world.dra.device_health(DRIVER, NODE, device) == "Unhealthy"  # ...but the claim's MIG device is not back
     world.dra.stop_pod("pod-1")  # nothing left to destroy: Unprepare succeeds
     assert instances(world) == {}
+
+
+@pytest.mark.parametrize("world", [MIG_READY], indirect=True)
+def test_a_mig_device_made_by_hand_at_the_allocated_placement_is_named_and_left_alone(world: World) -> None:
+    dynamic_world(world)
+    claim = mig_claim(world, "small", "1g.10gb")
+    start = int(claim["status"]["allocation"]["devices"]["results"][0]["device"].rsplit("-", 1)[1])
+    foreign = world.driver.create_gpu_instance(0, 19, (start, 1))  # exactly there, the same profile
+    world.driver.create_compute_instance(0, foreign, 0)
+    before = instances(world)
+    with pytest.raises(PodStartError, match=f"GPU instance {foreign.id} is already there and Tessera did not create"):
+        world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
+    assert instances(world) == before

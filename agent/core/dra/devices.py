@@ -150,6 +150,12 @@ def gpu_device_name(gpu: Gpu) -> str:
     return f"gpu-{gpu.minor_number}"
 
 
+def gpu_minor_of(device_name: str) -> int | None:
+    """The GPU minor a device name carries (``gpu-<minor>`` or ``gpu-<minor>-mig-…``); None for another name."""
+    parts = device_name.split("-")
+    return int(parts[1]) if len(parts) > 1 and parts[0] == "gpu" and parts[1].isdigit() else None
+
+
 def mig_device_name(gpu: Gpu, mig: MigDevice) -> str:
     """NVIDIA's ``MigSpecTuple.ToCanonicalName``."""
     return f"gpu-{gpu.minor_number}-mig-{canonical_profile(mig.profile)}-{mig.gi_profile_id}-{mig.placement.start}"
