@@ -26,13 +26,16 @@ request and why. What it does as the scheduler does:
   ``NoSchedule`` or ``NoExecute`` taint only if the request tolerates it (``None`` is ignored).
 * Constraints ``matchAttribute`` and ``distinctAttribute`` over the named requests (or all); shared counters
   (``sharedCounters``/``consumesCounters``) less what allocated devices consume.
+* Consumable capacity (``agent.sim.scheduler.capacity``): a device with ``allowMultipleAllocations`` is shared by
+  claims while their shares (``capacity.requests``, else the policy's default, rounded up to the request policy)
+  fit its capacities; its results carry a ``shareID`` and ``consumedCapacity``. ``devices_in_use`` gives
+  ``allocate`` what other claims hold whole and what their shares take.
 
 ``extended.extended_resource_claim`` builds the claim the scheduler writes for a pod whose containers ask for an
 extended resource a DeviceClass serves (KEP-5004).
 
 Left out: scoring and other nodes (one node, first solution); slices selected by ``nodeSelector`` or
-per-device node selection; consumable capacity (``allowMultipleAllocations``, ``capacity.requests``,
-``shareID``, ``consumedCapacity``); binding conditions; the admin-access namespace label; ``reservedFor``,
+per-device node selection; binding conditions; the admin-access namespace label; ``reservedFor``,
 ``allocationTimestamp`` and writing the claim (the caller's job); CEL cost limits; Kubernetes' compile-time
 type checking (``cel`` checks names and functions only, see its docstring).
 """
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from agent.sim.scheduler.allocator import MAX_RESULTS, DeviceID, Diagnostics, allocate
+from agent.sim.scheduler.allocator import MAX_RESULTS, DeviceID, Diagnostics, allocate, devices_in_use
 from agent.sim.scheduler.errors import CELCompileError, CELRuntimeError, Unschedulable
 
 if TYPE_CHECKING:
@@ -64,4 +67,5 @@ __all__ = [
     "Unschedulable",
     "allocate",
     "compile_selector",
+    "devices_in_use",
 ]

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import copy
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Literal
 
+from agent.sim.scheduler.capacity import amount, consumption, quantity_text
 from agent.sim.scheduler.errors import CELCompileError, CELRuntimeError, Unschedulable
-from agent.sim.scheduler.values import Quantity
 
 MAX_RESULTS = 32  # AllocationResultsMaxSize: devices in one claim's allocation
 MAX_STEPS = 1_000_000  # candidate devices tried before the search gives up (the scheduler has a deadline)
@@ -76,6 +77,11 @@ class _Device:
     def label(self) -> str:
         return "/".join(self.id)
 
+    @property
+    def multiple(self) -> bool:
+        """``allowMultipleAllocations``: shared by allocations, each consuming part of its capacity."""
+        return self.spec.get("allowMultipleAllocations") is True
+
 
 @dataclass(eq=False)
 class _Request:
@@ -89,6 +95,7 @@ class _Request:
     tolerations: list[Mapping[str, Any]]
     selectors: list[Any]  # compiled request selectors
     class_selectors: list[Any]
+    capacity: Mapping[str, Any] = field(default_factory=dict)  # capacity.requests: name -> quantity
     all_devices: list[_Device] | None = None
 
     @property
@@ -110,13 +117,16 @@ def allocate(
     allocated: set[DeviceID] | frozenset[DeviceID],
     node_name: str,
     *,
+    consumed: Mapping[DeviceID, Mapping[str, Fraction]] | None = None,
     cel_errors: CelErrors = "abort",
     diagnostics: Diagnostics | None = None,
 ) -> dict[str, Any]:
     """A copy of ``claim`` with ``status.allocation`` as the scheduler writes it, or ``Unschedulable``.
 
     ``slices`` are ResourceSlice objects (any nodes, any generations), ``classes`` DeviceClass objects by name,
-    ``allocated`` the devices other claims hold. A claim that already has an allocation comes back unchanged.
+    ``allocated`` the devices other claims hold whole and ``consumed`` what other claims' shares take of
+    multi-allocatable devices (``devices_in_use`` computes both from the claims). A claim that already has an
+    allocation comes back unchanged.
     ``cel_errors``: ``"abort"`` (Kubernetes) stops at the first selector that fails to evaluate for a device
     the search looks at and reports it; ``"skip"`` treats that device as not matching and goes on, keeping the
     errors in ``diagnostics.cel_errors`` and naming the first in the reason if the claim cannot be allocated.
@@ -127,13 +137,36 @@ def allocate(
     if (result.get("status") or {}).get("allocation"):
         return result
     try:
-        allocation = _Allocation(result, list(slices), classes, allocated, node_name, cel_errors, diag).run()
+        allocation = _Allocation(
+            result, list(slices), classes, allocated, consumed or {}, node_name, cel_errors, diag
+        ).run()
     except _Abort as error:
         raise Unschedulable(str(error), cel_error=diag.first_cel_error) from None
     finally:
         diag.seconds = time.perf_counter() - started
     result.setdefault("status", {})["allocation"] = allocation
     return result
+
+
+def devices_in_use(
+    claims: Iterable[Mapping[str, Any]],
+) -> tuple[set[DeviceID], dict[DeviceID, dict[str, Fraction]]]:
+    """The devices allocated claims hold whole, and what their shares take of multi-allocatable devices (the
+    results with ``consumedCapacity``), for ``allocate``'s ``allocated`` and ``consumed``. Admin-access results
+    hold nothing."""
+    held: set[DeviceID] = set()
+    consumed: dict[DeviceID, dict[str, Fraction]] = {}
+    for claim in claims:
+        allocation = (claim.get("status") or {}).get("allocation") or {}
+        for result in (allocation.get("devices") or {}).get("results") or []:
+            device = (result.get("driver", ""), result.get("pool", ""), result.get("device", ""))
+            if result.get("consumedCapacity") is not None:
+                totals = consumed.setdefault(device, {})
+                for name, value in result["consumedCapacity"].items():
+                    totals[name] = totals.get(name, Fraction(0)) + amount(value)
+            elif not result.get("adminAccess"):
+                held.add(device)
+    return held, consumed
 
 
 class _Allocation:
@@ -143,6 +176,7 @@ class _Allocation:
         slices: list[Mapping[str, Any]],
         classes: Mapping[str, Mapping[str, Any]],
         allocated: set[DeviceID] | frozenset[DeviceID],
+        consumed: Mapping[DeviceID, Mapping[str, Fraction]],
         node_name: str,
         cel_errors: CelErrors,
         diag: Diagnostics,
@@ -164,7 +198,13 @@ class _Allocation:
         self.constraints = self._constraints()
         self.allocating: set[DeviceID] = set()
         self.consumed: dict[tuple[str, str, str], Fraction] = {}
+        # (device, capacity) -> taken by other claims' shares and by this claim's so far
+        self.capacity_taken: dict[tuple[DeviceID, str], Fraction] = {
+            (device, name): value for device, by_name in consumed.items() for name, value in by_name.items()
+        }
+        self.consumptions: dict[tuple[int, int], dict[str, Fraction] | str] = {}
         self.results: list[tuple[_Request, _Device]] = []
+        self.shares: list[dict[str, Fraction]] = []  # per result: what it consumes (empty: a whole device)
         self.chosen: list[_Request | None] = [None] * len(self.requests)
 
     # ----- pools and devices --------------------------------------------------------------------
@@ -213,7 +253,7 @@ class _Allocation:
     def _counters(self, pool: _Pool) -> dict[str, dict[str, Fraction]]:
         """The pool's shared counters less what devices allocated to other claims consume."""
         available = {
-            counter_set["name"]: {c: _amount(v) for c, v in (counter_set.get("counters") or {}).items()}
+            counter_set["name"]: {c: amount(v) for c, v in (counter_set.get("counters") or {}).items()}
             for s in pool.slices
             for counter_set in (s["spec"].get("sharedCounters") or [])
         }
@@ -224,7 +264,7 @@ class _Allocation:
                         counters = available.get(use["counterSet"], {})
                         for c, v in (use.get("counters") or {}).items():
                             if c in counters:
-                                counters[c] -= _amount(v)
+                                counters[c] -= amount(v)
         return available
 
     # ----- requests ---------------------------------------------------------------------------------
@@ -279,6 +319,7 @@ class _Allocation:
             tolerations=list(spec.get("tolerations") or []),
             selectors=self._compile(spec.get("selectors"), f"claim {self.ref}, request {full}"),
             class_selectors=self._compile((klass.get("spec") or {}).get("selectors"), f"class {class_name}"),
+            capacity=dict((spec.get("capacity") or {}).get("requests") or {}),
         )
         if mode == ALL:
             request.all_devices = self._all_devices(request)
@@ -412,11 +453,34 @@ class _Allocation:
         return False
 
     def _available(self, request: _Request, device: _Device) -> bool:
+        if device.multiple:  # shared by allocations: its capacity decides (_take_capacity)
+            return True
         if request.admin:  # admin access may share a device with other claims, never within this one
             return device.id not in self.allocating
         return device.id not in self.allocated and device.id not in self.allocating
 
+    def _consumption(self, request: _Request, device: _Device) -> dict[str, Fraction] | str:
+        """What ``request`` would consume of ``device`` (empty for a whole device), or why it cannot use it."""
+        key = (id(request), device.index)
+        if key not in self.consumptions:
+            capacities = device.spec.get("capacity") or {}
+            self.consumptions[key] = consumption(capacities, request.capacity, device.id[0], multiple=device.multiple)
+        return self.consumptions[key]
+
+    def _fits(self, request: _Request, device: _Device) -> bool:
+        """The request's share of the device fits in what is left of its capacity."""
+        share = self._consumption(request, device)
+        if isinstance(share, str):
+            return False
+        capacities = device.spec.get("capacity") or {}
+        return all(
+            self.capacity_taken.get((device.id, name), Fraction(0)) + value <= amount(capacities[name])
+            for name, value in share.items()
+        )
+
     def _add(self, request: _Request, device: _Device, *, must: bool) -> bool:
+        if not self._fits(request, device):
+            return False
         if not self._take_counters(device):
             return False
         if _taint_blocks(device, request):
@@ -433,12 +497,20 @@ class _Allocation:
                         "because a claim constraint would not be satisfied"
                     )
                 return False
-        self.allocating.add(device.id)
+        share = self._consumption(request, device)
+        assert not isinstance(share, str)  # _fits said so
+        for name, value in share.items():
+            self.capacity_taken[(device.id, name)] = self.capacity_taken.get((device.id, name), Fraction(0)) + value
+        if not device.multiple:
+            self.allocating.add(device.id)
         self.results.append((request, device))
+        self.shares.append(share)
         return True
 
     def _remove(self, request: _Request, device: _Device) -> None:
         self.results.pop()
+        for name, value in self.shares.pop().items():
+            self.capacity_taken[(device.id, name)] -= value
         self.allocating.discard(device.id)
         for constraint in self.constraints:
             constraint.remove(request, device)
@@ -452,26 +524,26 @@ class _Allocation:
             available = device.pool.counters.get(use.get("counterSet", ""))
             for counter, value in (use.get("counters") or {}).items():
                 key = (device.pool.id, use.get("counterSet", ""), counter)
-                amount = _amount(value)
-                self.consumed[key] = self.consumed.get(key, Fraction(0)) + amount
-                taken.append((key, amount))
+                used = amount(value)
+                self.consumed[key] = self.consumed.get(key, Fraction(0)) + used
+                taken.append((key, used))
                 if available is None or counter not in available or self.consumed[key] > available[counter]:
                     ok = False
         if not ok:
-            for key, amount in taken:
-                self.consumed[key] -= amount
+            for key, used in taken:
+                self.consumed[key] -= used
         return ok
 
     def _return_counters(self, device: _Device) -> None:
         for use in device.spec.get("consumesCounters") or []:
             for counter, value in (use.get("counters") or {}).items():
-                self.consumed[(device.pool.id, use.get("counterSet", ""), counter)] -= _amount(value)
+                self.consumed[(device.pool.id, use.get("counterSet", ""), counter)] -= amount(value)
 
     # ----- the result ------------------------------------------------------------------------------
 
     def _allocation(self) -> dict[str, Any]:
         results = []
-        for request, device in self.results:
+        for (request, device), share in zip(self.results, self.shares, strict=True):
             entry: dict[str, Any] = {
                 "request": request.full_name,
                 "driver": device.id[0],
@@ -482,6 +554,9 @@ class _Allocation:
                 entry["adminAccess"] = True
             if request.tolerations:
                 entry["tolerations"] = copy.deepcopy(request.tolerations)
+            if device.multiple:
+                entry["shareID"] = str(uuid.uuid4())
+                entry["consumedCapacity"] = {name: quantity_text(value) for name, value in sorted(share.items())}
             results.append(entry)
         devices: dict[str, Any] = {"results": results}
         config = self._config()
@@ -555,25 +630,28 @@ class _Allocation:
         total = len(self.candidates)
         in_class = [d for d in self.candidates if self._class_ok(request, d)]
         matching = [d for d in in_class if self._selectable(request, d, abort=False)]
-        free = [d for d in matching if request.admin or d.id not in self.allocated]
+        free = [d for d in matching if request.admin or d.multiple or d.id not in self.allocated]
         usable = [d for d in free if not _taint_blocks(d, request)]
+        fitting = [d for d in usable if self._fits(request, d)]
         label = f'request "{request.full_name}"'
         if request.mode == ALL:
             if not matching:
                 return f"{label} asks for all devices of class {request.class_name} but none match ({total} on node)"
-            if len(usable) == len(matching):
+            if len(fitting) == len(matching):
                 return None
             return (
                 f"{label} asks for all {len(matching)} matching devices: {len(matching) - len(free)} allocated to "
                 f"other claims, {len(free) - len(usable)} with a taint the request does not tolerate"
             )
-        if len(usable) >= need:
+        if len(fitting) >= need:
             return None
+        shared = any(d.multiple for d in usable)
         steps = [
             (f"match class {request.class_name}", in_class),
             ("match the request's selectors", matching) if request.selectors else None,
             ("are not allocated to other claims", free),
             ("have no untolerated NoSchedule/NoExecute taint", usable),
+            ("have the requested capacity free", fitting) if request.capacity or shared else None,
         ]
         said = [f"{total} devices on node {self.node}"]
         for step in steps:
@@ -689,8 +767,3 @@ class _DistinctAttribute(_Constraint):
             value = _attribute(device, self.attribute)
             if value in self.values:
                 self.values.remove(value)
-
-
-def _amount(value: Any) -> Fraction:
-    raw = value.get("value") if isinstance(value, Mapping) else value
-    return Quantity.parse(str(raw)).amount
