@@ -788,6 +788,7 @@ class Agent:
             self._inventory,
             self._clock(),
             dynamic_mig=section.dynamic_mig if section else None,
+            gpu_shares=section.gpu_shares if section else None,
         )
 
     def _dra_settings(self, driver: str) -> DraSettings:

@@ -223,6 +223,7 @@ class DraSection:
     driver_name: str = "gpu.nvidia.com"
     gpus: Literal["all"] | list[int | str] = "all"
     dynamic_mig: Literal["all"] | list[int | str] | None = None  # partitionable devices: MIG made per claim
+    gpu_shares: Literal["all"] | list[int | str] | None = None  # consumable capacity: memory-sized shares
 
 
 @dataclass(frozen=True, kw_only=True)

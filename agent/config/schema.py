@@ -310,12 +310,15 @@ class DraSection(_Section):
     """Tessera: the DRA front end. ``gpus`` (``all``, or GPU indices and UUIDs) are served to DRA claims as the
     ResourceSlices of driver ``driverName``; every other GPU stays with the device plugin. Off by default.
     ``dynamicMig`` (``all``: every MIG-capable GPU DRA serves, or indices and UUIDs) lists those GPUs as
-    partitionable devices: MIG devices are created for a claim and destroyed after it."""
+    partitionable devices: MIG devices are created for a claim and destroyed after it. ``gpuShares`` (``all``:
+    every GPU DRA serves outside dynamic MIG, or indices and UUIDs) publishes those GPUs for memory-sized shares:
+    several claims each take an amount of the GPU's memory (and compute), enforced through MPS."""
 
     enabled: StrictBool = False
     driver_name: GoString = Field("gpu.nvidia.com", alias="driverName")
     gpus: Literal["all"] | list[StrictInt | GoString] = "all"
     dynamic_mig: Literal["all"] | list[StrictInt | GoString] | None = Field(None, alias="dynamicMig")
+    gpu_shares: Literal["all"] | list[StrictInt | GoString] | None = Field(None, alias="gpuShares")
 
     @field_validator("driver_name")
     @classmethod
@@ -324,7 +327,7 @@ class DraSection(_Section):
 
         return check_driver_name(value)
 
-    @field_validator("gpus", "dynamic_mig")
+    @field_validator("gpus", "dynamic_mig", "gpu_shares")
     @classmethod
     def _gpus(cls, value: object) -> object:
         if value == "all" or value is None:

@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.core.dra.ownership import dra_gpus, dynamic_mig_gpus
+from agent.core.dra.ownership import dra_gpus, dynamic_mig_gpus, shared_gpus
 from agent.core.drain import Drain
 from agent.core.health import HealthState
 from agent.core.inventory import Gpu, Inventory
@@ -74,6 +74,7 @@ class DraManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dra")
         self._sys_root = Path("/sys")
         self._dynamic_mig: object = None  # the config's dra.dynamicMig
+        self._gpu_shares: object = None  # the config's dra.gpuShares
         self._seen_made: set[str] = set()  # MIG devices made for claims that the inventory has shown
         self._last_made: frozenset[str] = frozenset()
         self._pcie_roots: dict[str, str | None] = {}  # by PCI bus ID, read once per GPU (None: sysfs does not say)
@@ -84,13 +85,24 @@ class DraManager:
     # ----- the loop's view ------------------------------------------------------------------------
 
     def configure(
-        self, enabled: bool, driver: str, gpus: object, inventory: Inventory, now: float, *, dynamic_mig: object = None
+        self,
+        enabled: bool,
+        driver: str,
+        gpus: object,
+        inventory: Inventory,
+        now: float,
+        *,
+        dynamic_mig: object = None,
+        gpu_shares: object = None,
     ) -> None:
-        """The config's ``dra`` section on this node; ``OwnershipError`` when ``gpus`` names GPUs it lacks, or
-        ``dynamic_mig`` GPUs DRA does not serve or that cannot do MIG."""
+        """The config's ``dra`` section on this node; ``OwnershipError`` when ``gpus`` names GPUs it lacks,
+        ``dynamic_mig`` GPUs DRA does not serve or that cannot do MIG, or ``gpu_shares`` GPUs DRA does not serve
+        or that are in dynamic MIG."""
         wanted = dra_gpus(gpus if enabled else None, inventory)  # type: ignore[arg-type]
-        dynamic_mig_gpus(dynamic_mig if enabled else None, wanted, inventory)  # type: ignore[arg-type]
+        dynamic = dynamic_mig_gpus(dynamic_mig if enabled else None, wanted, inventory)  # type: ignore[arg-type]
+        shared_gpus(gpu_shares if enabled else None, wanted, dynamic, inventory)  # type: ignore[arg-type]
         self._dynamic_mig = dynamic_mig if enabled else None
+        self._gpu_shares = gpu_shares if enabled else None
         if wanted and self._front is None:
             client = self._api_client()
             if client is None:
@@ -163,6 +175,19 @@ class DraManager:
         named = self._named_dynamic(inventory, frozenset(self._served))
         return frozenset(g.uuid for g in inventory.gpus if g.uuid in named and g.mig_enabled)
 
+    def _shared_gpus(self, inventory: Inventory) -> frozenset[str]:
+        """DRA's GPUs published for memory-sized shares; a GPU named there that is not DRA's (yet), or gone, is
+        left out (``configure`` reports it), and so is one in dynamic MIG."""
+        if self._gpu_shares is None:
+            return frozenset()
+        if self._gpu_shares == "all":
+            named: set[str | None] = set(self._served)
+        else:
+            by_index = {g.index: g.uuid for g in inventory.gpus}
+            named = {by_index.get(e) if isinstance(e, int) else e for e in self._gpu_shares}  # type: ignore[attr-defined]
+        dynamic = self._named_dynamic(inventory, frozenset(self._served))
+        return frozenset(uuid for uuid in named if uuid in self._served and uuid not in dynamic)
+
     def _roots(self, inventory: Inventory) -> dict[str, str]:
         """The PCIe root of each of DRA's GPUs, read from sysfs the first time a GPU is served."""
         from agent.core.dra.devices import pci_bus_id
@@ -203,6 +228,7 @@ class DraManager:
             gpu_uuids=frozenset(self._served),
             pcie_roots=self._roots(inventory),
             dynamic_mig=self._dynamic_gpus(inventory),
+            shared=self._shared_gpus(inventory),
         )
         offered = [d for d in devices if d.gpu_uuid in self._wanted]
         self._taints = device_taints(devices, health, now=self._now(), previous=self._taints, driver=self._driver)

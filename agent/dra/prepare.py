@@ -41,12 +41,13 @@ from agent.core.dra.checkpoint import (
     planned_mig,
     prepare_completed,
     prepare_started,
+    shares_held,
     unprepared,
     with_mps,
     without_mps,
 )
 from agent.core.dra.claims import ClaimError, ClaimRef, PreparableDevice, PreparePlan, plan_prepare
-from agent.core.dra.mps import MpsRecord, client_edits, mps_record
+from agent.core.dra.mps import MpsRecord, client_edits, mps_record, share_record
 from agent.core.dra.opaque import OpaqueConfigError
 from agent.dra.cdi_store import CdiStore, CdiStoreError
 from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
@@ -197,6 +198,7 @@ class ClaimWorker:
             devices=view.devices,
             unhealthy=view.unhealthy,
             held_by=held_devices(self.checkpoint),
+            shares_held=shares_held(self.checkpoint, other_than=ref.uid),
         )
         if isinstance(plan, ClaimError):
             return plan
@@ -222,7 +224,8 @@ class ClaimWorker:
                     done.timesliced.add(planned.device)
             made = [(d.device, _concrete(d.info, created.get(d.device))) for d in plan.devices]
             record = self._start_mps(ref, plan, dict(made))
-            edits = {d.device: client_edits(record, self._mps_root()) for d in plan.devices if record and d.mps}
+            edits = {name: client_edits(record, self._mps_root()) for name, info in made
+                     if record is not None and info.uuid in record.devices}  # fmt: skip
             spec, ids = self._spec(ref.uid, made, edits)
             self._cdi.write(ref.uid, spec)
             completed = prepare_completed(self.checkpoint, plan, ids, created)
@@ -239,12 +242,16 @@ class ClaimWorker:
         return completed.claims[ref.uid].devices
 
     def _start_mps(self, ref: ClaimRef, plan: PreparePlan, devices: Mapping[str, PreparableDevice]) -> MpsRecord | None:
-        """Record the MPS daemon the claim's MPS devices need, have the loop start it (or keep it: claims on the
-        same devices share it), and wait until it answers."""
+        """Record the MPS daemon the claim's MPS devices (or its share of a GPU) need, have the loop start it (or
+        keep it: claims on the same devices share it), and wait until it answers."""
         mps = [d for d in plan.devices if d.mps is not None]
-        if not mps:
+        share = next((d for d in plan.devices if d.mps_share is not None), None)
+        if share is not None:  # plan_prepare allows one share and no MPS devices beside it
+            record = share_record(devices[share.device].uuid, share.mps_share)  # type: ignore[arg-type]
+        elif mps:
+            record = mps_record([devices[d.device].uuid for d in mps], mps[0].mps)  # type: ignore[arg-type]
+        else:
             return None
-        record = mps_record([devices[d.device].uuid for d in mps], mps[0].mps)  # type: ignore[arg-type]
         staged = with_mps(self.checkpoint, ref.uid, record)
         self._store.save(staged)
         self.checkpoint = staged

@@ -29,6 +29,8 @@ class Dev:
     consumes_counters: dict[str, dict[str, int]] = field(default_factory=dict)
     gi_profile_id: int | None = None
     placement: tuple[int, int] | None = None
+    capacity: dict[str, int] = field(default_factory=dict)
+    allow_multiple_allocations: bool = False
 
 
 DEVICES = {

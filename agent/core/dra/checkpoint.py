@@ -17,6 +17,7 @@ holds::
                                         "preparedDevices": [{"pool": "...", "device": "gpu-0",
                                                              "requests": ["gpu"], "cdiDeviceIDs": ["..."],
                                                              "adminAccess": false, "shareID": "...",
+                                                             "share": {"memory": 10737418240, "computePercent": 30},
                                                              "mig": {"parentUUID": "GPU-…", "profileID": 19,
                                                                      "placementStart": 0, "placementSize": 1,
                                                                      "giID": 7, "ciID": 0, "uuid": "MIG-…"}}]}}}
@@ -24,8 +25,10 @@ holds::
 ``mig`` is there for a device Prepare created (dynamic MIG): its placement from ``PrepareStarted`` on, its IDs once
 ``PrepareCompleted``. ``timeSlice`` (``{"gpuUUID", "level"}``; NVIDIA records ``timeSliceApplied``) is the
 time-slice Prepare sets on a GPU whose config time-slices it, recorded before it is set, so a rollback or
-Unprepare puts the GPU back to Default. ``mps`` names the MPS daemon a claim's devices are served by (MPS sharing),
-recorded before the daemon is asked for: the agent's MPS manager keeps every recorded claim's daemon running.
+Unprepare puts the GPU back to Default. ``share`` is what the claim takes of a GPU shared by memory (its
+``consumedCapacity``): the shares of prepared claims must fit the GPU together. ``mps`` names the MPS daemon a
+claim's devices are served by (MPS sharing, or a share of a GPU), recorded before the daemon is asked for: the
+agent's MPS manager keeps every recorded claim's daemon running.
 
 ``decode`` refuses a wrong checksum, an unknown kind or version, or a malformed document with ``CheckpointError``;
 the caller then starts from ``empty(boot_id)`` and logs why. Unknown fields inside a good document are ignored, so
@@ -36,7 +39,8 @@ ID is unknown it keeps them: no reboot can be told apart.
 
 States (NVIDIA's): ``PrepareStarted`` is written before anything is done for a claim and ``PrepareCompleted`` once
 its CDI spec is written; a claim found ``PrepareStarted`` is rolled back and redone, one found ``PrepareCompleted``
-is answered from here. Only ``PrepareCompleted``, non-admin devices count as held against other claims.
+is answered from here. Only ``PrepareCompleted``, non-admin devices count as held against other claims: held whole
+(``held_devices``) or as a share (``shares_held``).
 
 Pure: the functions take and return immutable ``Checkpoint`` values; the shell reads and writes the bytes.
 """
@@ -53,6 +57,7 @@ from typing import Any, Literal
 
 from agent.core.dra.claims import ClaimRef, PlannedDevice, PreparePlan
 from agent.core.dra.mps import MpsRecord
+from agent.core.dra.shares import Share
 
 CHECKPOINT_FILE = "tessera-checkpoint.json"
 KIND = "TesseraDRACheckpoint"
@@ -103,6 +108,7 @@ class PreparedDevice:
     share_id: str | None = None
     mig: CreatedMig | None = None  # the MIG device Prepare created (dynamic MIG), to be destroyed by Unprepare
     timeslice: Timeslice | None = None  # the time-slice Prepare sets on the GPU, reset by Unprepare
+    share: Share | None = None  # what the claim takes of a GPU shared by memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,15 +257,28 @@ def completed(checkpoint: Checkpoint, claim_uid: str) -> PreparedClaim | None:
 
 
 def held_devices(checkpoint: Checkpoint) -> dict[str, ClaimRef]:
-    """Device name → the claim holding it: claims whose Prepare completed, devices without admin access."""
+    """Device name → the claim holding it whole: claims whose Prepare completed, devices without admin access
+    and not a share (``shares_held``)."""
     held: dict[str, ClaimRef] = {}
     for uid, claim in sorted(checkpoint.claims.items()):
         if claim.state != PREPARE_COMPLETED:
             continue
         for device in claim.devices:
-            if not device.admin_access:
+            if not device.admin_access and device.share is None:
                 held.setdefault(device.device, ClaimRef(claim.namespace, claim.name, uid))
     return held
+
+
+def shares_held(checkpoint: Checkpoint, *, other_than: str) -> dict[str, dict[str, Share]]:
+    """Device name → the shares completed claims other than ``other_than`` hold of it, by ``namespace/name``."""
+    shares: dict[str, dict[str, Share]] = {}
+    for uid, claim in sorted(checkpoint.claims.items()):
+        if uid == other_than or claim.state != PREPARE_COMPLETED:
+            continue
+        for device in claim.devices:
+            if device.share is not None:
+                shares.setdefault(device.device, {})[f"{claim.namespace}/{claim.name}"] = device.share
+    return shares
 
 
 def holder(checkpoint: Checkpoint, device: str, *, other_than: str) -> ClaimRef | None:
@@ -293,6 +312,7 @@ def _device(planned: PlannedDevice, cdi_ids: tuple[str, ...], mig: CreatedMig | 
         share_id=planned.share_id,
         mig=mig,
         timeslice=None if planned.timeslice is None else Timeslice(planned.info.uuid, planned.timeslice),
+        share=planned.share,
     )
 
 
@@ -352,6 +372,7 @@ def _to_json(checkpoint: Checkpoint) -> dict[str, Any]:
                         **({"shareID": d.share_id} if d.share_id else {}),
                         **({"mig": _mig_to_json(d.mig)} if d.mig is not None else {}),
                         **({"timeSlice": _timeslice_to_json(d.timeslice)} if d.timeslice is not None else {}),
+                        **({"share": _share_to_json(d.share)} if d.share is not None else {}),
                     }
                     for d in claim.devices
                 ],
@@ -414,6 +435,7 @@ def _device_from_json(raw: Any, where: str) -> PreparedDevice:
         share_id=None if share_id is None else _str(share_id, f"{where}.shareID"),
         mig=None if raw.get("mig") is None else _mig_from_json(raw["mig"], f"{where}.mig"),
         timeslice=None if raw.get("timeSlice") is None else _timeslice(raw["timeSlice"], f"{where}.timeSlice"),
+        share=None if raw.get("share") is None else _share(raw["share"], f"{where}.share"),
     )
 
 
@@ -432,6 +454,21 @@ def _timeslice(raw: Any, where: str) -> Timeslice:
     if type(level) is not int or not 0 <= level <= 3:
         raise TypeError(f"{where}.level is not a time-slice level 0-3")
     return Timeslice(_str(raw.get("gpuUUID"), f"{where}.gpuUUID"), level)
+
+
+def _share_to_json(share: Share) -> dict[str, Any]:
+    return {"memory": share.memory, "computePercent": share.compute_percent}
+
+
+def _share(raw: Any, where: str) -> Share:
+    if not isinstance(raw, dict):
+        raise TypeError(f"{where} is not an object")
+    memory, compute = raw.get("memory"), raw.get("computePercent", 0)
+    if type(memory) is not int or memory <= 0:
+        raise TypeError(f"{where}.memory is not a positive number of bytes")
+    if type(compute) is not int or not 0 <= compute <= 100:
+        raise TypeError(f"{where}.computePercent is not a percentage 0-100")
+    return Share(memory, compute)
 
 
 def _str(value: Any, where: str) -> str:

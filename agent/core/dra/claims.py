@@ -17,7 +17,12 @@ decides, without touching anything:
   device another claim holds, and an unhealthy one: that is what admin access (monitoring, diagnostics) is for;
 - the sharing each device's config asks for: TimeSlicing (``PlannedDevice.timeslice``, whole GPUs; a MIG device's
   TimeSlicing does nothing, as on NVIDIA's driver) or MPS (``PlannedDevice.mps``, GPUs and MIG devices, dynamic
-  ones too); a claim's MPS devices share one daemon, so they must share one MPS config.
+  ones too); a claim's MPS devices share one daemon, so they must share one MPS config;
+- for a GPU shared by memory (``agent.core.dra.shares``; the result carries ``shareID`` and ``consumedCapacity``):
+  the claim's share (``PlannedDevice.share``), which must fit next to the shares other prepared claims hold; a GPU
+  allocated whole conflicts with any share of it, and a share with a claim that holds the GPU whole. A share of
+  part of a GPU is enforced through MPS, so it takes no sharing config of its own, and one claim holds a share of
+  one GPU at most (an MPS client reaches one control daemon).
 
 Decisions where NVIDIA and the API differ or the facts are unsure:
 
@@ -41,7 +46,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
-from agent.core.dra.opaque import GPU_CONFIG, MPS, TIME_SLICING, DeviceConfig, MpsConfig, OpaqueConfigError, decode
+from agent.core.dra.opaque import (
+    GPU_CONFIG,
+    MPS,
+    TIME_SLICING,
+    DeviceConfig,
+    MpsConfig,
+    OpaqueConfigError,
+    decode,
+    parse_quantity,
+)
+from agent.core.dra.shares import Share, over_committed, share_of, whole
 
 MAX_RESULTS = 32  # resource.k8s.io AllocationResultsMaxSize
 FROM_CLASS = "FromClass"
@@ -71,6 +86,10 @@ class PreparableDevice(Protocol):
     def gi_profile_id(self) -> int | None: ...  # a dynamic-MIG partition: the GPU-instance profile to create
     @property
     def placement(self) -> tuple[int, int] | None: ...  # ... and where: (start, size) in memory slices
+    @property
+    def capacity(self) -> Mapping[str, int]: ...  # base units (bytes, counts)
+    @property
+    def allow_multiple_allocations(self) -> bool: ...  # a GPU shared by memory (shares)
 
 
 class ClaimRef(NamedTuple):
@@ -96,6 +115,7 @@ class PlannedDevice:
     share_id: str | None = None
     config: DeviceConfig | None = None  # None: no config applies, NVIDIA's default (no sharing)
     config_source: str = "default"  # e.g. "config[1] (FromClaim, requests [gpu])"
+    share: Share | None = None  # what the claim takes of a GPU shared by memory (its consumedCapacity)
 
     @property
     def request_name(self) -> str:
@@ -116,6 +136,12 @@ class PlannedDevice:
         """The MPS settings when the device's config shares it through MPS (GPU or MIG device)."""
         sharing = self.config.sharing if self.config is not None else None
         return sharing.mps if sharing is not None and sharing.strategy == MPS else None
+
+    @property
+    def mps_share(self) -> Share | None:
+        """The share when it is part of a shared GPU, enforced through MPS; None for a whole device (a share of
+        all the GPU's memory is one)."""
+        return self.share if self.share is not None and not whole(self.info, self.share) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,15 +179,18 @@ def plan_prepare(
     devices: Mapping[str, PreparableDevice],
     unhealthy: Mapping[str, str] | None = None,
     held_by: Mapping[str, ClaimRef] | None = None,
+    shares_held: Mapping[str, Mapping[str, Share]] | None = None,
 ) -> PreparePlan | ClaimError:
     """Plan Prepare for the claim the kubelet names (``ref``) from the claim the API server returned.
 
     ``claim`` is ``None`` when the API server says it does not exist. ``devices`` are this node's devices in
     ``pool`` by name; ``unhealthy`` maps a device name to why it is unhealthy (e.g. ``"XID 79"``); ``held_by``
-    maps a device name to the claim that holds it (prepare completed, not admin access), from the checkpoint.
+    maps a device name to the claim that holds it (prepare completed, not admin access), from the checkpoint;
+    ``shares_held`` maps a shared GPU's device name to the shares other claims hold of it (by claim).
     """
     unhealthy = unhealthy or {}
     held_by = held_by or {}
+    shares_held = shares_held or {}
 
     def fail(reason: str, *, retriable: bool = False) -> ClaimError:
         return ClaimError(ref, reason, retriable)
@@ -232,11 +261,22 @@ def plan_prepare(
                 f"requested device {name} is already allocated to different claim {holder.uid} "
                 f"({holder.namespace}/{holder.name})"
             )
+        share = _share(result, info, shares_held.get(name, {})) if not admin else None
+        if isinstance(share, str):
+            problems.append(share)
+            continue
         chosen = _choose_config(configs, request, info)
         if isinstance(chosen, str):
             problems.append(chosen)
             continue
         config, source = chosen
+        if share is not None and not whole(info, share) and config is not None and config.sharing is not None:
+            problems.append(
+                f"requested device {name} is a share of a GPU, enforced through MPS with the limits of its "
+                f"consumedCapacity; {source} asks for {config.sharing.strategy} sharing too: drop the sharing "
+                "from that config, or request the whole GPU"
+            )
+            continue
         if config is not None and config.sharing is not None and config.sharing.strategy == MPS:
             sharing.setdefault(_mps_identity(config.sharing.mps), []).append(name)
         planned.append(
@@ -249,7 +289,14 @@ def plan_prepare(
                 share_id=result.get("shareID") or None,
                 config=config,
                 config_source=source,
+                share=share,
             )
+        )
+    partial = [p.device for p in planned if p.mps_share is not None]
+    if len(partial) > 1 or (partial and sharing):
+        problems.append(
+            f"it holds shares of {', '.join(partial)}{' and MPS devices' if sharing else ''}: a claim's containers "
+            "reach one MPS control daemon, so a claim can hold a share of one GPU only; use one claim per share"
         )
     if len(sharing) > 1:  # one daemon serves the claim's MPS devices: their clients share one pipe
         problems.append(
@@ -259,6 +306,41 @@ def plan_prepare(
     if problems:
         return fail("; ".join(problems))
     return PreparePlan(ref, tuple(planned))
+
+
+# ----- shares -----------------------------------------------------------------------------------------------------
+
+
+def _share(result: Mapping[str, Any], device: PreparableDevice, others: Mapping[str, Share]) -> Share | str | None:
+    """The claim's share of a GPU shared by memory, or why it cannot have it; None for a device not shared."""
+    name = device.name
+    consumed = result.get("consumedCapacity")
+    if not device.allow_multiple_allocations:
+        return None
+    if consumed is None:  # allocated whole: the cluster does not share (no DRAConsumableCapacity), or a bug
+        if others:
+            return (
+                f"requested device {name} is allocated whole, but claims hold shares of it: {', '.join(sorted(others))}"
+            )
+        return None
+    if not isinstance(consumed, Mapping):
+        return f"requested device {name}: consumedCapacity is not a map of capacities"
+    amounts: dict[str, int] = {}
+    for capacity, value in consumed.items():
+        try:
+            amount = parse_quantity(str(value))
+        except ValueError as error:
+            return f"requested device {name}: consumedCapacity {capacity}: {error}"
+        if amount.denominator != 1:
+            return f"requested device {name}: consumedCapacity {capacity} {value} is not a whole number"
+        amounts[str(capacity)] = int(amount)
+    share = share_of(device, amounts)
+    if isinstance(share, str):
+        return f"requested device {name}: {share}"
+    problem = over_committed(device, share, others)
+    if problem is not None:
+        return f"requested device {name} cannot be shared as allocated: {problem}"
+    return share
 
 
 # ----- configs ----------------------------------------------------------------------------------------------------

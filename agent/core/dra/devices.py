@@ -82,6 +82,17 @@ def attribute_kind(value: AttributeValue) -> AttributeKind:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestPolicy:
+    """A consumable capacity's ``requestPolicy``: what a claim that does not ask consumes (``default``), and the
+    valid range requests are rounded up into (``minimum + n * step``, at most ``maximum``)."""
+
+    default: int
+    minimum: int
+    maximum: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
 class DraDevice:
     """One device of this node's pool, as a ResourceSlice lists it."""
 
@@ -102,6 +113,9 @@ class DraDevice:
     # (start, size in memory slices) Prepare creates it at; it has no UUID until then
     gi_profile_id: int | None = None
     placement: tuple[int, int] | None = None
+    # a GPU shared by claims (``shares``): several allocations, each consuming part of its capacities
+    allow_multiple_allocations: bool = False
+    request_policies: Mapping[str, RequestPolicy] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def dynamic(self) -> bool:
@@ -120,12 +134,14 @@ def dra_devices(
     gpu_uuids: Collection[str] | None = None,
     pcie_roots: Mapping[str, str] | None = None,
     dynamic_mig: Collection[str] = (),
+    shared: Collection[str] = (),
 ) -> tuple[DraDevice, ...]:
     """The devices of ``inventory`` (only the GPUs in ``gpu_uuids`` when given), by GPU minor then name.
 
     ``pcie_roots`` maps a PCI bus ID in the attribute's spelling (``0000:18:00.0``) to its PCIe root
     (``pci0000:00``); GPUs without an entry get no ``pcieRoot`` attribute. GPUs in ``dynamic_mig`` (UUIDs) are
-    listed as partitionable devices (``partitions``): the full GPU and every MIG profile and placement.
+    listed as partitionable devices (``partitions``): the full GPU and every MIG profile and placement. GPUs in
+    ``shared`` (UUIDs) that are whole GPUs (MIG off) are listed for memory-sized shares (``shares``).
     """
     devices: list[DraDevice] = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor_number):
@@ -139,7 +155,12 @@ def dra_devices(
             devices.extend(partitionable_devices(gpu, catalog, common))
             continue
         if not gpu.mig_enabled:
-            devices.append(_gpu_device(gpu, common))
+            device = _gpu_device(gpu, common)
+            if gpu.uuid in shared:
+                from agent.core.dra.shares import shareable  # it builds on this module
+
+                device = shareable(device)
+            devices.append(device)
             continue
         migs = [_mig_device(gpu, mig, common) for mig in gpu.mig_devices if mig.is_full_instance]
         devices.extend(sorted(migs, key=lambda d: d.name))

@@ -4,7 +4,8 @@ A claim whose config (NVIDIA's ``GpuConfig`` / ``MigDeviceConfig`` with ``sharin
 gets its devices served by one MPS control daemon, run and supervised by Tessera's MPS manager like the device
 plugin's (limits, readiness, pidfd supervision, adoption across agent restarts, the keeper). The daemon is keyed
 by the set of devices it serves (``dra/<hash of the sorted UUIDs>``), so claims on the same devices share it; it
-stops once no claim needs it and no client runs (the manager's drain).
+stops once no claim needs it and no client runs (the manager's drain). A share of a GPU shared by memory
+(``agent.core.dra.shares``) is served the same way by the GPU's daemon, its limits from the share.
 
 The limits are the claim's own, given to its clients rather than to the daemon: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
 (``defaultActiveThreadPercentage``) and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (``defaultPinnedDeviceMemoryLimit`` and
@@ -19,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from agent.core.dra.opaque import MpsConfig, pinned_memory_limits
+from agent.core.dra.shares import Share, client_env
 from agent.core.mps import CONTAINER_MPS_ROOT, MpsDaemonSpec
 
 KEY_PREFIX = "dra"
@@ -58,6 +60,12 @@ def mps_record(uuids: Sequence[str], config: MpsConfig) -> MpsRecord:
     if limits:
         env.append("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(f"{uuid}={limit}" for uuid, limit in limits.items()))
     return MpsRecord(daemon_key(uuids), tuple(uuids), tuple(env))
+
+
+def share_record(uuid: str, share: Share) -> MpsRecord:
+    """The daemon a share of GPU ``uuid`` is served by (the GPU's one daemon, shared by every claim with a share of
+    it, and by MPS claims on the whole GPU) and the share's limits as its clients' environment."""
+    return MpsRecord(daemon_key([uuid]), (uuid,), client_env(uuid, share))
 
 
 def client_edits(record: MpsRecord, host_root: str) -> dict[str, list]:

@@ -70,6 +70,34 @@ def dynamic_mig_gpus(
     return named
 
 
+def shared_gpus(
+    shares: Literal["all"] | Sequence[int | str] | None,
+    served: Set[str],
+    dynamic: Set[str],
+    inventory: Inventory,
+) -> frozenset[str]:
+    """The UUIDs of the GPUs the config's ``dra.gpuShares`` shares by memory (``agent.core.dra.shares``): ``all``
+    is every GPU DRA serves that is not in dynamic-MIG mode; a GPU named that DRA does not serve, or that
+    ``dra.dynamicMig`` also names, is an error. A GPU in MIG mode is shared through its MIG devices instead: it is
+    left out here (its MIG devices are published as they are)."""
+    if shares is None:
+        return frozenset()
+    if shares == "all":
+        return frozenset(g.uuid for g in inventory.gpus if g.uuid in served and g.uuid not in dynamic)
+    named = dra_gpus(shares, inventory, field="dra.gpuShares")
+    problems = []
+    for gpu in sorted((g for g in inventory.gpus if g.uuid in named), key=lambda g: g.index):
+        if gpu.uuid not in served:
+            problems.append(f"GPU {gpu.index} is not served by DRA (add it to dra.gpus)")
+        elif gpu.uuid in dynamic:
+            problems.append(
+                f"GPU {gpu.index} is in dra.dynamicMig: a GPU is split by MIG or shared by memory, not both"
+            )
+    if problems:
+        raise OwnershipError(f"dra.gpuShares: {'; '.join(problems)}")
+    return named
+
+
 def without(inventory: Inventory, uuids: Set[str]) -> Inventory:
     """The inventory the device plugin plans from: the GPUs DRA serves left out."""
     if not uuids:

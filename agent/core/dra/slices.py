@@ -34,7 +34,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
-from agent.core.dra.devices import DraDevice, attribute_kind
+from agent.core.dra.devices import DraDevice, RequestPolicy, attribute_kind
 from agent.core.dra.taints import EFFECTS, NONE, DeviceTaint
 
 Layout = Literal["combined", "split"]
@@ -273,13 +273,28 @@ def _device_entry(
     for name in sorted(device.capacity):
         _check_name(name, driver, device.capacity, fail, "capacity")
         capacity[name] = {"value": quantity(_int(name, device.capacity[name], fail))}
+        policy = device.request_policies.get(name)
+        if policy is not None:
+            capacity[name]["requestPolicy"] = _request_policy(policy)
+    if device.request_policies and not device.allow_multiple_allocations:
+        raise fail("a capacity has a request policy, which needs allowMultipleAllocations")
+    unknown = sorted(set(device.request_policies) - set(device.capacity))
+    if unknown:
+        raise fail(f"request policy for {', '.join(unknown)}, which is not a capacity of the device")
     if capacity:
         entry["capacity"] = capacity
+    if device.allow_multiple_allocations:
+        entry["allowMultipleAllocations"] = True
     if device.consumes_counters:
         entry["consumesCounters"] = _consumption(device, sets, layout, fail)
     if taints:
         entry["taints"] = _taints(taints, layout, fail)
     return entry
+
+
+def _request_policy(policy: RequestPolicy) -> dict[str, Any]:
+    valid_range = {"min": quantity(policy.minimum), "max": quantity(policy.maximum), "step": quantity(policy.step)}
+    return {"default": quantity(policy.default), "validRange": valid_range}
 
 
 def _check_name(name: str, driver: str, names: Mapping[str, object], fail: _Fail, what: str) -> None:
