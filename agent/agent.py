@@ -31,7 +31,6 @@ from agent.config.labels import (
 from agent.config.model import ConfigError, ConfigModel, DraSection
 from agent.config.source import LoadedConfig, load_config, read_config_set
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
-from agent.core.announce import announcements
 from agent.core.cordon import NO_CORDON, Cordon, parse_cordon
 from agent.core.health import (
     GPU_LOST_REASON,
@@ -47,8 +46,7 @@ from agent.core.health import (
     with_ecc_baseline,
 )
 from agent.core.inventory import Inventory
-from agent.core.mig_layout import DesiredLayout, LayoutError
-from agent.core.mps import mps_daemons
+from agent.core.mps import MpsDaemonSpec, mps_daemons
 from agent.core.plan import plan
 from agent.core.resources import MigStrategy, PlanError, ResourcePlan, Sharing
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
@@ -64,9 +62,6 @@ from agent.gpu.health import (
     read_ecc_uncorrected,
     recovery_evidence,
 )
-from agent.mig.manager import MigApplied, MigBusyChecked, MigManager
-from agent.mps.exits import ProcessExited
-from agent.mps.manager import MpsDaemonFailed, MpsDaemonReady, MpsDaemonStopped, MpsDrainChecked, MpsManager
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
 from agent.plugin.registration import KUBELET_SOCKET, RegistrationError, register_all
 from agent.plugin.server import ResourceServer, stop_servers
@@ -76,9 +71,12 @@ from agent.supervise import Backoff, WorkerCrashed, submit
 from agent.telemetry.service import Telemetry, TelemetrySettings
 
 if TYPE_CHECKING:
+    from agent.core.mig_layout import DesiredLayout
     from agent.dra.manager import DraManager
     from agent.dra.types import DraSettings
     from agent.kube_api import CoreApi
+    from agent.mig.manager import MigManager
+    from agent.mps.manager import MpsManager
 
 log = logging.getLogger(__name__)
 
@@ -201,9 +199,14 @@ class Agent:
         self._label_watcher: Stoppable | None = None
         self._recorder: Recorder | None = None  # Kubernetes Events on the Node, when there is an API to send to
         self._kube_api: CoreApi | None = None  # when there is a node name and an API
-        self._mps = MpsManager(options.mps_control, self.post, options.pod_resources_socket, options.mps_keeper)
-        self._mig = MigManager(self.post, options.pod_resources_socket)
-        self._dra: DraManager | None = None  # made when a config first gives GPUs to DRA
+        # The features a config may ask for are loaded when it first does (their modules are not even imported
+        # before): the MPS manager with the first MPS daemon (of a resource or a DRA claim), the MIG manager
+        # with the first MIG layout, the DRA front end with a config that gives it GPUs. Each one's events are
+        # routed to it by the module that defines them (``_routes``).
+        self._mps: MpsManager | None = None
+        self._mig: MigManager | None = None
+        self._dra: DraManager | None = None
+        self._routes: dict[str, Callable[[object], None]] = {}  # event module -> the feature that handles it
         self._mig_label: str | None = None
         self._cordon_values: dict[str, str | None] = {}  # cordon annotation key -> value (None: absent)
         self._cordon: Cordon = NO_CORDON
@@ -285,8 +288,8 @@ class Agent:
         """How long the loop may sleep: until the nearest real deadline (a retry, a backoff, a health quiet
         period, a MIG or MPS drain re-check), at most ``SAFETY_SECONDS``. Nothing else wakes it but events."""
         now = self._clock()
-        deadlines = [self._next_liveness, self._resync_at, self._rediscover_at, self._mps.next_deadline(),
-                     self._mig.next_deadline(), self._dra.next_deadline() if self._dra else None]  # fmt: skip
+        deadlines = [self._next_liveness, self._resync_at, self._rediscover_at]
+        deadlines += [feature.next_deadline() for feature in (self._mps, self._mig, self._dra) if feature is not None]
         quiet = self._policy.quiet_seconds
         if quiet is not None:
             deadlines += [fault.last_event + quiet for fault in self._health.faults.values()]
@@ -395,10 +398,9 @@ class Agent:
             if watcher is not None:
                 watcher.stop()
         self._registrar.shutdown(wait=join is None, cancel_futures=True)
-        self._mps.shutdown()
-        self._mig.shutdown()
-        if self._dra is not None:
-            self._dra.shutdown()
+        for feature in (self._mps, self._mig, self._dra):
+            if feature is not None:
+                feature.shutdown()
         if self._lock is not None:
             self._lock.release()
         log.info("stopped")
@@ -450,6 +452,34 @@ class Agent:
                 self._on_registered(event)
             case ConfigSourceChanged():
                 self._apply_config()
+            case NodeLabelChanged(key=key, value=value) if key == CONFIG_LABEL:
+                if value != self._config_label:
+                    log.info("node label changed key=%s value=%s", key, value)
+                    self._config_label = value
+                    self._apply_config()
+            case NodeLabelChanged(key=key, value=value) if key == MIG_CONFIG_LABEL:
+                if value != self._mig_label:
+                    log.info("node label changed key=%s value=%s", key, value)
+                    self._mig_label = value
+                    self._update_mig()
+            case NodeLabelChanged():
+                pass
+            case NodeAnnotationChanged(key=key, value=value) if key in CORDON_ANNOTATIONS:
+                self._cordon_values[key] = value
+                if self._update_cordon():
+                    self._publish()
+            case _ if type(event).__module__ in self._routes:  # a feature's own news (MPS, MIG, DRA)
+                self._routes[type(event).__module__](event)
+            case _:
+                log.error("unknown event %r", event)
+
+    def _mps_event(self, event: object) -> None:
+        """A daemon ready, failed, exited or stopped; a retiring daemon's devices still in use."""
+        from agent.mps.exits import ProcessExited
+        from agent.mps.manager import MpsDaemonFailed, MpsDaemonReady, MpsDaemonStopped, MpsDrainChecked
+
+        assert self._mps is not None
+        match event:
             case MpsDaemonReady():
                 if self._mps.on_ready(event):
                     self._tell_dra_mps()
@@ -467,22 +497,13 @@ class Agent:
             case MpsDrainChecked():
                 self._mps.on_drain_checked(event, self._clock())
                 self._refresh_status()
-            case NodeLabelChanged(key=key, value=value) if key == CONFIG_LABEL:
-                if value != self._config_label:
-                    log.info("node label changed key=%s value=%s", key, value)
-                    self._config_label = value
-                    self._apply_config()
-            case NodeLabelChanged(key=key, value=value) if key == MIG_CONFIG_LABEL:
-                if value != self._mig_label:
-                    log.info("node label changed key=%s value=%s", key, value)
-                    self._mig_label = value
-                    self._update_mig()
-            case NodeLabelChanged():
-                pass
-            case NodeAnnotationChanged(key=key, value=value) if key in CORDON_ANNOTATIONS:
-                self._cordon_values[key] = value
-                if self._update_cordon():
-                    self._publish()
+
+    def _mig_event(self, event: object) -> None:
+        """A pending layout change's devices checked, or the change applied (or not)."""
+        from agent.mig.manager import MigApplied, MigBusyChecked
+
+        assert self._mig is not None
+        match event:
             case MigBusyChecked():
                 self._mig.on_busy_checked(event, self._clock())
                 self._refresh_status()
@@ -492,10 +513,6 @@ class Agent:
                     self._refresh_status()
                 else:
                     self._rediscover("MIG change", stale=self._uuids_of(self._mig.changing_gpus))
-            case _ if self._dra is not None and type(event).__module__ == "agent.dra.types":
-                self._dra_event(event)
-            case _:
-                log.error("unknown event %r", event)
 
     def _tick(self) -> None:
         now = self._clock()
@@ -504,9 +521,9 @@ class Agent:
         if self._rediscover_at is not None and now >= self._rediscover_at:
             self._rediscover("retry")
         self._probe_faults(now)
-        if self._mps.tick(now):
+        if self._mps is not None and self._mps.tick(now):
             self._publish()
-        if self._mig.tick(now):
+        if self._mig is not None and self._mig.tick(now):
             self._rediscover("MIG reset check", stale=self._uuids_of(self._mig.changing_gpus))
         if self._dra is not None and self._inventory is not None and self._dra.tick(now, self._inventory):
             self._publish()  # a GPU leaving DRA is free of claims: the device plugin offers it again
@@ -638,6 +655,8 @@ class Agent:
     def _announce(self, before: AgentStatus, after: AgentStatus) -> None:
         if self._recorder is None or before is after:
             return
+        from agent.core.announce import announcements
+
         for said in announcements(before, after):  # reasons and actions are valid by construction (a test)
             self._recorder.emit(said.type, said.reason, said.action, said.note)
 
@@ -704,10 +723,12 @@ class Agent:
     def _desired_layouts(self) -> dict[int, DesiredLayout] | None:
         """The layout per GPU: from --mig-config or the config's migLayout, named by flag, label or config."""
         assert self._inventory is not None
-        section = self._loaded.model.mig_layout if self._loaded else None
-        if self.options.mig_config is None and (section is None or section.layouts is None):
+        if not self._mig_configured():
             return None  # no layout configured: the layout-file parser (pydantic, yaml) is not even imported
+        from agent.core.mig_layout import LayoutError
         from agent.mig.layout_file import LayoutFileError, layouts_for_node, parse_layout_file, read_layout_file
+
+        section = self._loaded.model.mig_layout if self._loaded else None
 
         try:
             if self.options.mig_config is not None:
@@ -724,8 +745,23 @@ class Agent:
         except LayoutFileError as error:  # one error type for _update_mig, which then needs no import
             raise LayoutError(str(error), error.problems) from error
 
+    def _mig_configured(self) -> bool:
+        """A MIG layout is configured (--mig-config, or the config's migLayout.layouts), selected or not."""
+        section = self._loaded.model.mig_layout if self._loaded else None
+        return self.options.mig_config is not None or (section is not None and section.layouts is not None)
+
     def _update_mig(self, *, publish: bool = True) -> None:
         assert self._inventory is not None
+        if self._mig is None:
+            if not self._mig_configured():
+                self._refresh_status()
+                return  # no layout was ever configured: MIG is left as it is, its manager not even loaded
+            from agent.mig.manager import MigManager
+
+            self._mig = MigManager(self.post, self.options.pod_resources_socket)
+            self._routes["agent.mig.manager"] = self._mig_event
+        from agent.core.mig_layout import LayoutError
+
         before = self._mig.withdrawn
         try:
             layouts = self._desired_layouts()
@@ -780,6 +816,7 @@ class Agent:
                 self.post,
                 self.options.pod_resources_socket,
             )
+            self._routes["agent.dra.types"] = self._dra_event
         driver = section.driver_name if section is not None else "gpu.nvidia.com"
         self._dra.configure(
             enabled,
@@ -963,7 +1000,9 @@ class Agent:
         if self._dra is not None:
             self._dra.settle(self._inventory)  # a GPU DRA let go of is the device plugin's again, below
         dra = self._dra.withdrawn(self._inventory) if self._dra else frozenset()  # one front end per GPU
-        visible = self._plan.without(self._mig.withdrawn | self._mps.withdrawn() | stale | dra)
+        mig = self._mig.withdrawn if self._mig is not None else frozenset()
+        mps = self._mps.withdrawn() if self._mps is not None else frozenset()
+        visible = self._plan.without(mig | mps | stale | dra)
         if self._dra is not None:
             self._dra.publish(self._inventory, self._health, self._cordon.units)
         snapshots = build_snapshots(
@@ -971,13 +1010,14 @@ class Agent:
             self._health,
             self._inventory,
             self._effective.allocation,
-            unavailable=self._mps.unavailable(),
+            unavailable=self._mps.unavailable() if self._mps is not None else frozenset(),
             cordoned=self._cordon.units,
         )
         snapshots = {
             name: snapshot
             for name, snapshot in snapshots.items()
-            if snapshot.sharing is not Sharing.MPS or self._mps.advertised(name)  # limits first, then clients
+            if snapshot.sharing is not Sharing.MPS or (self._mps is not None and self._mps.advertised(name))
+            # an MPS resource is advertised once its daemons have their limits in place, then clients connect
         }
         for name in self._servers.keys() - snapshots.keys():
             self._servers.pop(name).stop()
@@ -1079,10 +1119,10 @@ class Agent:
         """A worker job raised past its own guard: counted, and its owner treats it as a failed attempt."""
         self._internal_error(f"worker:{event.owner}", RuntimeError(event.error), context=event.key)
         now = self._clock()
-        if event.owner == "mig":
+        if event.owner == "mig" and self._mig is not None:
             self._mig.on_crashed(event, now)
             self._rediscover("MIG worker crash", stale=self._uuids_of(self._mig.changing_gpus))
-        elif event.owner == "mps":
+        elif event.owner == "mps" and self._mps is not None:
             if self._mps.on_crashed(event, now):
                 self._publish()
         elif event.owner == "dra" and self._dra is not None:
@@ -1150,9 +1190,9 @@ class Agent:
             config_name=self._loaded.name if self._loaded else None,
             config_digest=self._loaded.digest if self._loaded else None,
             config_error=self._config_error,
-            mps=self._mps.status(),
-            mig_state=str(self._mig.state) if self._mig.state else None,
-            mig_error=self._mig.error,
+            mps=self._mps.status() if self._mps is not None else {},
+            mig_state=str(self._mig.state) if self._mig is not None and self._mig.state else None,
+            mig_error=self._mig.error if self._mig is not None else None,
             inventory=self._inventory,
             plan=self._plan,
             config_errors_total=self._config_errors,
@@ -1170,13 +1210,21 @@ class Agent:
 
     def _reconcile_mps(self, resource_plan: ResourcePlan, root: Path) -> None:
         """One MPS manager for both front ends: the device plugin's MPS resources and the DRA claims' daemons."""
-        dra = self._dra.mps_specs() if self._dra is not None else ()
-        self._mps.reconcile((*mps_daemons(resource_plan), *dra), root, self._clock())
+        specs: tuple[MpsDaemonSpec, ...] = (*mps_daemons(resource_plan), *(self._dra.mps_specs() if self._dra else ()))
+        if self._mps is None and specs:  # the first daemon ever wanted: the manager loads now
+            from agent.mps.manager import MpsManager
+
+            options = self.options
+            self._mps = MpsManager(options.mps_control, self.post, options.pod_resources_socket, options.mps_keeper)
+            self._routes["agent.mps.manager"] = self._routes["agent.mps.exits"] = self._mps_event
+        if self._mps is not None:
+            self._mps.reconcile(specs, root, self._clock())
         self._tell_dra_mps()
 
     def _tell_dra_mps(self) -> None:
         if self._dra is not None:
-            self._dra.mps_changed(self._mps.status(), self._effective.allocation.mps_root)
+            status = self._mps.status() if self._mps is not None else {}
+            self._dra.mps_changed(status, self._effective.allocation.mps_root)
 
     def _dra_event(self, event: object) -> None:
         """The DRA front end's news (a handover answer, a registration verdict, slices published or not, claims
@@ -1207,10 +1255,10 @@ class Agent:
         self._refresh_status()
 
     def _waiting_for(self) -> dict[str, tuple[str, ...]]:
-        waiting = {f"mps:{key}": reasons for key, reasons in self._mps.waiting_for().items()}
+        waiting = {f"mps:{key}": why for key, why in self._mps.waiting_for().items()} if self._mps is not None else {}
         if self._dra is not None:
             waiting |= {f"dra:{uuid}": why for uuid, why in self._dra.waiting_for().items()}
-        if self._mig.waiting_for:
+        if self._mig is not None and self._mig.waiting_for:
             waiting["mig"] = self._mig.waiting_for
         return waiting
 

@@ -53,6 +53,13 @@ def test_run_loads_no_kubernetes_client_no_metrics_and_no_other_command():
         "agent.render",
         "agent.mig.commands",
         "agent.config.validate",
+        "agent.mig",  # the MIG manager and layout planning: only once a MIG layout is configured
+        "agent.core.mig_layout",
+        "agent.core.mig_catalog",
+        "agent.gpu.mig",
+        "agent.mps",  # the MPS manager: only with the first MPS daemon (a resource or a DRA claim)
+        "agent.core.drain",  # what MIG and MPS changes drain
+        "agent.core.announce",  # Node Events: only with a Kubernetes API to send them to
     )
 
 
