@@ -296,3 +296,30 @@ def test_register_succeeds_as_soon_as_the_kubelet_is_back(serve, plugin_dir):
         kubelet.wait_for(lambda: kubelet.allocatable(GPU) == 4, what="registered")
     finally:
         kubelet.stop()
+
+
+PLUGIN_PROCESS = """
+import sys
+from pathlib import Path
+from agent.plugin.registration import register
+from agent.plugin.server import ResourceServer
+from tests.integration.test_plugin_server import snapshot
+server = ResourceServer(snapshot(), Path(sys.argv[1]))
+server.start()
+register(Path(sys.argv[1]) / "kubelet.sock", server.socket_path.name, "nvidia.com/gpu")
+print("grpc._channel" in sys.modules)
+"""
+
+
+def test_registering_loads_no_synchronous_grpc_client(kubelet, plugin_dir):
+    """The plugin serves and registers on its gRPC loop: grpcio's synchronous client stack (``grpc._channel``)
+    stays unloaded on the way to the first registration (issue 13: start time and RSS)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", PLUGIN_PROCESS, str(plugin_dir)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False"]
+    kubelet.wait_for(lambda: GPU in kubelet.resources(), what="registered")
