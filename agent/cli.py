@@ -736,8 +736,9 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
     """``tessera plan --dra``: the node's ResourceSlices as complete ``resource.k8s.io/v1`` objects, as the agent
     would publish them (a YAML stream, a JSON List, or a table of the devices)."""
     from agent.core.dra.devices import dra_devices
-    from agent.core.dra.ownership import OwnershipError, dra_gpus, dynamic_mig_gpus
+    from agent.core.dra.ownership import OwnershipError, dra_gpus, dynamic_mig_gpus, shared_gpus
     from agent.core.dra.partitions import counter_sets
+    from agent.core.dra.shares import gate_note
     from agent.core.dra.slices import SliceError, layout_for, resource_slices
 
     section = model.dra
@@ -751,7 +752,8 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
                 notes.append("the config does not enable dra: showing every GPU as DRA would publish it")
         node_name = args.node_name or _spec_node_name(args.node)
         dynamic = dynamic_mig_gpus(section.dynamic_mig, chosen, inventory) if section is not None else frozenset()
-        devices = dra_devices(inventory, gpu_uuids=chosen, dynamic_mig=dynamic)
+        shared = shared_gpus(section.gpu_shares, chosen, dynamic, inventory) if section is not None else frozenset()
+        devices = dra_devices(inventory, gpu_uuids=chosen, dynamic_mig=dynamic, shared=shared)
         layout = layout_for(f"v{args.kubernetes_version.lstrip('v')}.0")
         slices = resource_slices(
             node_name, args.node_uid or PLACEHOLDER_NODE_UID, driver, devices, 1, layout,
@@ -771,6 +773,11 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
             "feature gate (alpha) on the API server, scheduler and kubelet; without it the API server drops the "
             "counters and the scheduler could pick overlapping MIG placements (their Prepare then fails)"
         )
+    if any(d.allow_multiple_allocations for d in devices) and (note := gate_note((1, minor))) is not None:
+        notes.append(note)
+    in_mig_mode = [str(g.index) for g in inventory.gpus if g.uuid in shared and g.mig_enabled]
+    if in_mig_mode:
+        notes.append(f"GPUs {', '.join(in_mig_mode)} are in MIG mode: shared through their MIG devices, not by memory")
     if not args.node_uid:
         notes.append(
             "ownerReferences name the Node by a placeholder UID; give --node-uid "
@@ -795,8 +802,12 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
                 attributes = device["attributes"]
                 kind = attributes["type"]["string"]
                 what = attributes.get("profile", attributes.get("productName", {})).get("string", "")
-                memory = device.get("capacity", {}).get("memory", {}).get("value", "-")
-                print(f"  {device['name']:<28} {kind:<4} {what:<26} memory {memory}")
+                memory = device.get("capacity", {}).get("memory", {})
+                shares = ""
+                if device.get("allowMultipleAllocations"):
+                    step = memory["requestPolicy"]["validRange"]["step"]
+                    shares = f"  shared: memory in {step} steps, computePercent 0-100"
+                print(f"  {device['name']:<28} {kind:<4} {what:<26} memory {memory.get('value', '-')}{shares}")
     return EXIT_OK
 
 

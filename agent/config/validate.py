@@ -86,10 +86,24 @@ def _validate_one(config_set: ConfigSet, name: str, strict: bool) -> tuple[list[
     strategy = model.flags.mig_strategy or "default"
     only = f", only on nodes with {', '.join(model.match) or 'nothing'}" if model.match is not None else ""
     mig = f", MIG layout {layout}" if layout else ""
-    lines = [f"{name}: valid ({summary}, migStrategy {strategy}{mig}{only})"]
+    lines = [f"{name}: valid ({summary}, migStrategy {strategy}{mig}{_dra_summary(model)}{only})"]
     for warning in [*warnings, *resource_name_warnings(model)]:
         lines.append(f"  warning: {warning.removeprefix(origin + ': ')}")
     return lines, True, False
+
+
+def _dra_summary(model: ConfigModel) -> str:
+    """``, DRA on all GPUs (dynamic MIG: all; GPU shares: 0, 1)`` for a config that enables the DRA front end."""
+    section = model.dra
+    if section is None or not section.enabled:
+        return ""
+
+    def gpus(value: object) -> str:
+        return value if isinstance(value, str) else ", ".join(map(str, value))  # type: ignore[call-overload]
+
+    extras = [f"{what}: {gpus(value)}" for what, value in (("dynamic MIG", section.dynamic_mig),
+              ("GPU shares", section.gpu_shares)) if value is not None]  # fmt: skip
+    return f", DRA on {gpus(section.gpus)} GPUs" + (f" ({'; '.join(extras)})" if extras else "")
 
 
 def _print_error(headline: str, error: ConfigError, stream: object) -> None:

@@ -132,7 +132,7 @@ def test_pod_example_requests_what_its_config_advertises(pod, config, node, expe
 def test_every_pod_and_every_config_has_an_example():
     assert {pod for pod, *_ in EXAMPLES} == {p.name for p in PODS.glob("*.yaml")}
     dra_only = {p.name for p in config_files() if "dra" in yaml.safe_load(p.read_text(encoding="utf-8"))}
-    assert dra_only == {"dra-dynamic-mig.yaml"}  # its claims are tested with the DRA examples (test_dra.py)
+    assert dra_only == {"dra-dynamic-mig.yaml", "dra-gpu-shares.yaml"}  # claims for them: test_dra.py
     assert {config for _, config, *_ in EXAMPLES if config} == {p.name for p in config_files()} - dra_only
 
 

@@ -179,8 +179,12 @@ def test_deploy_dra_holds_the_classes_and_the_examples():
     examples = sorted((o["kind"], o["metadata"]["name"]) for _, o in deploy_objects() if o not in top)
     assert examples == [
         ("Pod", "dra-gpu-example"),
+        ("Pod", "dra-gpu-share-10gi-example"),
+        ("Pod", "dra-gpu-share-20gi-example"),
         ("Pod", "dra-mig-1g-10gb-example"),
         ("ResourceClaimTemplate", "gpu-40gi"),
+        ("ResourceClaimTemplate", "gpu-share-10gi"),
+        ("ResourceClaimTemplate", "gpu-share-20gi"),
         ("ResourceClaimTemplate", "mig-1g-10gb"),
     ]
     assert all(path.parent == EXAMPLES for path, o in deploy_objects() if o not in top)
@@ -196,7 +200,7 @@ def test_deploy_dra_objects_are_valid_kubernetes(version):
             where = f"{path.relative_to(ROOT)}: {obj['kind']}/{obj['metadata']['name']}"
             pytest.fail(f"{where} on {version}: {error.message}")
         checked += 1
-    assert checked == 6
+    assert checked == 10
 
 
 def test_oldest_supported_kubernetes_has_no_resource_k8s_io_v1():
@@ -296,6 +300,29 @@ def test_mig_example_claim_gets_a_partition_of_a_dynamic_mig_gpu(kubernetes_vers
     (device,) = allocated(template_claim("mig-1g-10gb"), dynamic)
     assert device["name"] == "gpu-0-mig-1g10gb-19-0" and "uuid" not in device["attributes"]  # made by Prepare
     assert device["consumesCounters"][0]["counterSet"] == "gpu-0-counter-set"
+
+
+@pytest.mark.parametrize("kubernetes_version", ["1.34", "1.36"])
+def test_share_example_claims_land_on_one_shared_gpu_with_their_consumed_memory(kubernetes_version):
+    from agent.sim.scheduler import devices_in_use
+
+    shared = slices("dgx-a100", kubernetes_version, CONFIGS / "dra-gpu-shares.yaml")
+    name, claims = node_name(shared), []
+    for template in ("gpu-share-10gi", "gpu-share-20gi"):
+        held, consumed = devices_in_use(claims)
+        claims.append(allocate(template_claim(template), shared, device_classes(), held, name, consumed=consumed))
+    results = [c["status"]["allocation"]["devices"]["results"][0] for c in claims]
+    assert [r["device"] for r in results] == ["gpu-0", "gpu-0"]
+    assert [r["consumedCapacity"] for r in results] == [
+        {"computePercent": "25", "memory": "10Gi"},
+        {"computePercent": "0", "memory": "20Gi"},
+    ]
+    # on GPUs not shared, a claim for memory alone gets a whole GPU with at least that much; one that asks for a
+    # compute share finds none (no GPU has that capacity)
+    (device,) = allocated(template_claim("gpu-share-20gi"), slices("dgx-a100"))
+    assert "allowMultipleAllocations" not in device
+    with pytest.raises(Unschedulable, match="0 have the requested capacity free"):
+        allocated(template_claim("gpu-share-10gi"), slices("dgx-a100"))
 
 
 def test_mig_example_claim_finds_nothing_without_mig():

@@ -122,6 +122,7 @@ OVERLAY_CONFIGS = {
     "dra": {
         "dra": DAEMONSET / "overlays" / "dra" / "dra.yaml",
         "dra-dynamic-mig": DAEMONSET / "overlays" / "dra" / "dra-dynamic-mig.yaml",  # a copy of configs/'s
+        "dra-gpu-shares": DAEMONSET / "overlays" / "dra" / "dra-gpu-shares.yaml",  # a copy of configs/'s
     }
 }
 READ_VERBS = {"get", "list", "watch"}

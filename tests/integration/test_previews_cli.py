@@ -258,7 +258,7 @@ def test_mig_apply_that_waits_for_a_reset_exits_5(tmp_path: Path):
 
 def test_validate_the_shipped_configs():
     result = exits(0, "validate", "configs/")
-    assert result.stdout.splitlines()[-1] == "7 of 7 configs valid"
+    assert result.stdout.splitlines()[-1] == "8 of 8 configs valid"
     assert "h100-balanced.yaml: valid (no sharing, migStrategy mixed, MIG layout all-balanced" in result.stdout
 
 
