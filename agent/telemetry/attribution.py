@@ -1,6 +1,6 @@
 """Which pod a GPU process belongs to, for shared GPUs where device IDs alone cannot tell.
 
-The process's cgroup (``<proc root>/<pid>/cgroup``) names its pod UID; the kubelet's device-manager
+The process's cgroup names its pod UID (``procfs``); the kubelet's device-manager
 checkpoint (next to the plugin sockets) maps pod UIDs to the device IDs their containers were given; the
 PodResources API maps those device IDs to the pod's name, namespace and container. This is what
 dcgm-exporter cannot do on shared GPUs.
@@ -9,7 +9,6 @@ dcgm-exporter cannot do on shared GPUs.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -19,19 +18,8 @@ from pathlib import Path
 from agent.config.model import ConfigError
 from agent.config.yaml_limits import read_bounded
 
-_POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 CHECKPOINT = "kubelet_internal_checkpoint"
 MAX_CHECKPOINT_BYTES = 64 << 20
-
-
-def pod_uid_of(pid: int, proc_root: Path) -> str | None:
-    """The pod UID in the process's cgroup path (cgroup v1 or v2, systemd or cgroupfs driver), if any."""
-    try:
-        text = (proc_root / str(int(pid)) / "cgroup").read_text(errors="replace")
-    except (OSError, ValueError):
-        return None
-    match = _POD_UID.search(text)
-    return match[1].replace("_", "-") if match else None
 
 
 @dataclass(frozen=True, slots=True)

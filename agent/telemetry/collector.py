@@ -26,10 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agent.gpu.nvml import nvml_session
 from agent.gpu.telemetry import GpuStats, read_stats
 from agent.plugin.podresources import DeviceHolder as Holder
-from agent.telemetry.attribution import Checkpoint, CheckpointReader, pod_uid_of
+from agent.telemetry.attribution import Checkpoint, CheckpointReader
 from agent.telemetry.exposition import Family, Renderer, counter, gauge
+from agent.telemetry.pods import HeldDevice, PodTelemetry
+from agent.telemetry.process_utilization import ProcessUtilization, UtilizationRead
+from agent.telemetry.procfs import boot_clock
 
 if TYPE_CHECKING:
     from agent.core.snapshot import ResourceSnapshot
@@ -90,6 +94,7 @@ class _DeviceRow:
     device_id: str
     gpu_uuid: str
     mig_uuid: str | None
+    memory_mib: int
     base: tuple[str, ...]  # resource, device_id, gpu, UUID, GPU_I_PROFILE
     idle_base: tuple[str, ...]  # resource, device_id, gpu, UUID
     unheld: tuple[str, ...]  # base + no holder + Hostname
@@ -113,7 +118,8 @@ class TelemetryCollector:
         self._checkpoint = CheckpointReader(options.device_plugin_dir)
         self._asked_kubelet = False
         self._rows: dict[str, tuple[ResourceSnapshot, list[_DeviceRow]]] = {}  # resource -> (snapshot, its rows)
-        self._idle_seconds: dict[tuple[str, ...], float] = defaultdict(float)
+        self.pods = PodTelemetry(options.proc_root, options.idle_threshold_percent, options.hostname)
+        self._utilization = ProcessUtilization()
         self._last_collection: float | None = None  # monotonic time of the previous collection
         self._warned: set[str] = set()
         self._stop = threading.Event()
@@ -145,9 +151,13 @@ class TelemetryCollector:
         status = self._status()
         inventory = getattr(status, "inventory", None)
         stats: dict[str, GpuStats] = {}
+        utilization: dict[str, UtilizationRead] = {}
+        listed_at = boot_clock()  # a process that started after this is not one NVML is about to list
         if inventory is not None:
             try:
-                stats = read_stats(inventory)
+                with nvml_session():
+                    stats = read_stats(inventory)
+                    utilization = self._read_utilization(inventory, stats)
             except Exception as error:  # NVML gone entirely: report the GPUs as down, keep the rest
                 self._warn_once("nvml", f"cannot read GPU telemetry error={error!r}")
         checkpoint = self._checkpoint.read()
@@ -161,9 +171,16 @@ class TelemetryCollector:
         now = time.monotonic()
         elapsed = 0.0 if self._last_collection is None else now - self._last_collection
         self._last_collection = now
-        families = self._families(status, stats, holders, elapsed, checkpoint)
+        families = self._families(status, stats, holders, elapsed, checkpoint, utilization, listed_at)
         self.last.publish(families)
         self._on_collected(status)
+
+    def _read_utilization(self, inventory: object, stats: dict[str, GpuStats]) -> dict[str, UtilizationRead]:
+        """Per-process utilization of the GPUs NVML reports it for (not in MIG mode) that run processes now."""
+        whole = [gpu.uuid for gpu in inventory.gpus if not gpu.mig_enabled]  # type: ignore[attr-defined]
+        self._utilization.forget(whole)
+        busy = [uuid for uuid in whole if (stat := stats.get(uuid)) is not None and stat.gpu and stat.gpu.processes]
+        return self._utilization.read(busy)
 
     def _may_be_held(self, status: object, checkpoint: Checkpoint | None) -> bool:
         """Whether PodResources may name a pod holding one of this node's devices (then it is asked).
@@ -192,8 +209,11 @@ class TelemetryCollector:
         holders: dict[str, Holder],
         elapsed: float,
         checkpoint: Checkpoint | None = None,
+        utilization: dict[str, UtilizationRead] | None = None,
+        listed_at: float | None = None,
     ) -> list[Family]:
-        """``elapsed``: seconds since the previous collection, credited to the devices that are idle now."""
+        """``elapsed``: seconds since the previous collection, credited to the devices that are idle now;
+        ``listed_at``: the boot clock before NVML's process lists were read."""
         host = self.options.hostname
         inventory = getattr(status, "inventory", None)
         gpus = inventory.gpus if inventory is not None else ()
@@ -245,11 +265,6 @@ class TelemetryCollector:
         ]
         healthy = gauge("tessera_device_healthy", "1 when the advertised device is Healthy", device_labels)
         allocated = gauge("tessera_device_allocated", "1 when a pod holds the device", device_labels)
-        idle = counter(
-            "tessera_partition_allocated_idle_seconds",
-            "seconds a pod held the device while it stayed under the idle threshold (allocated but idle)",
-            ["resource", "device_id", "gpu", "UUID", "pod", "namespace", "container", "Hostname"],
-        )
         resource_devices = gauge(
             "tessera_resource_devices", "devices of a resource by state", ["resource", "state", "Hostname"]
         )
@@ -260,7 +275,7 @@ class TelemetryCollector:
         )
         resources = getattr(status, "resources", {})
         registered_names = getattr(status, "registered", frozenset())
-        held_now: set[tuple[str, ...]] = set()
+        held: list[HeldDevice] = []
         for name, snapshot in sorted(resources.items()):
             total = healthy_count = allocated_count = 0
             health = snapshot.health
@@ -278,23 +293,24 @@ class TelemetryCollector:
                 labels = (*row.base, *who, host)
                 healthy.add_metric(labels, 1 if is_healthy else 0)
                 allocated.add_metric(labels, 1)
-                key = (*row.idle_base, *who, host)
-                held_now.add(key)
-                if self._is_idle(stats.get(row.gpu_uuid), row.mig_uuid):
-                    self._idle_seconds[key] += elapsed
-                idle.add_metric(key, self._idle_seconds[key])
+                held.append(
+                    HeldDevice(name, row.device_id, row.mig_uuid or row.gpu_uuid, (*row.idle_base, *who, host),
+                               holder.namespace, holder.pod, holder.container, snapshot.replicas, row.memory_mib)
+                )  # fmt: skip
             for state, value in (("total", total), ("healthy", healthy_count), ("allocated", allocated_count)):
                 resource_devices.add_metric((name, state, host), value)
             registered.add_metric((name, host), 1 if name in registered_names else 0)
-        for gone in self._idle_seconds.keys() - held_now:  # a released device's series ends; its memory too
-            del self._idle_seconds[gone]
         for gone in self._rows.keys() - resources.keys():
             del self._rows[gone]
 
-        pod_memory = self._pod_memory(gpus, stats, holders, host, checkpoint)
+        devices_of_pod = checkpoint.devices_by_pod if checkpoint is not None else {}
+        pod_families = self.pods.families(
+            inventory, stats, utilization or {}, boot_clock() if listed_at is None else listed_at, held, holders,
+            devices_of_pod, elapsed,
+        )  # fmt: skip
         families: list[Family] = [
             up, mem_total, mem_used, util, procs, mig_total, mig_used, mig_procs,
-            healthy, allocated, idle, resource_devices, registered, pod_memory,
+            healthy, allocated, resource_devices, registered, self._pod_memory(gpus, held), *pod_families,
         ]  # fmt: skip
         families += self._agent_families(status, host)
         return families
@@ -310,57 +326,40 @@ class TelemetryCollector:
             idle_base = (name, device.id, str(device.gpu_index), device.gpu_uuid)
             base = (*idle_base, device.mig_profile or "")
             unheld = (*base, *_NO_HOLDER, host)
-            rows.append(_DeviceRow(device.id, device.gpu_uuid, device.mig_uuid, base, idle_base, unheld))
+            rows.append(
+                _DeviceRow(device.id, device.gpu_uuid, device.mig_uuid, device.memory_mib, base, idle_base, unheld)
+            )
         self._rows[name] = (snapshot, rows)
         return rows
 
-    def _is_idle(self, stat: GpuStats | None, mig_uuid: str | None) -> bool:
-        """Under the threshold; on a MIG device, where the driver gives no utilization, no process at all."""
-        if stat is None or stat.gpu is None:
-            return False
-        if mig_uuid is not None:
-            mig = stat.migs.get(mig_uuid)
-            return mig is not None and not mig.processes
-        if stat.gpu.utilization_percent is None:
-            return not stat.gpu.processes
-        return stat.gpu.utilization_percent < self.options.idle_threshold_percent
-
-    def _pod_memory(
-        self,
-        gpus: Iterable[object],
-        stats: dict[str, GpuStats],
-        holders: dict[str, Holder],
-        host: str,
-        checkpoint: Checkpoint | None,
-    ) -> Family:
-        """Per-pod memory from each GPU process's cgroup: /proc is read only for processes NVML lists."""
+    def _pod_memory(self, gpus: Iterable[object], held: list[HeldDevice]) -> Family:
+        """Per-pod memory per GPU (MIG devices summed into their GPU), from this collection's attribution."""
         family = gauge(
             "tessera_pod_gpu_memory_used_bytes",
             "GPU memory used by a pod's processes, from the process's cgroup (works on shared GPUs)",
             ["gpu", "UUID", "modelName", "pod", "namespace", "container", "Hostname"],
         )
-        devices_of_pod = checkpoint.devices_by_pod if checkpoint is not None else {}
-        if not devices_of_pod or not holders:
-            return family  # no pod holds a device, or none the kubelet names: no process can be a pod's here
-        totals: dict[tuple[str, ...], int] = defaultdict(int)
+        attribution = self.pods.attribution
+        if attribution is None or not attribution.by_pod:
+            return family
+        gpu_of: dict[str, object] = {}
         for gpu in gpus:
-            stat = stats.get(gpu.uuid)
-            if stat is None or stat.gpu is None:
+            gpu_of[gpu.uuid] = gpu  # type: ignore[attr-defined]
+            gpu_of.update((mig.uuid, gpu) for mig in gpu.mig_devices)  # type: ignore[attr-defined]
+        containers: dict[tuple[str, str, str], set[str]] = defaultdict(set)
+        for device in held:
+            gpu = gpu_of.get(device.physical_uuid)
+            if gpu is not None:
+                containers[(device.namespace, device.pod, gpu.uuid)].add(device.container)  # type: ignore[attr-defined]
+        totals: dict[tuple[str, ...], int] = defaultdict(int)
+        for (namespace, pod, uuid), usage in attribution.by_pod.items():
+            gpu = gpu_of.get(uuid)
+            if gpu is None or not usage.processes:
                 continue
-            for process in stat.gpu.processes:
-                uid = pod_uid_of(process.pid, self.options.proc_root)
-                if uid is None or process.used_bytes is None:
-                    continue
-                held = [holders[d] for d in devices_of_pod.get(uid, ()) if d in holders and d.split("::")[0] in (
-                    gpu.uuid, *(m.uuid for m in gpu.mig_devices))]  # fmt: skip
-                if not held:
-                    continue
-                who = held[0]
-                containers = {h.container for h in held}
-                container = who.container if len(containers) == 1 else ""
-                totals[(str(gpu.index), gpu.uuid, gpu.name, who.pod, who.namespace, container, host)] += (
-                    process.used_bytes
-                )
+            names = containers.get((namespace, pod, gpu.uuid), set())  # type: ignore[attr-defined]
+            container = next(iter(names)) if len(names) == 1 else ""
+            key = (str(gpu.index), gpu.uuid, gpu.name, pod, namespace, container, self.options.hostname)  # type: ignore[attr-defined]
+            totals[key] += usage.memory_bytes
         for labels, used in sorted(totals.items()):
             family.add_metric(labels, used)
         return family

@@ -315,7 +315,7 @@ def test_prometheus_scrapes_pod_series_and_the_shipped_rules_fire(world) -> None
     idle: Pod = kubelet.create_pod("idle-notebook", {"jupyter": {GPU: 1}}, namespace="research")
     busy: Pod = kubelet.create_pod("trainer", {"main": {GPU: 1}}, namespace="ml")
     assert [gpu_of(node, held_device(p, c, GPU)) for p, c in ((idle, "jupyter"), (busy, "main"))] == [1, 2]
-    node.run_process(busy, 2, 7100, 76000)  # 76000 of 81920 MiB: over 90 %
+    node.run_process(busy, 2, 7100, 76000, sm=80)  # 76000 of 81920 MiB: over 90 %; its own process works
     kubelet.create_pod("small", {"main": {SMALL: 1}}, namespace="research")
 
     # pod-attributed series arrive, with Prometheus' job and instance added to Tessera's labels

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.agent import Agent, AgentOptions
 from agent.sim.kubelet import KubeletEmulator, Pod
+from agent.sim.nvml.codes import Return
 from agent.sim.nvml.driver import SimDriver
 from agent.telemetry.service import TelemetrySettings
 
@@ -62,7 +63,12 @@ TIME_SLICED = (
     "version: v1\nflags: {migStrategy: mixed}\n"
     "sharing:\n  timeSlicing:\n    resources:\n      - name: nvidia.com/gpu\n        replicas: 4\n" + MIG_LAYOUT
 )
+MPS_SHARED = (
+    "version: v1\nflags: {migStrategy: mixed, mpsRoot: '@BASE@/mps'}\n"
+    "sharing:\n  mps:\n    resources:\n      - name: nvidia.com/gpu\n        replicas: 4\n" + MIG_LAYOUT
+)
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+TELEMETRY_DOCS = DOCS.with_name("telemetry.md")  # the per-pod metrics (issue 17); its rows win over metrics.md's
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
@@ -74,6 +80,12 @@ def cgroup_line(uid: str) -> str:
         "0::/kubepods.slice/kubepods-besteffort.slice/"
         f"kubepods-besteffort-pod{slice_uid}.slice/cri-containerd-abc123.scope\n"
     )
+
+
+def stat_line(pid: int, started: float | None = None) -> str:
+    """``/proc/<pid>/stat`` of a process that started at ``started`` (the boot clock; now by default)."""
+    ticks = int((time.clock_gettime(time.CLOCK_BOOTTIME) if started is None else started) * os.sysconf("SC_CLK_TCK"))
+    return f"{pid} (python3 worker) S 1 {pid} {pid} 0 -1 4194560 " + "0 " * 12 + f"{ticks} 1000 10\n"
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> object:
@@ -199,12 +211,28 @@ class TelemetryNode:
     # ----- pods and processes -----------------------------------------------------------------------------
 
     def run_process(
-        self, pod: Pod, gpu: int, pid: int, used_mib: int, *, mig_uuid: str | None = None, kind: str = "compute"
+        self,
+        pod: Pod,
+        gpu: int,
+        pid: int,
+        used_mib: int,
+        *,
+        mig_uuid: str | None = None,
+        kind: str = "compute",
+        sm: int = 0,
+        memory: int = 0,
     ) -> None:
-        """A process of ``pod`` on the GPU: in the driver, and in the fake /proc with the pod's cgroup."""
-        (self.proc / str(pid)).mkdir()
-        (self.proc / str(pid) / "cgroup").write_text(cgroup_line(pod.uid))
-        self.driver.add_process(gpu, pid, used_mib, mig_uuid=mig_uuid, kind=kind)
+        """A process of ``pod`` on the GPU: in the driver, and in the fake /proc with the pod's cgroup and its
+        start time; it keeps the GPU's SM and memory controller ``sm`` and ``memory`` percent busy."""
+        self.proc_entry(pid, cgroup_line(pod.uid))
+        self.driver.add_process(gpu, pid, used_mib, mig_uuid=mig_uuid, kind=kind, sm=sm, memory=memory)
+
+    def proc_entry(self, pid: int, cgroup: str) -> None:
+        """``/proc/<pid>``: its cgroup, and its stat with a start time of now (replacing an earlier process's)."""
+        entry = self.proc / str(pid)
+        entry.mkdir(exist_ok=True)
+        (entry / "cgroup").write_text(cgroup)
+        (entry / "stat").write_text(stat_line(pid))
 
 
 def series(samples: Samples, name: str, **match: str) -> list[tuple[dict[str, str], float]]:
@@ -257,9 +285,9 @@ def node(make_node) -> TelemetryNode:
 
 
 def documented() -> dict[str, tuple[str, list[str]]]:
-    """docs/metrics.md's metric table: exposed name -> (type, labels in order)."""
+    """The metric tables of docs/metrics.md and docs/telemetry.md: exposed name -> (type, labels in order)."""
     rows = {}
-    for line in DOCS.read_text().splitlines():
+    for line in DOCS.read_text().splitlines() + TELEMETRY_DOCS.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 4 and cells[0].startswith("`tessera_"):
             rows[cells[0].strip("`")] = (cells[1], re.findall(r"`([^`]+)`", cells[2]))
@@ -395,37 +423,73 @@ def test_mps_clients_are_attributed_to_their_pods_as_a_real_driver_lists_them(no
     assert value(samples, "tessera_gpu_processes", gpu=str(gpu)) == 3
 
 
-def test_an_idle_allocation_accumulates_idle_seconds_and_a_busy_one_does_not(node: TelemetryNode) -> None:
+def shared_pair(node: TelemetryNode, pods: list[Pod]) -> tuple[int, Pod, Pod, int, Pod]:
+    """Three pods holding one replica each, spread over GPUs 1 and 2: (shared GPU, its two pods, other GPU, its pod)."""
+    by_gpu: dict[int, list[Pod]] = {}
+    for pod in pods:
+        by_gpu.setdefault(gpu_of(node, held_device(pod, "main", GPU)), []).append(pod)
+    shared, pair = next((g, p) for g, p in by_gpu.items() if len(p) == 2)
+    other, (single,) = next((g, p) for g, p in by_gpu.items() if len(p) == 1)
+    return shared, pair[0], pair[1], other, single
+
+
+def test_idle_is_per_pod_a_silent_pod_next_to_a_busy_one_is_idle(node: TelemetryNode) -> None:
     kubelet, driver = node.kubelet, node.driver
-    driver.set_utilization(2, 80)  # before any pod holds it: not a moment of idleness is credited
-    idle_pod = kubelet.create_pod("idle", {"main": {GPU: 1}})
-    busy_pod = kubelet.create_pod("busy", {"main": {GPU: 1}})
-    assert {gpu_of(node, held_device(idle_pod, "main", GPU)), gpu_of(node, held_device(busy_pod, "main", GPU))} == {
-        1,
-        2,
-    }, "the distributed policy puts the two pods on different GPUs"
-    if gpu_of(node, held_device(idle_pod, "main", GPU)) != 1:
-        idle_pod, busy_pod = busy_pod, idle_pod
+    pods = [kubelet.create_pod(f"share-{n}", {"main": {GPU: 1}}, namespace="ml") for n in range(3)]
+    shared, busy, quiet, other, lonely = shared_pair(node, pods)
+    node.run_process(busy, shared, 5100, 1000, sm=60, memory=20)
+    node.run_process(quiet, shared, 5200, 3000)  # holds memory, computes nothing
+    node.proc_entry(5300, "0::/system.slice/inference.service\n")  # a host process keeps the lonely pod's GPU busy
+    driver.add_process(other, 5300, 500, sm=80)
     working_mig = kubelet.create_pod("mig-working", {"main": {SMALL: 1}})
     node.run_process(working_mig, 0, 6161, 1024, mig_uuid=held_device(working_mig, "main", SMALL))
     empty_mig = kubelet.create_pod("mig-empty", {"main": {LARGE: 1}})
 
     name = "tessera_partition_allocated_idle_seconds_total"
     samples = node.wait_samples(
-        lambda s: series(s, name, pod=idle_pod.name) and value(s, name, pod=idle_pod.name) >= 1.5,
+        lambda s: all(series(s, name, pod=p) and value(s, name, pod=p) >= 1.0 for p in (quiet.name, lonely.name)),
         10,
-        "1.5 idle seconds",
+        "1 idle second for the quiet pod and the lonely one",
     )
-    assert value(samples, name, pod=busy_pod.name) == 0
-    assert value(samples, "tessera_gpu_utilization_percent", gpu="2") == 80
-    # a MIG device has no utilization: no process on it counts as idle, a process as busy
+    # the whole GPUs are busy, yet only the pod whose own process works is
+    assert value(samples, "tessera_gpu_utilization_percent", gpu=str(shared)) == 60
+    assert value(samples, "tessera_gpu_utilization_percent", gpu=str(other)) == 80
+    assert value(samples, name, pod=busy.name) == 0
+    pod_util = "tessera_pod_gpu_utilization_percent"
+    assert value(samples, pod_util, pod=busy.name) == 60
+    assert value(samples, "tessera_pod_gpu_memory_copy_utilization_percent", pod=busy.name) == 20
+    assert value(samples, pod_util, pod=quiet.name) == 0 and value(samples, pod_util, pod=lonely.name) == 0
+    assert value(samples, "tessera_pod_device_idle", pod=quiet.name) == 1
+    assert value(samples, "tessera_pod_device_idle", pod=busy.name) == 0
+    assert value(samples, "tessera_pod_device_memory_used_bytes", pod=quiet.name) == 3000 * MIB
+    ((labels, _),) = series(samples, pod_util, pod=busy.name)
+    assert labels["device_id"] == held_device(busy, "main", GPU) and labels["device"].startswith("nvidia")
+    assert labels["container"] == "main" and labels["GPU_I_PROFILE"] == ""
+    # the host process is nobody's, and says so
+    assert value(samples, "tessera_unattributed_gpu_processes", gpu=str(other), reason="no_pod") == 1
+    assert value(samples, "tessera_unattributed_gpu_utilization_percent", gpu=str(other), reason="no_pod") == 80
+    # a MIG device has no per-process utilization: no process on it counts as idle, a process as busy
     assert value(samples, name, pod=empty_mig.name) > 0
     assert value(samples, name, pod=working_mig.name) == 0
-    # utilization is absent for the MIG-enabled GPU, not faked as 0
-    assert {labels["gpu"] for labels, _ in samples["tessera_gpu_utilization_percent"]} == {"1", "2"}
-    before = value(samples, name, pod=idle_pod.name)
-    later = node.wait_samples(lambda s: value(s, name, pod=idle_pod.name) >= before + 0.5, 5, "more idle seconds")
-    assert value(later, name, pod=busy_pod.name) == 0
+    assert not series(samples, pod_util, pod=working_mig.name), "unknown is not 0"
+    assert value(samples, "tessera_pod_device_memory_used_bytes", pod=working_mig.name) == 1024 * MIB
+    assert value(samples, "tessera_gpu_process_utilization_available", gpu="0", reason="MIG") == 0
+    assert value(samples, "tessera_gpu_process_utilization_available", gpu=str(shared)) == 1
+    # GPU-seconds: each replica of a 4-way time-sliced GPU is a quarter of a GPU, a MIG device its share of the memory
+    ml = value(samples, "tessera_namespace_allocated_idle_gpu_seconds_total", namespace="ml")
+    assert ml == pytest.approx(0.25 * (value(samples, name, pod=quiet.name) + value(samples, name, pod=lonely.name)))
+    default = value(samples, "tessera_namespace_allocated_idle_gpu_seconds_total", namespace="default")
+    large = value(samples, "tessera_mig_memory_total_bytes", device_id=held_device(empty_mig, "main", LARGE))
+    share = large / value(samples, "tessera_gpu_memory_total_bytes", gpu="0")
+    assert 0.45 < share <= 0.5 and default == pytest.approx(share * value(samples, name, pod=empty_mig.name))
+    node_hours = value(samples, "tessera_node_allocated_idle_gpu_seconds_total")
+    assert node_hours == pytest.approx(ml + default)
+
+    driver.set_process_utilization(5200, 45)  # the quiet pod starts working: its idle time stops growing
+    later = node.wait_samples(lambda s: value(s, pod_util, pod=quiet.name) == 45, 5, "the quiet pod at 45 %")
+    before = value(later, name, pod=quiet.name)
+    node.wait_samples(lambda s: value(s, "tessera_pod_device_idle", pod=busy.name) == 0, 5, "another collection")
+    assert value(node.wait_samples(lambda s: True, 5, "a scrape"), name, pod=quiet.name) == before
 
 
 def test_an_xid_is_counted_and_turns_the_devices_unhealthy(node: TelemetryNode) -> None:
@@ -497,3 +561,95 @@ def test_a_lost_gpu_reports_down_and_the_others_keep_their_series(node: Telemetr
     )
     assert all(v == 1 for _, v in series(samples, "tessera_device_healthy", gpu="1"))
     assert value(samples, "tessera_gpu_xid_errors_total", gpu="2", xid="79") == 1
+
+
+# ----- faults: never a crash, never a wrong pod ----------------------------------------------------------------
+
+
+def test_a_pid_reused_between_listing_and_reading_is_nobodys(node: TelemetryNode) -> None:
+    """Pod A's process exits right after NVML lists it and its PID goes to a new process of pod B, which holds
+    a replica of the same GPU: reading /proc then names pod B, but the start time gives the newcomer away."""
+    kubelet, driver = node.kubelet, node.driver
+    pods = [kubelet.create_pod(f"reuse-{n}", {"main": {GPU: 1}}, namespace="ml") for n in range(3)]
+    shared, first, second, _, _ = shared_pair(node, pods)
+    node.run_process(first, shared, 7000, 5000, sm=50)
+    node.run_process(second, shared, 7001, 1000)
+    node.wait_samples(lambda s: series(s, "tessera_pod_device_processes", pod=first.name), 5, "A's process")
+
+    def reuse() -> None:  # runs between NVML's listing and the agent's /proc read
+        (node.proc / "7000" / "cgroup").write_text(cgroup_line(second.uid))
+        (node.proc / "7000" / "stat").write_text(stat_line(7000, time.clock_gettime(time.CLOCK_BOOTTIME) + 1))
+
+    driver.exit_after_listing(7000, then=reuse)
+    samples = node.wait_samples(
+        lambda s: series(s, "tessera_unattributed_gpu_processes", reason="pid_reused"), 5, "the reused PID"
+    )
+    assert value(samples, "tessera_unattributed_gpu_memory_used_bytes", reason="pid_reused") == 5000 * MIB
+    assert value(samples, "tessera_pod_device_memory_used_bytes", pod=second.name) == 1000 * MIB, "not A's memory"
+    assert value(samples, "tessera_pod_device_processes", pod=second.name) == 1
+
+
+def test_a_process_gone_before_its_proc_entry_is_read_is_counted_apart(node: TelemetryNode) -> None:
+    kubelet, driver = node.kubelet, node.driver
+    pod = kubelet.create_pod("short-lived", {"main": {GPU: 1}}, namespace="ml")
+    gpu = gpu_of(node, held_device(pod, "main", GPU))
+    node.run_process(pod, gpu, 7100, 2000, sm=30)
+    node.wait_samples(
+        lambda s: series(s, "tessera_pod_device_processes", pod=pod.name, device_id=held_device(pod, "main", GPU)),
+        5,
+        "its process",
+    )
+    driver.exit_after_listing(7100, then=lambda: shutil.rmtree(node.proc / "7100"))
+    samples = node.wait_samples(
+        lambda s: series(s, "tessera_unattributed_gpu_processes", reason="exited"), 5, "the exited process"
+    )
+    assert value(samples, "tessera_unattributed_gpu_memory_used_bytes", reason="exited") == 2000 * MIB
+    assert value(samples, "tessera_pod_device_processes", pod=pod.name) == 0
+    assert value(samples, "tessera_gpu_up", gpu=str(gpu)) == 1
+
+
+def test_when_nvml_has_no_per_process_utilization_the_series_say_so_and_nobody_is_called_idle(
+    node: TelemetryNode, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="agent.telemetry.pods")
+    kubelet, driver = node.kubelet, node.driver
+    pods = [kubelet.create_pod(f"ns-{n}", {"main": {GPU: 1}}, namespace="ml") for n in range(3)]
+    shared, working, empty, _, _ = shared_pair(node, pods)
+    node.run_process(working, shared, 7200, 1000)  # does nothing, but NVML cannot tell
+    driver.inject_error("nvmlDeviceGetProcessUtilization", Return.ERROR_NOT_SUPPORTED, times=None, gpu_index=shared)
+    name = "tessera_partition_allocated_idle_seconds_total"
+    samples = node.wait_samples(
+        lambda s: series(s, name, pod=empty.name) and value(s, name, pod=empty.name) >= 1.0, 10, "the empty pod idle"
+    )
+    assert value(samples, "tessera_gpu_process_utilization_available", gpu=str(shared), reason="NOT_SUPPORTED") == 0
+    assert not series(samples, "tessera_pod_gpu_utilization_percent", pod=working.name), "unknown, not 0"
+    assert value(samples, "tessera_pod_device_idle", pod=working.name) == 0, "a process NVML cannot measure is busy"
+    assert value(samples, name, pod=working.name) == 0
+    assert value(samples, "tessera_pod_device_memory_used_bytes", pod=working.name) == 1000 * MIB
+    node.wait_samples(lambda s: value(s, name, pod=empty.name) >= 1.5, 5, "more collections")
+    warnings = [r.getMessage() for r in caplog.records if "per-process GPU utilization" in r.getMessage()]
+    assert len(warnings) == 1 and "NOT_SUPPORTED" in warnings[0], warnings
+
+
+def test_an_mps_client_is_idle_or_busy_by_its_own_work(
+    make_node, mps_bin: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", f"{mps_bin}{os.pathsep}{os.environ.get('PATH', '')}")
+    node = make_node(MPS_SHARED)
+    node.start_agent()
+    node.wait_registered(timeout=30)
+    kubelet, driver = node.kubelet, node.driver
+    pods = [kubelet.create_pod(f"mps-{n}", {"main": {GPU: 1}}, namespace="infer") for n in range(3)]
+    shared, busy, quiet, _, _ = shared_pair(node, pods)
+    driver.add_process(shared, 900, 300, kind="mps_server", sm=70)  # the server's own line: nobody's
+    node.proc_entry(900, "0::/system.slice/nvidia-mps.service\n")
+    node.run_process(busy, shared, 7300, 3000, kind="mps_client", sm=70)
+    node.run_process(quiet, shared, 7301, 2000, kind="mps_client")
+    name = "tessera_partition_allocated_idle_seconds_total"
+    samples = node.wait_samples(
+        lambda s: series(s, name, pod=quiet.name) and value(s, name, pod=quiet.name) >= 1.0, 10, "the quiet client"
+    )
+    assert value(samples, name, pod=busy.name) == 0
+    assert value(samples, "tessera_pod_gpu_utilization_percent", pod=busy.name) == 70
+    assert value(samples, "tessera_pod_device_memory_used_bytes", pod=quiet.name) == 2000 * MIB
+    assert value(samples, "tessera_unattributed_gpu_processes", gpu=str(shared), reason="no_pod") == 1

@@ -29,6 +29,7 @@ POLL_SECONDS = 0.05  # how soon ``stop`` returns: the serving loop checks for sh
 _ArgumentTypes = dict[str, type | tuple[type, ...]]
 _Operations = dict[str, tuple[Callable[..., Any], _ArgumentTypes]]
 _NULL = type(None)
+_LOAD: _ArgumentTypes = {"sm": int, "memory": int, "encoder": int, "decoder": int}  # percent busy per engine
 _HEALTH_SIGNALS: _ArgumentTypes = {
     "gpu": int,
     "recovery_action": (int, _NULL),
@@ -57,12 +58,29 @@ def _node_operations(driver: SimDriver) -> _Operations:
         "recover_gpu": (lambda gpu: driver.recover_gpu(gpu), {"gpu": int}),
         "reset_gpu": (lambda gpu: driver.reset_gpu(gpu), {"gpu": int}),
         "add_process": (
-            lambda gpu, pid, used_mib, mig_uuid=None, kind="compute": driver.add_process(
-                gpu, pid, used_mib, mig_uuid=mig_uuid, kind=kind
+            lambda gpu, pid, used_mib, mig_uuid=None, kind="compute", sm=0, memory=0, encoder=0, decoder=0: (
+                driver.add_process(
+                    gpu,
+                    pid,
+                    used_mib,
+                    mig_uuid=mig_uuid,
+                    kind=kind,
+                    sm=sm,
+                    memory=memory,
+                    encoder=encoder,
+                    decoder=decoder,
+                )
             ),
-            {"gpu": int, "pid": int, "used_mib": int, "mig_uuid": str, "kind": str},
+            {"gpu": int, "pid": int, "used_mib": int, "mig_uuid": str, "kind": str, **_LOAD},
         ),
         "remove_process": (driver.remove_process, {"pid": int}),
+        "set_process_utilization": (
+            lambda pid, sm, memory=0, encoder=0, decoder=0: driver.set_process_utilization(
+                pid, sm, memory, encoder, decoder
+            ),
+            {"pid": int, **_LOAD},
+        ),
+        "exit_after_listing": (driver.exit_after_listing, {"pid": int}),
         "set_utilization": (
             lambda gpu, percent, memory_percent=0: driver.set_utilization(gpu, percent, memory_percent),
             {"gpu": int, "percent": int, "memory_percent": int},

@@ -13,6 +13,7 @@ of the agent blocks exactly as it would in ``nvmlEventSetWait``.
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -65,6 +66,9 @@ EVENT_QUEUE_LIMIT = 4096  # per event set; the oldest events are dropped past it
 DESTRUCTIVE_LOG_LIMIT = 100_000  # destructive calls remembered; the oldest are dropped past it
 
 PROCESS_KINDS = ("compute", "mps_server", "mps_client")
+SAMPLE_BUFFER_SECONDS = 30.0  # how far back per-process utilization goes when asked with lastSeenTimeStamp 0
+Load = tuple[int, int, int, int]  # per-process utilization in percent: SM, memory, encoder, decoder
+_IDLE: Load = (0, 0, 0, 0)
 COMPUTE_LIST_KINDS = frozenset({"compute", "mps_server"})  # nvmlDeviceGetComputeRunningProcesses: the MPS server too
 MPS_LIST_KINDS = frozenset({"mps_client"})  # nvmlDeviceGetMPSComputeRunningProcesses: only the MPS clients
 
@@ -109,6 +113,40 @@ class SimProcess:
     gi_id: int = INVALID_INSTANCE_ID
     ci_id: int = INVALID_INSTANCE_ID
     kind: str = "compute"  # one of PROCESS_KINDS
+    started: float = field(default_factory=time.time)  # wall clock, as NVML's sample timestamps
+    loads: list[tuple[float, Load]] = field(default_factory=list)  # (since, load), oldest first; none: idle
+    ended: float | None = None  # set when it exits; its samples stay in the driver's buffer a while
+
+    def load_at(self, when: float) -> Load:
+        current = _IDLE
+        for since, load in self.loads:
+            if since > when:
+                break
+            current = load
+        return current
+
+    def sample(self, since: float, until: float) -> tuple[float, Load] | None:
+        """(timestamp of its last busy moment, mean load) over ``(since, until]``; None when it did no work then.
+
+        This is what one ``nvmlProcessUtilizationSample_t`` carries: only a process with some non-zero
+        utilization in the window is listed, stamped with the CPU time of its sample."""
+        start, end = max(since, self.started), until if self.ended is None else min(until, self.ended)
+        if end <= start or not self.loads:
+            return None
+        totals = [0.0, 0.0, 0.0, 0.0]
+        last_busy: float | None = None
+        edges = [t for t, _ in self.loads if start < t < end]
+        points = [start, *edges, end]
+        for left, right in itertools.pairwise(points):
+            load = self.load_at(left)
+            if any(load) and right - left >= 1e-6:  # finer than NVML's µs timestamps: not a sample of its own
+                last_busy = right
+                for n in range(4):
+                    totals[n] += load[n] * (right - left)
+        if last_busy is None:
+            return None
+        span = end - start
+        return last_busy, tuple(round(total / span) for total in totals)  # type: ignore[return-value]
 
 
 @dataclass(eq=False)
@@ -128,7 +166,8 @@ class SimGpu:
     timeslice: int = 0  # nvidia-smi compute-policy --set-timeslice: 0 Default, 1 Short, 2 Medium, 3 Long
     gis: dict[int, SimGpuInstance] = field(default_factory=dict)
     processes: dict[int, SimProcess] = field(default_factory=dict)
-    utilization: tuple[int, int] = (0, 0)
+    exited: list[SimProcess] = field(default_factory=list)  # recently ended, still in the sample buffer
+    utilization: tuple[int, int] | None = None  # set_utilization's override; None: from the processes' loads
     lost: bool = False
     nvlink_peers: frozenset[int] = frozenset()
     nvswitch: bool = False
@@ -267,6 +306,7 @@ class SimDriver:
         self._hidden_gi_profiles: set[int] = set()
         self._destructive_calls: deque[DestructiveCall] = deque(maxlen=DESTRUCTIVE_LOG_LIMIT)
         self._uuid_index: dict[str, tuple[SimGpu, SimGpuInstance | None, SimComputeInstance | None]] = {}
+        self._exit_after_listing: dict[int, Callable[[], None] | None] = {}
         self.init_count = 0
         self.random_faults = 0  # calls failed by set_fault_rate so far
 
@@ -406,7 +446,7 @@ class SimDriver:
             self._emit(gpu.index, EVENT_MIG_CONFIG_CHANGE, 0)
         gpu.compute_mode = 0
         gpu.timeslice = 0
-        gpu.utilization = (0, 0)
+        gpu.utilization = None
         if gpu.recovery_action is not None:
             gpu.recovery_action = 0
         gpu.remapped_rows_pending = False
@@ -624,10 +664,71 @@ class SimDriver:
         return sum(p.used_mib for p in self.gpu(index).processes.values() if p.gi_id == gi.id)
 
     def utilization(self, index: int) -> tuple[int, int]:
-        gpu = self.gpu(index)
-        if gpu.mig_current:
-            raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "utilization is not reported on a MIG-enabled GPU")
-        return gpu.utilization
+        """The GPU's utilization: ``set_utilization``'s value, else what its processes' loads add up to."""
+        with self.lock:
+            gpu = self.gpu(index)
+            if gpu.mig_current:
+                raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "utilization is not reported on a MIG-enabled GPU")
+            if gpu.utilization is not None:
+                return gpu.utilization
+            now = time.time()
+            loads = [p.load_at(now) for p in gpu.processes.values()]
+            return min(100, sum(load[0] for load in loads)), min(100, sum(load[1] for load in loads))
+
+    def process_utilization(
+        self, index: int, mig: tuple[SimGpuInstance, SimComputeInstance] | None, last_seen_us: int
+    ) -> list[tuple[int, int, Load]]:
+        """``nvmlDeviceGetProcessUtilization``'s samples: (pid, timestamp in µs, load) per process that did
+        some work after ``last_seen_us`` (0: as far back as the buffer goes), processes that exited since
+        included. NOT_SUPPORTED on a MIG-enabled GPU and its MIG devices, as NVML documents."""
+        with self.lock:
+            gpu = self.gpu(index)
+            if mig is not None or gpu.mig_current:
+                raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "per-process utilization is not reported with MIG enabled")
+            now = time.time()
+            horizon = now - SAMPLE_BUFFER_SECONDS
+            gpu.exited = [p for p in gpu.exited if p.ended is not None and p.ended > horizon]
+            since = max(horizon, last_seen_us / 1e6)
+            samples = []
+            for process in [*gpu.exited, *gpu.processes.values()]:
+                sample = process.sample(since, now)
+                if sample is not None:
+                    samples.append((process.pid, int(sample[0] * 1e6), sample[1]))
+            return samples
+
+    def set_process_utilization(self, pid: int, sm: int, memory: int = 0, encoder: int = 0, decoder: int = 0) -> None:
+        """From now on the process keeps the GPU's SM, memory, encoder and decoder this busy (percent)."""
+        load = (sm, memory, encoder, decoder)
+        if not all(0 <= value <= 100 for value in load):
+            raise ValueError(f"utilization {load} is not within 0-100 %")
+        with self.lock:
+            process = self._running(pid)
+            process.loads.append((time.time(), load))
+
+    def exit_after_listing(self, pid: int, then: Callable[[], None] | None = None) -> None:
+        """The process exits right after the next process list (compute or MPS) that names it is read: a
+        reader that goes on to read its utilization or its /proc entry finds it gone. ``then`` runs right after
+        (in-process tests: give its PID to another process in a fake /proc)."""
+        with self.lock:
+            self._running(pid)
+            self._exit_after_listing[pid] = then
+
+    def listed(self, pids: Iterable[int]) -> None:
+        """A process list naming ``pids`` was just read (the library calls this)."""
+        if not self._exit_after_listing:
+            return
+        with self.lock:
+            for pid in self._exit_after_listing.keys() & set(pids):
+                then = self._exit_after_listing.pop(pid)
+                self.remove_process(pid)
+                if then is not None:
+                    then()
+
+    def _running(self, pid: int) -> SimProcess:
+        for gpu in self.gpus:
+            if pid in gpu.processes:
+                return gpu.processes[pid]
+        raise ValueError(f"no process {pid} runs on any GPU")
 
     # ----- memory health (facts gpu-health §2.1, §2.2) ------------------------------------------------
 
@@ -781,11 +882,23 @@ class SimDriver:
             gpu.lost = False
             gpu.gis.clear()
             gpu.processes.clear()
+            gpu.exited.clear()
 
     def add_process(
-        self, index: int, pid: int, used_mib: int, *, mig_uuid: str | None = None, kind: str = "compute"
+        self,
+        index: int,
+        pid: int,
+        used_mib: int,
+        *,
+        mig_uuid: str | None = None,
+        kind: str = "compute",
+        sm: int = 0,
+        memory: int = 0,
+        encoder: int = 0,
+        decoder: int = 0,
     ) -> None:
-        """A process starts on a GPU or MIG device: a CUDA process, an MPS server, or an MPS client."""
+        """A process starts on a GPU or MIG device: a CUDA process, an MPS server, or an MPS client, keeping
+        the GPU's engines as busy as ``sm``, ``memory``, ``encoder`` and ``decoder`` say (percent)."""
         if kind not in PROCESS_KINDS:
             raise ValueError(f"process kind {kind!r} is not one of {', '.join(PROCESS_KINDS)}")
         with self.lock:
@@ -798,14 +911,22 @@ class SimDriver:
                 gi_id, ci_id = gi.id, ci.id
             elif gpu.mig_current:
                 raise ValueError(f"GPU {index} is in MIG mode: a process runs on one of its MIG devices")
-            gpu.processes[pid] = SimProcess(pid, used_mib, gi_id, ci_id, kind)
+            process = SimProcess(pid, used_mib, gi_id, ci_id, kind)
+            if any((sm, memory, encoder, decoder)):
+                process.loads.append((process.started, (sm, memory, encoder, decoder)))
+            gpu.processes[pid] = process
 
     def remove_process(self, pid: int) -> None:
+        """The process exits; its utilization samples stay in the driver's buffer for a while."""
         with self.lock:
             for gpu in self.gpus:
-                gpu.processes.pop(pid, None)
+                process = gpu.processes.pop(pid, None)
+                if process is not None:
+                    process.ended = time.time()
+                    gpu.exited.append(process)
 
     def set_utilization(self, index: int, gpu_percent: int, memory_percent: int = 0) -> None:
+        """Pin the GPU's utilization (else it is what its processes' loads add up to)."""
         with self.lock:
             self.gpus[index].utilization = (gpu_percent, memory_percent)
 

@@ -431,6 +431,25 @@ def _processes(lib: SimulatedNvmlLibrary, handle: Any, count: Any, infos: Any, k
         slot.usedGpuMemory = proc.used_mib * _MIB
         slot.gpuInstanceId = proc.gi_id
         slot.computeInstanceId = proc.ci_id
+    lib.driver.listed(proc.pid for proc in procs)
+    return Return.SUCCESS
+
+
+@_export("nvmlDeviceGetProcessUtilization")
+def _process_utilization(lib: SimulatedNvmlLibrary, handle: Any, samples: Any, count: Any, last_seen: Any) -> Return:
+    """NVML's sizing protocol: a NULL buffer (or one too small) gets INSUFFICIENT_SIZE and the count needed; no
+    process busy since ``last_seen`` (µs) is NOT_FOUND, asked with a buffer or without."""
+    index, mig = lib.device(handle)
+    found = lib.driver.process_utilization(index, mig, int(_value(last_seen)))
+    if not found:
+        return Return.ERROR_NOT_FOUND
+    capacity = _target(count).value
+    _set(count, len(found))
+    if samples is None or capacity < len(found):
+        return Return.ERROR_INSUFFICIENT_SIZE
+    for slot, (pid, stamp, (sm, memory, encoder, decoder)) in zip(samples, found, strict=False):
+        slot.pid, slot.timeStamp = pid, stamp
+        slot.smUtil, slot.memUtil, slot.encUtil, slot.decUtil = sm, memory, encoder, decoder
     return Return.SUCCESS
 
 
