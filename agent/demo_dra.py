@@ -59,12 +59,15 @@ NODE_SPEC: dict[str, Any] = {
         {"model": "A100-SXM4-80GB", "mig": {"instances": []}},  # MIG mode on, no MIG device yet
     ],
 }
-DRA_GPUS = (0, 1, 3)  # GPU 2 stays with the device plugin
+DRA_GPUS = (0, 1, 3)  # GPU 2 stays with the device plugin (until step 8 moves the whole node to DRA)
 DYNAMIC_MIG_GPUS = (3,)  # MIG devices made for each claim
+SHARED_GPU = 1  # shared by memory (consumable capacity), its shares enforced through MPS
 DRA_SECTION = (
-    f"{{enabled: true, gpus: [{', '.join(map(str, DRA_GPUS))}], dynamicMig: [{', '.join(map(str, DYNAMIC_MIG_GPUS))}]}}"
+    f"{{enabled: true, gpus: [{', '.join(map(str, DRA_GPUS))}], dynamicMig: [{', '.join(map(str, DYNAMIC_MIG_GPUS))}],"
+    f" gpuShares: [{SHARED_GPU}]}}"
 )
-CONFIG = f"version: v1\ndra: {DRA_SECTION}\n"
+ALL_DRA_SECTION = DRA_SECTION.replace(f"gpus: [{', '.join(map(str, DRA_GPUS))}]", "gpus: all")
+CONFIG = "version: v1\nflags: {{mpsRoot: {root}}}\ndra: {section}\n"  # the MPS root is in the demo's directory
 
 # NVIDIA's DeviceClasses, with the chart's exact selectors (facts/dra.md C1). The chart adds `extendedResourceName:
 # nvidia.com/gpu` to gpu.nvidia.com on resource.k8s.io/v1; left out here, where the device plugin serves that name.
@@ -72,6 +75,13 @@ DEVICE_CLASSES = {
     "gpu.nvidia.com": "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'",
     "mig.nvidia.com": "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'",
 }
+# (claim name, capacity.requests, what it asks for): two shares of GPU 1, and one that does not fit next to them
+SHARES = (
+    ("share-a", {"memory": "10Gi"}, "10Gi of a GPU"),
+    ("share-b", {"memory": "20Gi", "computePercent": "25"}, "20Gi and 25% of its compute"),
+)
+TOO_BIG_SHARE = ("share-c", {"memory": "60Gi"}, "60Gi next to them")
+PLAIN_POD = ("plain", str(uuid.uuid5(uuid.NAMESPACE_DNS, "plain.dra-demo.tessera")))
 # (claim name, DeviceClass, the request's CEL selector, what it asks for), allocated in this order
 CLAIMS = (
     ("h100", "gpu.nvidia.com", "device.attributes['gpu.nvidia.com'].productName.contains('H100')", "an H100"),
@@ -90,7 +100,7 @@ XID_GPU = 1  # a DRA GPU the pod uses
 RECOVERY_SECONDS = 2.0
 PRODUCTION_RECOVERY_SECONDS = HealthPolicy().quiet_seconds  # what `tessera run` waits (60 s)
 STEP_TIMEOUT = 15.0
-STEPS = 6
+STEPS = 8
 
 
 class DemoFailure(Exception):
@@ -148,6 +158,7 @@ class _DraDemo:
         self.chosen: dict[str, str] = {}  # claim name -> device
         self.device_count = 0
         self._step = "start"  # the step running, for failure messages
+        self.mps_root = workdir / "mps"
 
     # ---------------------------------------------------------------------------------------------- the story
 
@@ -157,7 +168,7 @@ class _DraDemo:
         from agent.sim.kubelet import DraKubeletEmulator, KubeletEmulator
 
         self._frame()
-        (self.workdir / "config.yaml").write_text(CONFIG)
+        self._write_config(DRA_SECTION)
         self.api.start()
         thread: threading.Thread | None = None
         try:
@@ -175,6 +186,7 @@ class _DraDemo:
                 dra_plugins_dir=self.workdir / "plugins",
                 cdi_root=self.cdi_root,
                 health=HealthPolicy(quiet_seconds=RECOVERY_SECONDS),
+                mps_control=str(self._mps_control()),
             )
             self.kubelet = KubeletEmulator(options.device_plugin_dir, options.pod_resources_socket)
             self.kubelet.start()
@@ -190,6 +202,8 @@ class _DraDemo:
             self._xid_and_recovery()
             self._kubelet_restart()
             self._stop_pod()
+            self._shares()
+            self._plain_pod()
         finally:
             if self.agent is not None:
                 self.agent.stop()
@@ -219,10 +233,15 @@ class _DraDemo:
             layout = "MIG: " + ", ".join(f"{n} × {p}" for p, n in profiles.items()) if profiles else "whole GPU"
             if gpu.index in DYNAMIC_MIG_GPUS:
                 layout = "MIG, made per claim"
+            elif gpu.index == SHARED_GPU:
+                layout = "shared by memory"
             owner = "DRA (ResourceSlices)" if gpu.index in DRA_GPUS else "device plugin (nvidia.com/gpu)"
             print(f"{'':18}GPU {gpu.index}  {gpu.model.nvml_name:<24} {layout:<19} -> {owner}")
         print(f"  config          dra: {DRA_SECTION}:")
-        print(f"{'':18}each GPU belongs to one front end, never both; GPU 3's MIG devices are made for each claim")
+        print(
+            f"{'':18}each GPU belongs to one front end, never both; GPU 3's MIG devices are made for each claim;\n"
+            f"{'':18}GPU {SHARED_GPU} is shared by claims that each ask for an amount of its memory"
+        )
         print(
             f"  control plane   an API server stand-in (Kubernetes {KUBERNETES_VERSION}, resource.k8s.io/v1), "
             "the scheduler's DRA allocator"
@@ -474,9 +493,155 @@ class _DraDemo:
         print("  - the MIG 1g.10gb device was created for its claim at the allocated placement, and destroyed after")
         print("  - an XID tainted its device (gpu.nvidia.com/xid) and the taint went when the GPU recovered")
         print("  - the slices a kubelet restart wiped came back without the agent restarting")
+        print(
+            f"  - two claims shared GPU {SHARED_GPU} by 10Gi and 20Gi, each held to its share by the GPU's MPS daemon;"
+            " a third did not fit"
+        )
+        print("  - an unchanged nvidia.com/gpu pod ran on GPUs served by DRA, once the whole node was DRA's")
         print("Done. Next: `tessera plan --dra --node dgx-a100` to see the slices of another node, or `tessera demo`.")
 
+    def _shares(self) -> None:
+        from agent.sim.kubelet.dra_common import PodStartError, PodStopError
+        from agent.sim.scheduler import Unschedulable, allocate, devices_in_use
+
+        self._step = "step 7"
+        device = f"gpu-{self._minor(SHARED_GPU)}"
+        gpu = self.driver.gpus[SHARED_GPU]
+        for name in list(self.claims):  # their pod is gone: deleted, they free their devices
+            self.api.delete("resourceclaims", name, namespace=NAMESPACE)
+        print(
+            f"\n[7/{STEPS}] GPU shares: the claims of step 2 are deleted; two new claims each ask for an amount of "
+            f"a GPU's memory\n      ({device} is published with allowMultipleAllocations, its memory and "
+            "computePercent consumable):"
+        )
+        classes = {c["metadata"]["name"]: c for c in self.api.objects("deviceclasses")}
+        uids: dict[str, str] = {}
+        for name, capacity, wanted in (*SHARES, TOO_BIG_SHARE):
+            created = self.api.create("resourceclaims", _share_claim(name, capacity))
+            held, consumed = devices_in_use(self.api.objects("resourceclaims"))
+            try:
+                allocated = allocate(created, self._slices(), classes, held, NODE, consumed=consumed)
+            except Unschedulable as error:
+                if name != TOO_BIG_SHARE[0]:
+                    raise DemoFailure(f"step 7: claim {name} ({wanted}) was not allocated: {error.reason}") from None
+                why = error.reason.rsplit(", ", 1)[-1]  # the scheduler's last count: where the devices ran out
+                print(f"      claim {name:<8} {wanted}: not allocated, its pod stays Pending (the scheduler: {why})")
+                continue
+            if name == TOO_BIG_SHARE[0]:
+                raise DemoFailure(f"step 7: claim {name} ({wanted}) was allocated, but it does not fit")
+            claim = self.api.update("resourceclaims", allocated, status=True)
+            (result,) = claim["status"]["allocation"]["devices"]["results"]
+            if result["device"] != device:
+                raise DemoFailure(f"step 7: claim {name} got {result['device']}, not a share of {device}")
+            uids[name] = claim["metadata"]["uid"]
+            consumed_text = ", ".join(f"{k} {v}" for k, v in result["consumedCapacity"].items())
+            asked = ", ".join(f"{k}: {v}" for k, v in capacity.items())
+            print(f"      claim {name:<8} {wanted}: capacity.requests {{{asked}}}")
+            print(f"{'':24}-> {device}, shareID {result['shareID'][:8]}…, consumedCapacity {consumed_text}")
+        pods = {name: (f"pod-{name}", str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{name}.dra-demo.tessera"))) for name in uids}
+        try:
+            for name, (pod, uid) in pods.items():
+                self.dra.run_pod(NAMESPACE, pod, uid, [("gpu", name)], {"cuda": [("gpu", None)]})
+        except PodStartError as error:
+            raise DemoFailure(f"step 7: a share's pod did not start: {error}") from None
+        daemons = {k: d for k, d in self.agent.status.mps.items() if k.startswith("dra/")}
+        if len(daemons) != 1:
+            raise DemoFailure(f"step 7: GPU {SHARED_GPU} should have one MPS daemon for its shares, not {daemons}")
+        ((key, daemon),) = daemons.items()
+        print(
+            f"      pods {', '.join(p for p, _ in pods.values())} run; GPU {SHARED_GPU}'s MPS control daemon {key} "
+            f"serves both ({daemon.get('state')}), the GPU in compute mode EXCLUSIVE_PROCESS"
+        )
+        print("      each share's limits, from its claim's CDI spec (the containers' environment):")
+        for name, uid in uids.items():
+            spec = (self.cdi_root / f"k8s.gpu.nvidia.com-claim_{uid}.yaml").read_text()
+            limits = [line.strip().lstrip("- ") for line in spec.splitlines() if "CUDA_MPS_" in line]
+            if not any("PINNED_DEVICE_MEM_LIMIT" in line for line in limits):
+                raise DemoFailure(f"step 7: claim {name}'s CDI spec has no MPS memory limit")
+            print(f"        {name}: {', '.join(line for line in limits if 'PIPE' not in line)}")
+        try:
+            for _, uid in pods.values():
+                self.dra.stop_pod(uid)
+        except PodStopError as error:
+            raise DemoFailure(f"step 7: a share's pod did not stop cleanly: {error}") from None
+        self._wait_agent(
+            lambda: not any(k.startswith("dra/") for k in self.agent.status.mps), f"{key} stopped after its last share"
+        )
+        for name, *_ in (*SHARES, TOO_BIG_SHARE):
+            self.api.delete("resourceclaims", name, namespace=NAMESPACE)
+        mode = "DEFAULT" if gpu.compute_mode == 0 else f"mode {gpu.compute_mode}"
+        print(f"      both pods stop: the claims are unprepared, {key} drains and stops, GPU {SHARED_GPU} in {mode}")
+
+    def _plain_pod(self) -> None:
+        from agent.sim.kubelet.dra_common import PodStartError, PodStopError
+        from agent.sim.scheduler import Unschedulable, allocate
+        from agent.sim.scheduler.extended import extended_resource_claim
+
+        self._step = "step 8"
+        plugin_gpu = next(g for g in self.driver.gpus if g.index not in DRA_GPUS)
+        print(
+            f"\n[8/{STEPS}] Moving the whole node to DRA (dra.gpus: all): GPU {plugin_gpu.index}, which no pod uses, "
+            "leaves the device plugin;\n      gpu.nvidia.com gets extendedResourceName: nvidia.com/gpu, as NVIDIA's "
+            "chart has it (KEP-5004)"
+        )
+        self._write_config(ALL_DRA_SECTION)
+        plain = f"gpu-{plugin_gpu.minor_number}"
+        self._wait_api(lambda: self._device(plain) is not None, f"{plain} published by DRA")
+        self._wait_kubelet(lambda: self.kubelet.allocatable("nvidia.com/gpu") == 0, "no nvidia.com/gpu from the plugin")
+        print(f"      {plain} is in the node's ResourceSlices; the device plugin advertises no nvidia.com/gpu any more")
+        device_class = self.api.get("deviceclasses", DRIVER)
+        device_class["spec"]["extendedResourceName"] = "nvidia.com/gpu"
+        self.api.update("deviceclasses", device_class)
+        name, uid = PLAIN_POD
+        container = {"name": "cuda", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+        pod = {"metadata": {"name": name, "namespace": NAMESPACE, "uid": uid}, "spec": {"containers": [container]}}
+        classes = {c["metadata"]["name"]: c for c in self.api.objects("deviceclasses")}
+        built = extended_resource_claim(pod, classes)
+        if built is None:
+            raise DemoFailure("step 8: no DeviceClass serves nvidia.com/gpu")
+        claim, mappings = built
+        created = self.api.create("resourceclaims", claim)
+        try:
+            allocated = allocate(created, self._slices(), classes, set(), NODE)
+        except Unschedulable as error:
+            raise DemoFailure(f"step 8: the pod's nvidia.com/gpu could not be allocated: {error.reason}") from None
+        allocated = self.api.update("resourceclaims", allocated, status=True)
+        (result,) = allocated["status"]["allocation"]["devices"]["results"]
+        claim_name = created["metadata"]["name"]
+        request = mappings[0]["requestName"]
+        print(
+            f"      pod {name}, unchanged (resources.limits nvidia.com/gpu: 1): the scheduler writes claim "
+            f"{claim_name}\n      (request {request}), allocated {result['device']}"
+        )
+        try:
+            ids = self.dra.run_pod(NAMESPACE, name, uid, [("extended", claim_name)], {"cuda": [("extended", request)]})
+            print(f"      prepared through DRA; container cuda gets {', '.join(ids['cuda'])}")
+            self.dra.stop_pod(uid)
+        except (PodStartError, PodStopError) as error:
+            raise DemoFailure(f"step 8: pod {name} did not run through DRA: {error}") from None
+        print(f"      pod {name} stops and its claim is unprepared: the same pod spec, DRA underneath")
+
     # ---------------------------------------------------------------------------------------------- helpers
+
+    def _write_config(self, section: str) -> None:
+        (self.workdir / "config.yaml").write_text(CONFIG.format(root=self.mps_root, section=section))
+
+    def _mps_control(self) -> Path:
+        """``nvidia-cuda-mps-control``: a launcher of the MPS control emulator under the real binary's name."""
+        directory = self.workdir / "bin"
+        directory.mkdir(exist_ok=True)
+        launcher = directory / "nvidia-cuda-mps-control"
+        launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agent.sim.mps.control "$@"\n')
+        launcher.chmod(0o755)
+        return launcher
+
+    def _wait_agent(self, predicate: Callable[[], Any], what: str, timeout: float = STEP_TIMEOUT) -> None:
+        """The agent's published status, looked at every 20 ms until ``timeout`` (it signals no one)."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise DemoFailure(f"{self._step}: timed out after {timeout:g} s waiting for {what}")
+            time.sleep(0.02)
 
     def _slices(self) -> list[dict]:
         return sorted(
@@ -566,6 +731,21 @@ def _claim(name: str, device_class: str, selector: str) -> dict:
     }
 
 
+def _share_claim(name: str, capacity: dict[str, str]) -> dict:
+    """A claim for a share of a GPU shared by memory (``capacity.requests``)."""
+    exactly = {
+        "deviceClassName": DRIVER,
+        "selectors": [{"cel": {"expression": "device.allowMultipleAllocations"}}],
+        "capacity": {"requests": capacity},
+    }
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
+    }
+
+
 def _attribute(device: dict, name: str) -> str:
     value = device.get("attributes", {}).get(name, {})
     return str(next(iter(value.values()), "")) if value else ""
@@ -579,7 +759,8 @@ def _product(device: dict) -> str:
 
 def _describe(device: dict) -> str:
     memory = device.get("capacity", {}).get("memory", {}).get("value", "?")
-    return f"{device['name']:<24} type {_attribute(device, 'type'):<4} {_product(device):<38} memory {memory}"
+    shared = ", shared: memory in 1Gi steps, computePercent 0-100" if device.get("allowMultipleAllocations") else ""
+    return f"{device['name']:<24} type {_attribute(device, 'type'):<4} {_product(device):<38} memory {memory}{shared}"
 
 
 def _xid_taint(device: dict | None) -> dict | None:

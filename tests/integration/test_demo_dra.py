@@ -32,9 +32,9 @@ def run() -> subprocess.CompletedProcess[str]:
 
 
 def _step(out: str, n: int) -> str:
-    """The text of step ``n`` (from its ``[n/6]`` line to the next step or the end)."""
-    start = out.index(f"[{n}/6]")
-    following = out.find(f"[{n + 1}/6]", start)
+    """The text of step ``n`` (from its ``[n/8]`` line to the next step or the end)."""
+    start = out.index(f"[{n}/8]")
+    following = out.find(f"[{n + 1}/8]", start)
     return out[start : following if following != -1 else len(out)]
 
 
@@ -115,6 +115,37 @@ def test_stopping_the_pod_unprepares_the_claims(run: subprocess.CompletedProcess
     assert "claims h100, big-memory, mig-small unprepared" in step
     assert "none left" in step
     assert "the MIG device made for claim mig-small was destroyed (no process ran on it)" in step
+
+
+def test_two_claims_share_a_gpu_by_memory_with_their_mps_limits_and_a_third_does_not_fit(
+    run: subprocess.CompletedProcess[str],
+) -> None:
+    step = _step(run.stdout, 7)
+    assert re.search(
+        r"claim share-a .*\n +-> gpu-1, shareID [0-9a-f]{8}…, consumedCapacity computePercent 0, memory 10Gi", step
+    )
+    assert re.search(
+        r"claim share-b .*\n +-> gpu-1, shareID [0-9a-f]{8}…, consumedCapacity computePercent 25, memory 20Gi", step
+    )
+    assert "claim share-c  60Gi next to them: not allocated, its pod stays Pending" in step
+    assert "0 have the requested capacity free" in step
+    assert re.search(r"MPS control daemon dra/[0-9a-f]{12} serves both \(ready\)", step)
+    assert re.search(r"share-a: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=GPU-[0-9a-f-]+=10240M\n", step)
+    assert re.search(
+        r"share-b: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=GPU-[0-9a-f-]+=20480M, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25", step
+    )
+    assert re.search(r"drains and stops, GPU 1 in DEFAULT", step)
+
+
+def test_an_unchanged_nvidia_com_gpu_pod_runs_through_dra_once_the_node_is_all_dra(
+    run: subprocess.CompletedProcess[str],
+) -> None:
+    step = _step(run.stdout, 8)
+    assert "gpu-2 is in the node's ResourceSlices; the device plugin advertises no nvidia.com/gpu any more" in step
+    assert re.search(
+        r"the scheduler writes claim plain-extended-resources-\w+\n +\(request container-0-request-0\)", step
+    )
+    assert re.search(r"container cuda gets k8s.gpu.nvidia.com/claim=[0-9a-f-]+-gpu-\d, nvidia.com/gpu=GPU-", step)
 
 
 def test_flags_of_the_device_plugin_demo_are_refused_not_ignored() -> None:
