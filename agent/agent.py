@@ -81,7 +81,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SAFETY_SECONDS = 30.0  # the loop wakes at least this often with nothing to do: a missed event cannot strand it
-TELEMETRY_WAIT_SECONDS = 2.0  # metrics start once the kubelet watches every resource, or after this at the latest
+TELEMETRY_WAIT_SECONDS = 2.0  # metrics (what comes second) start once the kubelet is served, or after this
 STREAM_RETRY_DELAY = 0.2  # after a closed stream, give a restarting kubelet a moment to clean up
 MAX_BACKOFF = 30.0
 SERVE_RETRY_SECONDS = 1.0  # a socket that could not be served is tried again this often
@@ -223,8 +223,8 @@ class Agent:
         self._config_errors = 0
         self._xid_counts: dict[tuple[str, str, str], int] = {}
         self._telemetry: Telemetry | None = None
-        self._telemetry_pending = False
-        self._telemetry_due = 0.0  # metrics start by then even if the kubelet has not watched every resource
+        self._settling = False  # started, the kubelet not served yet: what comes second (metrics) waits
+        self._settle_by = 0.0  # what comes second starts by then even if the kubelet has not watched everything
         self._kubelet_known = False  # the watcher has said whether kubelet.sock is there
         self._lock: PluginDirLock | None = None
         self._internal_errors: dict[str, int] = {}
@@ -238,6 +238,10 @@ class Agent:
         self.status = AgentStatus()
         self.heartbeat = self._clock()  # the loop's last turn, for /healthz
         self.started = threading.Event()
+        self.served = threading.Event()
+        """Set once the start is over for the kubelet: every resource it was offered is watched (or failed to
+        register), or ``TELEMETRY_WAIT_SECONDS`` passed. What comes second waits for it: metrics, and the
+        process's clean-up of what only the start needed (``agent.run``)."""
 
     @property
     def metrics_port(self) -> int | None:
@@ -293,8 +297,8 @@ class Agent:
         quiet = self._policy.quiet_seconds
         if quiet is not None:
             deadlines += [fault.last_event + quiet for fault in self._health.faults.values()]
-        if self._telemetry_pending:
-            deadlines.append(self._telemetry_due)
+        if self._settling:
+            deadlines.append(self._settle_by)
         if self._kubelet_present:
             deadlines += [r.due_at for r in self._registrations.values() if not r.in_flight]
         deadlines += [self._serve_retry_at.get(n, now) for n, server in self._servers.items() if not server.serving]
@@ -357,13 +361,18 @@ class Agent:
         self._event_watcher.start()
         self._kubelet_watcher = PluginDirWatcher(self.options.device_plugin_dir, self.post)
         self._kubelet_watcher.start()
-        self._telemetry_pending = self.options.telemetry is not None  # started once the kubelet is served
-        self._telemetry_due = self._clock() + TELEMETRY_WAIT_SECONDS
+        self._settling, self._settle_by = True, self._clock() + TELEMETRY_WAIT_SECONDS
+
+    def _settle(self) -> None:
+        """The kubelet is served (or waited for long enough): what comes second starts."""
+        self._settling = False
+        if self.options.telemetry is not None:
+            self._start_telemetry()
+        self.served.set()
 
     def _start_telemetry(self) -> None:
         """Metrics come second: started once every resource was offered to the kubelet (or there is none)."""
         settings = self.options.telemetry
-        self._telemetry_pending = False
         assert settings is not None
         try:
             self._telemetry = Telemetry(
@@ -383,6 +392,7 @@ class Agent:
         threads are told to stop. ``thread_join_seconds`` bounds the wait for threads blocked in the driver
         (``tessera run`` exits right after, so it does not wait for them); MPS daemons keep serving."""
         self.started.set()  # a caller waiting for the start learns that it is over
+        self.served.set()
         stop_servers(self._servers.values(), grace=0)  # together: every stream ends at once
         self._servers.clear()
         join = self.options.thread_join_seconds
@@ -532,8 +542,8 @@ class Agent:
             self._check_liveness(now)
         self._supervise_watchers(now)
         if not self._plugin_dir_ready():
-            if self._telemetry_pending:
-                self._start_telemetry()  # nothing to register with: metrics and health say why
+            if self._settling:
+                self._settle()  # nothing to register with: metrics and health say why
             return
         for name, server in list(self._servers.items()):
             if not server.socket_present():
@@ -548,13 +558,13 @@ class Agent:
                     continue  # it could not be served a moment ago: do not retry (and fail) every tick
                 self._restart_server(name)
         self._start_due_registrations(now)
-        if self._telemetry_pending and ((self._kubelet_known and self._kubelet_served()) or now >= self._telemetry_due):
-            self._start_telemetry()
+        if self._settling and ((self._kubelet_known and self._kubelet_served()) or now >= self._settle_by):
+            self._settle()
 
     def _kubelet_served(self) -> bool:
         """The kubelet has what it needs from us: every resource is watched (ListAndWatch open) or failed to
         register. Metrics start only then, so importing and starting them does not hold the GIL while the
-        kubelet's first ListAndWatch is answered."""
+        kubelet's first ListAndWatch is answered (``served``)."""
         if not self._kubelet_present:
             return True
         for name, registration in self._registrations.items():
@@ -565,8 +575,8 @@ class Agent:
         return True
 
     def _on_stream_opened(self, resource: str) -> None:
-        """Called on a gRPC thread: wake the loop only while metrics wait for the kubelet."""
-        if self._telemetry_pending:
+        """Called on a gRPC thread: wake the loop only while what comes second waits for the kubelet."""
+        if self._settling:
             self.post(StreamOpened(resource))
 
     def _plugin_dir_ready(self) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -583,6 +584,16 @@ def _local_hint(args: argparse.Namespace) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    collecting = gc.isenabled()
+    gc.disable()  # while the agent is imported and starts: on again once the kubelet is served (agent.run)
+    try:
+        return _run_agent(args, collector_paused=collecting)
+    finally:
+        if collecting:
+            gc.enable()  # the agent ended (or never started) before the kubelet was served
+
+
+def _run_agent(args: argparse.Namespace, *, collector_paused: bool) -> int:
     from agent.core.resources import PlanError
     from agent.gpu.discovery import DiscoveryError
     from agent.gpu.nvml import NvmlUnavailable
@@ -592,7 +603,7 @@ def _run(args: argparse.Namespace) -> int:
     configure(args.log_format, args.log_level)
     try:
         options = build_options(args, dict(os.environ))
-        code = run_agent(options, args.simulate, args.sim_control)
+        code = run_agent(options, args.simulate, args.sim_control, collector_paused=collector_paused)
         if args.exit_when_done:
             _exit_now(code)
         return code
