@@ -31,6 +31,7 @@ from agent.gpu.telemetry import GpuStats, read_stats
 from agent.plugin.podresources import DeviceHolder as Holder
 from agent.telemetry.attribution import Checkpoint, CheckpointReader
 from agent.telemetry.exposition import Family, Renderer, counter, gauge
+from agent.telemetry.latency import OperationLatency
 from agent.telemetry.pods import HeldDevice, PodTelemetry
 from agent.telemetry.process_utilization import ProcessUtilization, UtilizationRead
 from agent.telemetry.procfs import boot_clock
@@ -109,8 +110,11 @@ class TelemetryCollector:
         status: Callable[[], object],
         holders: Callable[[], dict[str, Holder]],
         on_collected: Callable[[object], None] = lambda status: None,
+        latency: OperationLatency | None = None,
     ) -> None:
+        """``latency``: the kubelet-facing servers' timings, exposed with every collection."""
         self.options = options
+        self.latency = latency
         self.last = LastCollection()
         self._status = status
         self._holders = holders
@@ -313,6 +317,8 @@ class TelemetryCollector:
             healthy, allocated, resource_devices, registered, self._pod_memory(gpus, held), *pod_families,
         ]  # fmt: skip
         families += self._agent_families(status, host)
+        if self.latency is not None:
+            families += self.latency.families(host)
         return families
 
     def _device_rows(self, name: str, snapshot: ResourceSnapshot) -> list[_DeviceRow]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-_KINDS = ("gauge", "counter")
+_KINDS = ("gauge", "counter", "histogram")
 
 Values = tuple[str, ...]
 
@@ -29,10 +29,10 @@ class Family:
     """One metric family: its label names, then a (label values, value) pair per series, in order."""
 
     name: str
-    kind: str  # "gauge" or "counter" (its samples are <name>_total)
+    kind: str  # "gauge", "counter" (its samples are <name>_total) or "histogram" (values are Buckets)
     documentation: str
     labels: tuple[str, ...]
-    samples: list[tuple[Values, float]] = field(default_factory=list)
+    samples: list[tuple[Values, float | Buckets]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -43,7 +43,7 @@ class Family:
         if bad or len(set(self.labels)) != len(self.labels):
             raise ValueError(f"metric {self.name}: label names {list(self.labels)} are not distinct plain names")
 
-    def add_metric(self, values: Sequence[str], value: float) -> None:
+    def add_metric(self, values: Sequence[str], value: float | Buckets) -> None:
         """A series; ``values`` in the order of ``labels``."""
         if len(values) != len(self.labels):
             raise ValueError(f"metric {self.name}: {len(values)} label values for {len(self.labels)} labels")
@@ -56,6 +56,22 @@ def gauge(name: str, documentation: str, labels: Sequence[str]) -> Family:
 
 def counter(name: str, documentation: str, labels: Sequence[str]) -> Family:
     return Family(name, "counter", documentation, tuple(labels))
+
+
+def histogram(name: str, documentation: str, labels: Sequence[str]) -> Family:
+    """A histogram family: ``add_metric(values, Buckets(...))`` per series."""
+    if "le" in labels:
+        raise ValueError(f"metric {name}: a histogram's own label le cannot be one of its labels")
+    return Family(name, "histogram", documentation, tuple(labels))
+
+
+@dataclass(frozen=True, slots=True)
+class Buckets:
+    """One histogram series: cumulative counts per upper bound (the last is +Inf: the count) and the sum."""
+
+    bounds: tuple[float, ...]  # upper bounds, ascending, without +Inf
+    cumulative: tuple[int, ...]  # len(bounds) + 1 counts
+    total: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +102,9 @@ class Renderer:
         for family in families:
             layout = self._layout(family)
             out.append(layout.header)
+            if family.kind == "histogram":
+                out += _histogram_lines(family)
+                continue
             key = (layout.sample_name, family.labels)
             old = self._blocks.get(key, {})
             new = blocks.setdefault(key, {})
@@ -129,6 +148,27 @@ def _block(layout: _Layout, values: Values) -> str:
         return layout.sample_name + " "
     labels = ",".join(f'{prefix}{_escape(values[i])}"' for i, prefix in layout.order)
     return f"{layout.sample_name}{{{labels}}} "
+
+
+def _histogram_lines(family: Family) -> list[str]:
+    """prometheus_client's lines for a histogram: ``_bucket`` per bound with ``le`` among the labels (sorted by
+    name), then ``_count`` and ``_sum``; every number a float."""
+    lines: list[str] = []
+    with_le = sorted([*family.labels, "le"])
+    plain = sorted(family.labels)
+    position = {label: i for i, label in enumerate(family.labels)}
+    for values, buckets in family.samples:
+        assert isinstance(buckets, Buckets)
+        escaped = {label: _escape(values[position[label]]) for label in family.labels}
+        for bound, count in zip([*map(go_float, buckets.bounds), "+Inf"], buckets.cumulative, strict=True):
+            escaped["le"] = bound
+            labels = ",".join(f'{label}="{escaped[label]}"' for label in with_le)
+            lines.append(f"{family.name}_bucket{{{labels}}} {go_float(count)}\n")
+        labels = ",".join(f'{label}="{escaped[label]}"' for label in plain)
+        block = f"{{{labels}}}" if labels else ""
+        lines.append(f"{family.name}_count{block} {go_float(buckets.cumulative[-1])}\n")
+        lines.append(f"{family.name}_sum{block} {go_float(buckets.total)}\n")
+    return lines
 
 
 def _escape(value: str) -> str:

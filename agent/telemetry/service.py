@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from agent.core.resources import ResourcePlan
     from agent.kube_api import CoreApi
     from agent.status import StatusSource
+    from agent.telemetry.latency import OperationLatency
     from agent.telemetry.nfd import FeatureFile
     from agent.telemetry.node_labels_api import NodeLabelPublisher
 
@@ -47,13 +48,17 @@ class Telemetry:
         pod_resources_socket: Path,
         *,
         node_api: CoreApi | None = None,
+        latency: OperationLatency | None = None,
     ) -> None:
-        """``node_api`` is where ``settings.label_node`` writes the labels."""
+        """``node_api`` is where ``settings.label_node`` writes the labels; ``latency`` holds the timings the
+        device plugin servers and the DRA service record (one is made when none is given: its histograms are
+        then served empty)."""
         # Imported here, not with this module: an agent without metrics never loads http.server or the
         # PodResources stubs (``tessera run`` imports TelemetrySettings either way). prometheus_client is
         # loaded by none of them (exposition.py writes the text format itself).
         from agent.plugin.podresources import allocated_devices
         from agent.telemetry.collector import TelemetryCollector, TelemetryOptions
+        from agent.telemetry.latency import OperationLatency
         from agent.telemetry.server import TelemetryServer
 
         self.settings = settings
@@ -71,6 +76,7 @@ class Telemetry:
             status=lambda: source.status,
             holders=lambda: allocated_devices(pod_resources_socket),
             on_collected=self._write_labels,
+            latency=latency if latency is not None else OperationLatency(),
         )
         self.server = TelemetryServer(
             settings.metrics_address, self.collector.last, self.healthy, self.ready, self.status_json
