@@ -8,7 +8,7 @@ correlate logs to learn why the kubelet's allocatable count dropped.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -18,8 +18,18 @@ if TYPE_CHECKING:
 SCHEMA = "tessera.dev/status/v1"
 
 
-def status_document(status: AgentStatus, *, version: str, started: bool = True) -> dict[str, Any]:
-    """Plain JSON-ready data; keys are stable (``SCHEMA``), lists sorted, so scripts can rely on them."""
+def status_document(
+    status: AgentStatus,
+    *,
+    version: str,
+    started: bool = True,
+    allocated: Sequence[Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Plain JSON-ready data; keys are stable (``SCHEMA``), lists sorted, so scripts can rely on them.
+
+    ``allocated``: each device a pod holds, from the last metrics collection (``resource``, ``device_id``,
+    ``namespace``, ``pod``, ``container``, ``idle_seconds``, ``utilization_percent``); None before the first
+    collection or without metrics."""
     gpus = status.inventory.gpus if status.inventory else ()
     return {
         "schema": SCHEMA,
@@ -45,7 +55,12 @@ def status_document(status: AgentStatus, *, version: str, started: bool = True) 
         "discovery_error": status.discovery_error,
         "stale_gpus": sorted(status.stale_gpus),
         "internal_errors": dict(sorted(status.internal_errors.items())),
+        "allocated": None if allocated is None else [dict(entry) for entry in sorted(allocated, key=_by_pod_device)],
     }
+
+
+def _by_pod_device(entry: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    return (str(entry["namespace"]), str(entry["pod"]), str(entry["resource"]), str(entry["device_id"]))
 
 
 def _resource(name: str, snapshot: Any, status: AgentStatus) -> dict[str, Any]:
@@ -139,3 +154,44 @@ def render_text(document: Mapping[str, Any]) -> str:
         counts = ", ".join(f"{where} {count}" for where, count in document["internal_errors"].items())
         lines.append(f"Internal errors survived: {counts}")
     return "\n".join(lines) + "\n"
+
+
+def render_idle(document: Mapping[str, Any]) -> str:
+    """What ``tessera status --idle`` prints: each allocated device with its pod and how long the pod's own
+    processes have left it idle, the longest idle first."""
+    allocated = document.get("allocated")
+    if allocated is None:
+        return "No allocation data: the agent has not collected metrics yet (or runs an older version).\n"
+    if not allocated:
+        return "No device is allocated to a pod.\n"
+    rows = sorted(allocated, key=lambda e: (-float(e["idle_seconds"]), *_by_pod_device(e)))
+    table = [("POD", "CONTAINER", "RESOURCE", "DEVICE", "IDLE FOR", "SM %")]
+    for entry in rows:
+        util = entry.get("utilization_percent")
+        table.append(
+            (
+                f"{entry['namespace']}/{entry['pod']}",
+                str(entry["container"]) or "-",
+                str(entry["resource"]),
+                str(entry["device_id"]),
+                duration(float(entry["idle_seconds"])) if entry["idle_seconds"] else "busy",
+                "n/a" if util is None else f"{float(util):.0f}",
+            )
+        )
+    widths = [max(len(row[n]) for row in table) for n in range(len(table[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in table]
+    idle = sum(1 for entry in allocated if entry["idle_seconds"])
+    lines.append(f"{idle} of {len(allocated)} allocated devices idle (n/a: NVML gives no per-process utilization)")
+    return "\n".join(lines) + "\n"
+
+
+def duration(seconds: float) -> str:
+    """``45s``, ``12m05s``, ``3h02m``, ``2d04h``: what an operator reads at a glance."""
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"

@@ -136,7 +136,14 @@ class Telemetry:
         from agent import __version__
         from agent.status_report import status_document
 
-        document = status_document(self._source.status, version=__version__)
+        collected = self.collector.last.collected_at is not None
+        allocated = [
+            {"resource": d.resource, "device_id": d.device_id, "namespace": d.namespace, "pod": d.pod,
+             "container": d.container, "idle_seconds": round(d.idle_seconds, 1),
+             "utilization_percent": d.utilization_percent}
+            for d in self.collector.pods.idle_devices
+        ] if collected else None  # fmt: skip
+        document = status_document(self._source.status, version=__version__, allocated=allocated)
         return (json.dumps(document, indent=2, default=str) + "\n").encode()
 
     def _write_labels(self, status: object) -> None:

@@ -30,6 +30,8 @@ from agent.agent import Agent, AgentOptions
 from agent.sim.kubelet import KubeletEmulator, Pod
 from agent.sim.nvml.codes import Return
 from agent.sim.nvml.driver import SimDriver
+from agent.status_client import fetch_status
+from agent.status_report import render_idle
 from agent.telemetry.service import TelemetrySettings
 
 HOST = "dgx-a100-7"
@@ -654,3 +656,50 @@ def test_an_mps_client_is_idle_or_busy_by_its_own_work(
     assert value(samples, "tessera_pod_gpu_utilization_percent", pod=busy.name) == 70
     assert value(samples, "tessera_pod_device_memory_used_bytes", pod=quiet.name) == 2000 * MIB
     assert value(samples, "tessera_unattributed_gpu_processes", gpu=str(shared), reason="no_pod") == 1
+
+
+# ----- tessera status --idle ----------------------------------------------------------------------------------
+
+
+def test_status_lists_each_allocated_device_with_its_pod_and_how_long_it_has_been_idle(node: TelemetryNode) -> None:
+    kubelet = node.kubelet
+    pods = [kubelet.create_pod(f"st-{n}", {"main": {GPU: 1}}, namespace="team") for n in range(3)]
+    shared, busy, quiet, _, lonely = shared_pair(node, pods)
+    node.run_process(busy, shared, 7400, 1000, sm=55)
+    kubelet.create_pod("notebook", {"jupyter": {SMALL: 1}}, namespace="research")
+
+    def idle_for(document: dict, pod: str) -> float:
+        (entry,) = [e for e in document["allocated"] if e["pod"] == pod]
+        return entry["idle_seconds"]
+
+    address = f"127.0.0.1:{node.port}"
+    document = wait_until(
+        lambda: (
+            (d := fetch_status(address))["allocated"]
+            and len(d["allocated"]) == 4
+            and idle_for(d, quiet.name) >= 1.0
+            and d
+        ),
+        10,
+        "a second of idleness in /status",
+    )
+    assert idle_for(document, busy.name) == 0 and idle_for(document, lonely.name) >= 1.0
+    (busy_entry,) = [e for e in document["allocated"] if e["pod"] == busy.name]
+    assert busy_entry["utilization_percent"] == 55 and busy_entry["device_id"] == held_device(busy, "main", GPU)
+    (mig_entry,) = [e for e in document["allocated"] if e["pod"] == "notebook"]
+    assert mig_entry["utilization_percent"] is None and mig_entry["idle_seconds"] > 0  # no process on it
+    assert mig_entry["container"] == "jupyter" and mig_entry["resource"] == SMALL
+
+    text = render_idle(document)
+    lines = text.splitlines()
+    assert lines[0].split() == ["POD", "CONTAINER", "RESOURCE", "DEVICE", "IDLE", "FOR", "SM", "%"]
+    busy_line = next(line for line in lines if f"team/{busy.name} " in line)
+    assert "busy" in busy_line and busy_line.split()[-1] == "55"
+    assert "n/a" in next(line for line in lines if "research/notebook" in line)
+    assert lines[-1].startswith("3 of 4 allocated devices idle")
+    later = wait_until(
+        lambda: (d := fetch_status(address)) and idle_for(d, quiet.name) >= idle_for(document, quiet.name) + 0.5 and d,
+        5,
+        "the idle time growing",
+    )
+    assert idle_for(later, busy.name) == 0
