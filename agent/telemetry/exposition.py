@@ -12,6 +12,7 @@ from it is its number format, ``go_float``.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -35,19 +36,26 @@ class Family:
     samples: list[tuple[Values, float | Buckets]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
-            raise ValueError(f"metric {self.name}: kind {self.kind!r} is not one of {', '.join(_KINDS)}")
-        if _METRIC_NAME.fullmatch(self.name) is None or (self.kind == "counter" and self.name.endswith("_total")):
-            raise ValueError(f"metric name {self.name!r} is not a Prometheus name (a counter's without _total)")
-        bad = [label for label in self.labels if _LABEL_NAME.fullmatch(label) is None or label.startswith("__")]
-        if bad or len(set(self.labels)) != len(self.labels):
-            raise ValueError(f"metric {self.name}: label names {list(self.labels)} are not distinct plain names")
+        _check(self.name, self.kind, self.labels)
 
     def add_metric(self, values: Sequence[str], value: float | Buckets) -> None:
         """A series; ``values`` in the order of ``labels``."""
         if len(values) != len(self.labels):
             raise ValueError(f"metric {self.name}: {len(values)} label values for {len(self.labels)} labels")
         self.samples.append((values if type(values) is tuple else tuple(values), value))
+
+
+@functools.cache
+def _check(name: str, kind: str, labels: tuple[str, ...]) -> None:
+    """Refuse a family Prometheus could not read. Cached: a collection builds the same few dozen families every
+    time, and a failed check is not cached (it raises again)."""
+    if kind not in _KINDS:
+        raise ValueError(f"metric {name}: kind {kind!r} is not one of {', '.join(_KINDS)}")
+    if _METRIC_NAME.fullmatch(name) is None or (kind == "counter" and name.endswith("_total")):
+        raise ValueError(f"metric name {name!r} is not a Prometheus name (a counter's without _total)")
+    bad = [label for label in labels if _LABEL_NAME.fullmatch(label) is None or label.startswith("__")]
+    if bad or len(set(labels)) != len(labels):
+        raise ValueError(f"metric {name}: label names {list(labels)} are not distinct plain names")
 
 
 def gauge(name: str, documentation: str, labels: Sequence[str]) -> Family:
