@@ -19,9 +19,9 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
-from agent.api.deviceplugin.v1beta1 import api_pb2
 from agent.grpc_loop import GrpcLoop, grpc_loop
-from agent.plugin.server import plugin_options
+from agent.plugin import wire
+from agent.plugin.server import PLUGIN_OPTIONS
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
@@ -63,15 +63,13 @@ async def _register_all(kubelet_socket: Path, endpoints: tuple[tuple[str, str], 
     async with grpc.aio.insecure_channel(f"unix://{kubelet_socket}", options=CHANNEL_OPTIONS) as channel:
         call = channel.unary_unary(
             REGISTER_METHOD,
-            request_serializer=api_pb2.RegisterRequest.SerializeToString,
+            request_serializer=None,  # written by agent.plugin.wire
             response_deserializer=None,  # Empty: nothing to read
             _registered_method=True,
         )
 
         async def one(endpoint: str, resource: str) -> tuple[str, str | None]:
-            request = api_pb2.RegisterRequest(
-                version=API_VERSION, endpoint=endpoint, resource_name=resource, options=plugin_options()
-            )
+            request = wire.register_request(API_VERSION, endpoint, resource, PLUGIN_OPTIONS)
             try:
                 await call(request, timeout=REGISTER_TIMEOUT)
             except grpc.RpcError as error:

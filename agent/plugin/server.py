@@ -7,7 +7,8 @@ Handlers are read-only: a bad request gets ``INVALID_ARGUMENT`` with a message a
 The hot path does only what a request needs. Everything that depends on the snapshot alone (the serialized
 ListAndWatch message, the allocator's per-device answers, the preferred-allocation layout) is worked out
 once, when the snapshot is handed over (``_Served``); a handler reads the current ``_Served`` once and
-answers from it. Constant answers (options, PreStartContainer) are pre-serialized bytes.
+answers from it. Constant answers (options, PreStartContainer) are pre-serialized bytes. Requests and answers
+are read and written by ``agent.plugin.wire``, without the protobuf runtime.
 
 Server model: ``grpc.aio``, every resource's server on the agent's one gRPC loop (``agent.grpc_loop``). Allocate
 costs the same as on grpcio's thread-pool server, but an idle thread-pool server wakes five to eight times a
@@ -30,11 +31,11 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
-from agent.api.deviceplugin.v1beta1 import api_pb2
-from agent.core.allocation import AllocationError, Allocator, ContainerAllocation, MpsClient
+from agent.core.allocation import AllocationError, Allocator, MpsClient
 from agent.core.preferred import PreferenceError, preferred
 from agent.core.snapshot import ResourceSnapshot
 from agent.grpc_loop import GrpcLoop, grpc_loop
+from agent.plugin import wire
 from agent.plugin.lock import LOCK_DIRECTORY
 from agent.plugin.names import socket_name
 
@@ -50,11 +51,7 @@ SERVICE = "v1beta1.DevicePlugin"
 STOP_GRACE = 0.1
 
 
-def plugin_options() -> api_pb2.DevicePluginOptions:
-    return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
-
-
-_OPTIONS = plugin_options().SerializeToString()
+PLUGIN_OPTIONS = wire.device_plugin_options(pre_start_required=False, get_preferred_allocation_available=True)
 Entry = tuple[str, bool, int | None]  # a device as ListAndWatch lists it: ID, healthy, NUMA node
 _EMPTY = b""  # PreStartContainerResponse has no fields
 
@@ -75,7 +72,7 @@ class _Served:
             message, entries = previous.list_and_watch, previous.entries
         else:  # only the devices that changed (health, a new device) are serialized again
             known = previous.entries if previous is not None else {}
-            entries = {entry: known.get(entry) or _device_entry(entry) for entry in listing}
+            entries = {entry: known.get(entry) or _device_entry(*entry) for entry in listing}
             message = b"".join(entries.values())
         options = snapshot.options
         mps = MpsClient(options.mps_root, snapshot.mps, snapshot.replicas) if snapshot.mps is not None else None
@@ -91,15 +88,10 @@ class _Served:
         return cls(snapshot, message, entries, allocator)
 
 
-def _device_entry(entry: Entry) -> bytes:
-    """One device as a ListAndWatchResponse of its own. Repeated fields concatenate on the wire, so the
-    devices' entries joined in order are the serialized response for all of them."""
-    device_id, healthy, numa_node = entry
-    response = api_pb2.ListAndWatchResponse()
-    device = response.devices.add(ID=device_id, health=HEALTHY if healthy else UNHEALTHY)
-    if numa_node is not None:
-        device.topology.nodes.add(ID=numa_node)
-    return response.SerializeToString()
+def _device_entry(device_id: str, healthy: bool, numa_node: int | None) -> bytes:
+    """One device as a ListAndWatchResponse of its own: the devices' entries joined in order are the
+    serialized response for all of them."""
+    return wire.list_and_watch_device(device_id, HEALTHY if healthy else UNHEALTHY, numa_node)
 
 
 class ResourceServer:
@@ -318,57 +310,53 @@ class _DevicePluginHandlers:
         return {
             "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(self.get_device_plugin_options),
             "ListAndWatch": grpc.unary_stream_rpc_method_handler(self.list_and_watch),
-            "GetPreferredAllocation": grpc.unary_unary_rpc_method_handler(
-                self.get_preferred_allocation,
-                request_deserializer=api_pb2.PreferredAllocationRequest.FromString,
-                response_serializer=api_pb2.PreferredAllocationResponse.SerializeToString,
-            ),
-            "Allocate": grpc.unary_unary_rpc_method_handler(
-                self.allocate,
-                request_deserializer=api_pb2.AllocateRequest.FromString,
-                response_serializer=api_pb2.AllocateResponse.SerializeToString,
-            ),
+            "GetPreferredAllocation": grpc.unary_unary_rpc_method_handler(self.get_preferred_allocation),
+            "Allocate": grpc.unary_unary_rpc_method_handler(self.allocate),
             "PreStartContainer": grpc.unary_unary_rpc_method_handler(self.pre_start_container),
         }
 
     async def get_device_plugin_options(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return _OPTIONS
+        return PLUGIN_OPTIONS
 
     async def list_and_watch(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         async for message in self._server.stream():  # (grpc.aio wants an async generator function here)
             yield message
 
-    async def allocate(
-        self, request: api_pb2.AllocateRequest, context: grpc.aio.ServicerContext
-    ) -> api_pb2.AllocateResponse:
+    async def allocate(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         served = self._server._served  # one read: the whole request is answered from one snapshot
-        if not request.container_requests:
+        try:
+            containers = wire.allocate_request(request)
+        except wire.WireError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed AllocateRequest: {error}")
+        if not containers:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"empty allocation request for {served.snapshot.name}"
             )
-        response = api_pb2.AllocateResponse()
-        for container in request.container_requests:
+        answers = []
+        for devices_ids in containers:
             try:
-                allocation = served.allocator.allocate(container.devices_ids)
+                allocation = served.allocator.allocate(devices_ids)
             except AllocationError as error:
                 log.warning("allocation refused resource=%s reason=%r", served.snapshot.name, str(error))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            fill_container_response(response.container_responses.add(), allocation)
+            answers.append(wire.container_allocate_response(allocation))
             if log.isEnabledFor(logging.INFO):
-                log.info("allocated resource=%s devices=%s", served.snapshot.name, ",".join(container.devices_ids))
-        return response
+                log.info("allocated resource=%s devices=%s", served.snapshot.name, ",".join(devices_ids))
+        return wire.allocate_response(answers)
 
-    async def get_preferred_allocation(
-        self, request: api_pb2.PreferredAllocationRequest, context: grpc.aio.ServicerContext
-    ) -> api_pb2.PreferredAllocationResponse:
+    async def get_preferred_allocation(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         snapshot = self._server._served.snapshot
-        response = api_pb2.PreferredAllocationResponse()
-        for container in request.container_requests:
+        try:
+            containers = wire.preferred_allocation_request(request)
+        except wire.WireError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed PreferredAllocationRequest: {error}")
+        answers = []
+        for available, must_include, size in containers:
             try:
                 ids = preferred(
-                    container.available_deviceIDs,
-                    container.must_include_deviceIDs,
-                    container.allocation_size,
+                    available,
+                    must_include,
+                    size,
                     snapshot.by_id,
                     snapshot.nvlink_peers,
                     snapshot.options.policy,
@@ -376,18 +364,8 @@ class _DevicePluginHandlers:
                 )
             except PreferenceError as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{snapshot.name}: {error}")
-            response.container_responses.add().deviceIDs.extend(ids)
-        return response
+            answers.append(ids)
+        return wire.preferred_allocation_response(answers)
 
     async def pre_start_container(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return _EMPTY
-
-
-def fill_container_response(message: api_pb2.ContainerAllocateResponse, allocation: ContainerAllocation) -> None:
-    """Write ``allocation`` into ``message`` in place (no intermediate messages to copy)."""
-    message.envs.update(allocation.envs)
-    for mount in allocation.mounts:
-        message.mounts.add(container_path=mount.container_path, host_path=mount.host_path, read_only=mount.read_only)
-    message.annotations.update(allocation.annotations)
-    for name in allocation.cdi_devices:
-        message.cdi_devices.add(name=name)

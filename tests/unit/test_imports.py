@@ -60,6 +60,8 @@ def test_run_loads_no_kubernetes_client_no_metrics_and_no_other_command():
         "agent.mps",  # the MPS manager: only with the first MPS daemon (a resource or a DRA claim)
         "agent.core.drain",  # what MIG and MPS changes drain
         "agent.core.announce",  # Node Events: only with a Kubernetes API to send them to
+        "google.protobuf",  # the device-plugin messages are written by agent.plugin.wire
+        "agent.api",
     )
 
 
