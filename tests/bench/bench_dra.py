@@ -44,6 +44,17 @@ in the same rounds.
    pairs (1-GPU and 4-GPU claims) and device-plugin pods (Allocate) of 1 GPU. Floor: the RSS of the fresh
    interpreter of part 2 (grpc and the Kubernetes client APIs imported, nothing else).
 
+4. Dynamic MIG (issue 16): a dgx-h100 with its 8 GPUs in MIG mode and no MIG device, every GPU in dynamic-MIG
+   mode: spawn -> complete pool; Prepare creating a 1g.10gb and Unprepare destroying it; a churn of claims of
+   random profiles, the node's MIG devices checked against the prepared partitions every 10 steps.
+5. Dynamic MIG and GPU shares together (issue 16): a dgx-h100 whose GPUs 0-3 are in dynamic-MIG mode and 4-7
+   shared by memory (``gpuShares``), the MPS emulator as ``nvidia-cuda-mps-control``. A churn of claims, each a
+   MIG partition of a random profile or a memory share (5-40 GiB, some with a compute share), allocated by the
+   simulated scheduler around the live claims (consumable capacity), prepared and unprepared through the agent's
+   DRA socket. Every 10 steps: the node's MIG devices are exactly the prepared partitions, and each shared GPU's
+   live shares — read back from their CDI specs' ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` — equal what the scheduler
+   allocated and add up to at most the GPU's memory. After the churn: no MIG device, CDI spec or MPS daemon left.
+
 Cross-process times use CLOCK_MONOTONIC (``time.monotonic``), which every process on the host shares; the
 stand-in's request log stamps answers with it too. The stand-in, both emulators and the measuring client share
 this process (one GIL); the agent has its own.
@@ -103,6 +114,13 @@ DYNAMIC_SPEC = "name: dgx-h100-dynamic\ngpus:\n  - model: H100-SXM5-80GB\n    co
 DYNAMIC_DEVICES = 8 * 26  # per GPU: the whole GPU and 25 profile placements (mig-profiles.json, H100 80GB)
 MIG_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'"  # NVIDIA's
 CHURN_PROFILES = ("1g.10gb", "1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")
+SHARES_SPEC = (
+    "name: dgx-h100-shares\ngpus:\n  - model: H100-SXM5-80GB\n    count: 4\n    mig:\n      instances: []\n"
+    "  - model: H100-SXM5-80GB\n    count: 4\n"
+)
+SHARES_DEVICES = 4 * 26 + 4  # GPUs 0-3: the whole GPU and 25 placements each; GPUs 4-7: one shared device each
+SHARE_MEMORY_GIB = (5, 10, 10, 20, 30, 40)
+SHARE_COMPUTE = (None, None, 10, 25)
 GPUS = 8
 XIDS = (48, 79, 95, 74)  # critical in the catalog: each taints its GPU's devices, and recovers
 RECOVERY_SECONDS = "0.05"
@@ -631,6 +649,155 @@ def dynamic_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure
     _with_world(base, str(spec), "all", args, body, dra_extra="  dynamicMig: all\n")
 
 
+def shares_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure]) -> None:
+    """A dgx-h100: GPUs 0-3 in dynamic-MIG mode, 4-7 shared by memory; a churn of MIG partitions and shares."""
+    from agent.sim.scheduler import devices_in_use
+
+    spec = base / "dgx-h100-shares.yaml"
+    spec.write_text(SHARES_SPEC)
+    launcher = base / "bin" / "nvidia-cuda-mps-control"
+    launcher.parent.mkdir()
+    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agent.sim.mps.control "$@"\n')
+    launcher.chmod(0o755)
+    root = base / "mps"
+
+    def body(world: World) -> None:
+        api = world.api
+        config = (world.base / "config.yaml").read_text()
+        (world.base / "config.yaml").write_text(
+            config.replace("version: v1\n", f"version: v1\nflags: {{mpsRoot: '{root}'}}\n")
+        )
+        world.command += ["--mps-control", str(launcher)]
+        complete = world.spawn_until_pool(SHARES_DEVICES)
+        figures["mix start"].add_one(complete - world.spawned)
+        world.registered()
+        api.create("deviceclasses", {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+                                     "metadata": {"name": "mig.nvidia.com"},
+                                     "spec": {"selectors": [{"cel": {"expression": MIG_CLASS}}]}})  # fmt: skip
+        classes = {c["metadata"]["name"]: c for c in api.objects("deviceclasses")}
+        slices = _complete_pool(api) or []
+        memory = {
+            d["name"]: d["capacity"]["memory"]["value"] for d in _devices(slices) if d.get("allowMultipleAllocations")
+        }
+        uuids = {d["name"]: d["attributes"]["uuid"]["string"] for d in _devices(slices) if d["name"] in memory}
+        control = SimControlClient(world.base / "ctl.sock")
+        stub = world.stub()
+        rng = random.Random(7)
+        live: dict[str, dict] = {}
+        times: dict[str, list[float]] = {
+            "share prepare": [],
+            "first share": [],
+            "share unprepare": [],
+            "mig prepare": [],
+        }
+        counts = {"shares": 0, "refused": 0, "peak": 0, "checks": 0}
+
+        def new_claim(name: str) -> dict | None:
+            if rng.random() < 0.5:
+                selector = f"device.attributes['gpu.nvidia.com'].profile == '{rng.choice(CHURN_PROFILES)}'"
+                exactly = {"deviceClassName": "mig.nvidia.com", "selectors": [{"cel": {"expression": selector}}]}
+            else:
+                asked = {"memory": f"{rng.choice(SHARE_MEMORY_GIB)}Gi"}
+                compute = rng.choice(SHARE_COMPUTE)
+                if compute is not None:
+                    asked["computePercent"] = str(compute)
+                exactly = {"deviceClassName": DRIVER, "capacity": {"requests": asked},
+                           "selectors": [{"cel": {"expression": "device.allowMultipleAllocations"}}]}  # fmt: skip
+            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                    "metadata": {"name": name, "namespace": "default"},
+                    "spec": {"devices": {"requests": [{"name": "r", "exactly": exactly}]}}}  # fmt: skip
+            created = api.create("resourceclaims", body)
+            held, consumed = devices_in_use(live.values())
+            try:
+                allocated = allocate(created, slices, classes, held, NODE, consumed=consumed)
+            except Unschedulable:
+                api.delete("resourceclaims", name, namespace="default")
+                return None
+            return api.update("resourceclaims", allocated, status=True)
+
+        def check() -> None:
+            results = {n: c["status"]["allocation"]["devices"]["results"][0] for n, c in live.items()}
+            _same_partitions(
+                control.call("mig_devices"), [r["device"] for r in results.values() if "-mig-" in r["device"]]
+            )
+            by_gpu: dict[str, int] = {}
+            for name, result in results.items():
+                if "consumedCapacity" not in result:
+                    continue
+                spec_text = (
+                    world.base / "cdi" / f"k8s.gpu.nvidia.com-claim_{live[name]['metadata']['uid']}.yaml"
+                ).read_text()
+                limit = f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={uuids[result['device']]}="
+                mib = next(int(line.split(limit, 1)[1].rstrip("M")) for line in spec_text.splitlines() if limit in line)
+                wanted = int(result["consumedCapacity"]["memory"].removesuffix("Gi")) * 1024
+                if mib != wanted:
+                    raise RuntimeError(f"claim {name}: MPS memory limit {mib} MiB, allocated {wanted} MiB")
+                by_gpu[result["device"]] = by_gpu.get(result["device"], 0) + mib
+            for device, used in by_gpu.items():
+                total = int(memory[device].removesuffix("Mi"))
+                if used > total:
+                    raise RuntimeError(f"{device}: shares of {used} MiB on a GPU of {total} MiB")
+            counts["peak"] = max(
+                [
+                    counts["peak"],
+                    *(sum(1 for r in results.values() if r["device"] == d and "consumedCapacity" in r) for d in memory),
+                ]
+            )
+            counts["checks"] += 1
+
+        for n in range(args.churn):
+            if live and (rng.random() < 0.45 or len(live) > 40):
+                name = rng.choice(sorted(live))
+                done = live.pop(name)
+                share = "consumedCapacity" in done["status"]["allocation"]["devices"]["results"][0]
+                response = _timed(
+                    times["share unprepare"] if share else [],
+                    stub.NodeUnprepareResources,
+                    _request(done)[1],
+                    timeout=45,
+                )
+                _check(response, done, None)
+                api.delete("resourceclaims", name, namespace="default")
+            else:
+                made = new_claim(f"churn-{n}")
+                if made is None:
+                    counts["refused"] += 1
+                    continue
+                result = made["status"]["allocation"]["devices"]["results"][0]
+                share = "consumedCapacity" in result
+                running = any(
+                    c["status"]["allocation"]["devices"]["results"][0]["device"] == result["device"]
+                    for c in live.values()
+                )
+                into = times["mig prepare" if not share else "share prepare" if running else "first share"]
+                _check(_timed(into, stub.NodePrepareResources, _request(made)[0], timeout=45), made, 1)
+                counts["shares"] += share
+                live[made["metadata"]["name"]] = made
+            if n % 10 == 0 or n == args.churn - 1:
+                check()
+        for done in live.values():
+            _check(stub.NodeUnprepareResources(_request(done)[1], timeout=45), done, None)
+        deadline = time.monotonic() + DEADLINE
+        while (
+            daemons := sorted(p.parent.parent.name for p in root.glob("dra/*/pipe/*.pid"))
+        ) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the last share's daemon drains and quits on the agent's loop
+        left = control.call("mig_devices")
+        specs = list((world.base / "cdi").glob("*.yaml"))
+        if left or specs or daemons:
+            raise RuntimeError(
+                f"after the churn: MIG devices {left}, CDI specs {[p.name for p in specs]}, MPS daemons {daemons}"
+            )
+        for key, samples in times.items():
+            figures[f"mix {key}"].add(samples)
+        figures["mix churn"].add_one(args.churn)
+        for key, value in counts.items():
+            figures[f"mix {key}"].add_one(value)
+        figures["mix rss"].add_one(world.rss())
+
+    _with_world(base, str(spec), "all", args, body, dra_extra="  dynamicMig: [0, 1, 2, 3]\n  gpuShares: [4, 5, 6, 7]\n")
+
+
 def _same_partitions(made: list[dict], prepared: list[str]) -> None:
     """The node's MIG devices are exactly the prepared partitions (``gpu-<minor>-mig-<profile>-<id>-<start>``):
     none missing, none left over, none overlapping another on its GPU."""
@@ -746,6 +913,22 @@ SECTIONS: tuple[tuple[str, dict[str, tuple[str, ...]]], ...] = (
             "dyn rss": ("RSS after the churn", "-", "MB"),
         },
     ),
+    (
+        "5. dgx-h100, GPUs 0-3 dynamic MIG and 4-7 shared by memory (issue 16)",
+        {
+            "mix start": ("spawn -> complete pool", "< 2 s"),
+            "mix share prepare": ("NodePrepareResources, a memory share, its GPU's MPS daemon running", "-"),
+            "mix first share": ("NodePrepareResources, the first share of a GPU (waits for its daemon)", "-"),
+            "mix share unprepare": ("NodeUnprepareResources, a memory share", "-"),
+            "mix mig prepare": ("NodePrepareResources, a MIG partition (created)", "-"),
+            "mix churn": ("churn steps (MIG partitions and memory shares, prepared and unprepared)", "-", "n"),
+            "mix shares": ("  of which shares prepared", "-", "n"),
+            "mix refused": ("  of which no room (the allocator found nothing free)", "-", "n"),
+            "mix peak": ("  most shares live on one GPU at once", "-", "n"),
+            "mix checks": ("  MIG devices == partitions; shares' MPS limits == allocations, <= GPU memory", "-", "n"),
+            "mix rss": ("RSS after the churn", "-", "MB"),
+        },
+    ),
 )
 
 
@@ -801,7 +984,9 @@ def main() -> None:
     parser.add_argument("--writes", type=int, default=30, help="stand-in slice writes per round (floor)")
     parser.add_argument("--agent-log-level", default="warning")
     parser.add_argument("--churn", type=int, default=1000, help="dynamic-MIG claim churn steps per round")
-    parser.add_argument("--parts", default="prepare,mig,both,dynamic", help="which parts to run (comma-separated)")
+    parser.add_argument(
+        "--parts", default="prepare,mig,both,dynamic,shares", help="which parts to run (comma-separated)"
+    )
     args = parser.parse_args()
     logging.disable(logging.ERROR)  # the emulators' and the stand-in's notes are not the report
 
@@ -811,6 +996,7 @@ def main() -> None:
         "mig": lambda base: (floors(figures), mig_node(base, args, figures)),
         "both": lambda base: both_front_ends(base, args, figures),
         "dynamic": lambda base: dynamic_node(base, args, figures),
+        "shares": lambda base: shares_node(base, args, figures),
     }
     steps = [parts[name] for name in args.parts.split(",")]
     global AGENT_HOME
