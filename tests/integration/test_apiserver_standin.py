@@ -547,3 +547,18 @@ def test_without_kubernetes_validate_it_serves_unchecked_schemas_and_says_so_onc
 def test_binds_loopback_only():
     with pytest.raises(ValueError, match="loopback"):
         ApiServer(host="0.0.0.0")
+
+
+def test_a_client_that_resets_its_connection_mid_request_leaves_no_traceback(
+    api: ApiServer, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A killed agent's connection reset is routine for an API server: the stand-in serves on, quietly."""
+    import socket
+    import struct
+
+    with socket.create_connection((api.host, api.port)) as client:
+        client.sendall(b"GET /api/v1/nodes HTTP/1.1\r\nHost: x\r\n")  # the request's end never comes
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+    assert [n["metadata"]["name"] for n in api.objects("nodes")] == ["node-a", "node-b"]
+    resource_api(api).list_resource_slice()  # a request after it is answered
+    assert "Traceback" not in capfd.readouterr().err

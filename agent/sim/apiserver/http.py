@@ -17,6 +17,7 @@ import contextlib
 import json
 import select
 import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -397,6 +398,13 @@ class HttpServer(ThreadingHTTPServer):
         with self._connections_lock:
             self._connections.discard(request)
         super().shutdown_request(request)
+
+    def handle_error(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
+        """A client that went away mid-request (a killed agent) is routine, as for a real API server: no
+        traceback on stderr. Anything else is still printed."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
     def cut_connections(self) -> None:
         with self._connections_lock:
