@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +30,7 @@ from agent.gpu.nvml import nvml_session
 from agent.gpu.telemetry import GpuStats, read_stats
 from agent.plugin.podresources import DeviceHolder as Holder
 from agent.telemetry.attribution import Checkpoint, CheckpointReader
+from agent.telemetry.dra_claims import ClaimDevice, KubeletClaimPods, PhysicalClaim, resolve
 from agent.telemetry.exposition import Family, Renderer, counter, gauge
 from agent.telemetry.latency import OperationLatency
 from agent.telemetry.pods import HeldDevice, PodTelemetry
@@ -53,6 +54,7 @@ class TelemetryOptions:
     proc_root: Path = Path("/proc")
     device_plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    kubelet_dir: Path | None = None  # where the kubelet's DRA checkpoint is; None: the device plugin dir's parent
 
 
 class LastCollection:
@@ -111,10 +113,14 @@ class TelemetryCollector:
         holders: Callable[[], dict[str, Holder]],
         on_collected: Callable[[object], None] = lambda status: None,
         latency: OperationLatency | None = None,
+        claims: Callable[[], Sequence[ClaimDevice]] | None = None,
     ) -> None:
-        """``latency``: the kubelet-facing servers' timings, exposed with every collection."""
+        """``latency``: the kubelet-facing servers' timings, exposed with every collection; ``claims``: the devices
+        of the DRA front end's prepared claims (``dra_claims.claim_devices`` of its checkpoint)."""
         self.options = options
         self.latency = latency
+        self._claims = claims
+        self._claim_pods = KubeletClaimPods(options.kubelet_dir or options.device_plugin_dir.parent)
         self.last = LastCollection()
         self._status = status
         self._holders = holders
@@ -308,9 +314,10 @@ class TelemetryCollector:
             del self._rows[gone]
 
         devices_of_pod = checkpoint.devices_by_pod if checkpoint is not None else {}
+        claims = self._prepared_claims(inventory)
         pod_families = self.pods.families(
             inventory, stats, utilization or {}, boot_clock() if listed_at is None else listed_at, held, holders,
-            devices_of_pod, elapsed,
+            devices_of_pod, elapsed, claims, self._claim_pods.pods() if claims else None,
         )  # fmt: skip
         families: list[Family] = [
             up, mem_total, mem_used, util, procs, mig_total, mig_used, mig_procs,
@@ -320,6 +327,15 @@ class TelemetryCollector:
         if self.latency is not None:
             families += self.latency.families(host)
         return families
+
+    def _prepared_claims(self, inventory: object) -> list[PhysicalClaim]:
+        if self._claims is None:
+            return []
+        try:
+            return resolve(self._claims(), inventory)  # type: ignore[arg-type]
+        except Exception as error:  # the DRA front end's value: whatever it is, metrics go on without claims
+            self._warn_once("dra", f"metrics without DRA claims: cannot read the prepared claims error={error!r}")
+            return []
 
     def _device_rows(self, name: str, snapshot: ResourceSnapshot) -> list[_DeviceRow]:
         """The snapshot's devices with their labels, built once per snapshot (snapshots are immutable)."""
@@ -346,7 +362,7 @@ class TelemetryCollector:
             ["gpu", "UUID", "modelName", "pod", "namespace", "container", "Hostname"],
         )
         attribution = self.pods.attribution
-        if attribution is None or not attribution.by_pod:
+        if attribution is None or not attribution.by_holder:
             return family
         gpu_of: dict[str, object] = {}
         for gpu in gpus:
@@ -358,10 +374,11 @@ class TelemetryCollector:
             if gpu is not None:
                 containers[(device.namespace, device.pod, gpu.uuid)].add(device.container)  # type: ignore[attr-defined]
         totals: dict[tuple[str, ...], int] = defaultdict(int)
-        for (namespace, pod, uuid), usage in attribution.by_pod.items():
+        for (holder, uuid), usage in attribution.by_holder.items():
             gpu = gpu_of.get(uuid)
-            if gpu is None or not usage.processes:
+            if gpu is None or not usage.processes or len(holder) != 2:  # a pod's, not a DRA claim's
                 continue
+            namespace, pod = holder
             names = containers.get((namespace, pod, gpu.uuid), set())  # type: ignore[attr-defined]
             container = next(iter(names)) if len(names) == 1 else ""
             key = (str(gpu.index), gpu.uuid, gpu.name, pod, namespace, container, self.options.hostname)  # type: ignore[attr-defined]

@@ -22,10 +22,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agent.telemetry.dra_claims import PhysicalClaim, claim_holdings
 from agent.telemetry.exposition import Family, counter, gauge
 from agent.telemetry.process_utilization import UtilizationRead
 from agent.telemetry.procfs import ProcessOwners, Unattributed, boot_clock
-from agent.telemetry.usage import Attribution, DeviceProcesses, ListedProcess, PodKey, Usage, attribute
+from agent.telemetry.usage import Attribution, DeviceProcesses, Holder, ListedProcess, PodKey, Usage, attribute
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -50,6 +51,21 @@ POD_LABELS = (
     "container",
     "Hostname",
 )
+DRA_LABELS = (
+    "dra_claim_name",
+    "namespace",
+    "dra_pool_name",
+    "dra_device_name",
+    "dra_mig_profile",
+    "dra_mig_device_uuid",
+    "gpu",
+    "UUID",
+    "device",
+    "modelName",
+    "GPU_I_PROFILE",
+    "GPU_I_ID",
+    "Hostname",
+)
 UNATTRIBUTED_LABELS = ("gpu", "UUID", "device", "modelName", "GPU_I_PROFILE", "GPU_I_ID", "reason", "Hostname")
 ENGINES = (
     ("tessera_pod_gpu_utilization_percent", "SM (graphics and compute engine)"),
@@ -67,6 +83,7 @@ class Physical:
     gpu_uuid: str
     is_mig: bool
     gpu_memory_mib: int
+    memory_mib: int  # the device's own: the GPU's, or the MIG device's
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +129,8 @@ class PodTelemetry:
         self._warned: set[str] = set()
         self.idle_devices: tuple[IdleDevice, ...] = ()  # the last collection's, for /status
         self.attribution: Attribution | None = None  # the last collection's
+        self._claim_families: list[Family] = []
+        self._claim_keys: set[tuple[str, ...]] = set()
 
     def families(
         self,
@@ -123,16 +142,23 @@ class PodTelemetry:
         holders: Mapping[str, DeviceHolder],
         devices_of_pod: Mapping[str, set[str]],
         elapsed: float,
+        claims: Sequence[PhysicalClaim] = (),
+        claim_pods: Mapping[str, frozenset[str]] | None = None,
     ) -> list[Family]:
+        """``claims``: the devices of prepared DRA claims; ``claim_pods``: claim UID -> its pods' UIDs (the
+        kubelet's DRA checkpoint), None when unknown."""
         host = self._host
         physical = self._physical_devices(inventory)
         devices = self._device_processes(inventory, stats, utilization)
         pids = {p.pid for d in devices for p in d.processes}
         pids |= {s.pid for d in devices for s in d.samples or ()}
         owners = self._owners.owners(pids, listed_at) if pids else {}
-        pods_by_uid, held_physical = _pods(devices_of_pod, holders)
         boot_wall = time.time() - boot_clock()
-        result = self.attribution = attribute(devices, owners, pods_by_uid, held_physical, boot_wall)
+        holdings = _holdings(devices_of_pod, holders)
+        for uid, held_by_claims in claim_holdings(claims, claim_pods or {}).items():
+            for uuid, claim in held_by_claims.items():
+                holdings.setdefault(uid, {}).setdefault(uuid, claim)
+        result = self.attribution = attribute(devices, owners, holdings, boot_wall)
         for (_, reason), usage in result.unattributed.items():
             if usage.processes and reason not in self._warned:
                 self._warned.add(reason)
@@ -167,7 +193,7 @@ class PodTelemetry:
         report: list[IdleDevice] = []
         for (namespace, pod, uuid), members in sorted(groups.items()):
             where = physical.get(uuid)
-            usage = result.by_pod.get((namespace, pod, uuid))
+            usage = result.by_holder.get(((namespace, pod), uuid))
             gpu_stat = stats.get(where.gpu_uuid) if where is not None else None
             is_idle = self._is_idle(usage, where, gpu_stat, members[0].replicas)
             containers = {m.container for m in members}
@@ -208,7 +234,8 @@ class PodTelemetry:
                 since = self._idle_since.get(key)
                 report.append(IdleDevice(member.resource, member.device_id, namespace, pod, member.container,
                                          0.0 if since is None else now - since, sm))  # fmt: skip
-        for gone in self._idle_seconds.keys() - idle_keys:  # a released device's series ends; its memory too
+        report += self._claims(claims, claim_pods, devices, result, physical, stats, utilization, elapsed, now)
+        for gone in self._idle_seconds.keys() - idle_keys - self._claim_keys:  # a released device's series ends
             del self._idle_seconds[gone]
             self._idle_since.pop(gone, None)
         self.idle_devices = tuple(report)
@@ -227,10 +254,91 @@ class PodTelemetry:
             ["Hostname"],
         )
         node_seconds.add_metric((host,), self._node_seconds)
-        families = [*engines, memory, processes, idle_now, idle, namespace_seconds, node_seconds]
+        families = [*engines, memory, processes, idle_now, idle, *self._claim_families, namespace_seconds, node_seconds]
         families += self._unattributed(result.unattributed, physical)
         families.append(self._availability(inventory, utilization))
         return families
+
+    # ----- DRA claims -------------------------------------------------------------------------------------
+
+    def _claims(
+        self,
+        claims: Sequence[PhysicalClaim],
+        claim_pods: Mapping[str, frozenset[str]] | None,
+        devices: Sequence[DeviceProcesses],
+        result: Attribution,
+        physical: Mapping[str, Physical],
+        stats: Mapping[str, GpuStats],
+        utilization: Mapping[str, UtilizationRead],
+        elapsed: float,
+        now: float,
+    ) -> list[IdleDevice]:
+        """Per claim device: the claim's pods' own work there, idle time, and its share of the GPU-seconds.
+
+        Without the kubelet's word on which pods a claim serves, no process is the claim's: the device is then
+        idle only when no process at all runs on it, and its utilization is unknown."""
+        engines = [gauge(name.replace("tessera_pod_", "tessera_dra_claim_"), f"{what} utilization of the claim's "
+                         "pods' own processes on the device, percent; absent where NVML cannot say", DRA_LABELS)
+                   for name, what in ENGINES]  # fmt: skip
+        memory = gauge("tessera_dra_claim_memory_used_bytes", "GPU memory of the claim's pods' processes on the "
+                       "device", DRA_LABELS)  # fmt: skip
+        processes = gauge("tessera_dra_claim_processes", "the claim's pods' processes on the device", DRA_LABELS)
+        idle_now = gauge(
+            "tessera_dra_claim_idle",
+            "1 when the claim's pods' own processes did no work on the device over the last window",
+            DRA_LABELS,
+        )
+        idle = counter(
+            "tessera_dra_claim_allocated_idle_seconds",
+            "seconds a prepared claim held the device while its pods' own processes on it stayed under the idle "
+            "threshold",
+            DRA_LABELS,
+        )
+        self._claim_families = [*engines, memory, processes, idle_now, idle]
+        busy_devices = {d.uuid for d in devices if d.processes}
+        sharing: dict[str, int] = defaultdict(int)
+        for entry in claims:
+            sharing[entry.uuid] += 1
+        keys: set[tuple[str, ...]] = set()
+        report: list[IdleDevice] = []
+        for entry in claims:
+            claim, where = entry.claim, physical.get(entry.uuid)
+            if where is None:
+                continue
+            labels = (claim.name, claim.namespace, claim.pool, claim.device, entry.mig_profile,
+                      entry.uuid if where.is_mig else "", *where.labels, self._host)  # fmt: skip
+            known = claim_pods is not None and claim.claim_uid in claim_pods
+            usage = result.by_holder.get((("dra", claim.namespace, claim.claim_uid), entry.uuid))
+            gpu_stat = stats.get(where.gpu_uuid)
+            if known:
+                is_idle = self._is_idle(usage, where, gpu_stat, sharing[entry.uuid])
+            else:
+                is_idle = gpu_stat is not None and gpu_stat.gpu is not None and entry.uuid not in busy_devices
+            load = usage.load if usage is not None else self._zero_load(where, utilization)
+            if not known and entry.uuid in busy_devices:
+                load = None
+            if load is not None:
+                for family, value in zip(engines, load, strict=True):
+                    family.add_metric(labels, value)
+            memory.add_metric(labels, usage.memory_bytes if usage is not None else 0)
+            processes.add_metric(labels, usage.processes if usage is not None else 0)
+            idle_now.add_metric(labels, 1 if is_idle else 0)
+            keys.add(labels)
+            if is_idle:
+                self._idle_seconds[labels] += elapsed
+                self._idle_since.setdefault(labels, now - elapsed)
+                share = min(1.0, where.memory_mib / max(1, where.gpu_memory_mib)) / sharing[entry.uuid]
+                self._namespace_seconds[claim.namespace] += elapsed * share
+                self._node_seconds += elapsed * share
+            else:
+                self._idle_since.pop(labels, None)
+            idle.add_metric(labels, self._idle_seconds[labels])
+            since = self._idle_since.get(labels)
+            idle_for = 0.0 if since is None else now - since
+            sm = None if load is None else load[0]
+            report.append(IdleDevice(f"DRA claim {claim.name}", claim.device, claim.namespace, "", "", idle_for, sm))
+        self._claim_keys = keys
+        return report
 
     # ----- pieces -----------------------------------------------------------------------------------------
 
@@ -262,9 +370,10 @@ class PodTelemetry:
         for gpu in inventory.gpus if inventory is not None else ():
             device = f"nvidia{gpu.minor_number}"
             base = (str(gpu.index), gpu.uuid, device, gpu.name)
-            found[gpu.uuid] = Physical((*base, "", ""), gpu.uuid, False, gpu.memory_mib)
+            found[gpu.uuid] = Physical((*base, "", ""), gpu.uuid, False, gpu.memory_mib, gpu.memory_mib)
             for mig in gpu.mig_devices:
-                found[mig.uuid] = Physical((*base, mig.profile, str(mig.gi_id)), gpu.uuid, True, gpu.memory_mib)
+                labels = (*base, mig.profile, str(mig.gi_id))
+                found[mig.uuid] = Physical(labels, gpu.uuid, True, gpu.memory_mib, mig.memory_mib)
         self._physical = (inventory, found)
         return found
 
@@ -341,22 +450,25 @@ class PodTelemetry:
         return available
 
 
-def _pods(
+def _holdings(
     devices_of_pod: Mapping[str, set[str]], holders: Mapping[str, DeviceHolder]
-) -> tuple[dict[str, PodKey], dict[PodKey, frozenset[str]]]:
-    """Pod UID -> (namespace, pod) for pods PodResources names, and each such pod's physical devices."""
-    pods_by_uid: dict[str, PodKey] = {}
-    held: dict[PodKey, set[str]] = defaultdict(set)
+) -> dict[str, dict[str, Holder]]:
+    """Pod UID -> physical UUID -> (namespace, pod), for the pods PodResources names as holding the devices the
+    kubelet's checkpoint gave them."""
+    holdings: dict[str, dict[str, Holder]] = {}
     for uid, device_ids in devices_of_pod.items():
+        pod: PodKey | None = None
         for device_id in device_ids:
             holder = holders.get(device_id)
             if holder is None:
                 continue
-            pod = (holder.namespace, holder.pod)
-            if pods_by_uid.setdefault(uid, pod) != pod:
-                continue  # two pods for one UID cannot be: trust neither device
-            held[pod].add(device_id.split("::", 1)[0])
-    return pods_by_uid, {pod: frozenset(uuids) for pod, uuids in held.items()}
+            if pod is None:
+                pod = (holder.namespace, holder.pod)
+            elif pod != (holder.namespace, holder.pod):  # two pods for one UID cannot be: trust neither
+                holdings.pop(uid, None)
+                break
+            holdings.setdefault(uid, {})[device_id.split("::", 1)[0]] = pod
+    return holdings
 
 
 def _gpu_share(device: HeldDevice, where: Physical | None) -> float:

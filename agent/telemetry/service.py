@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
     from agent.core.resources import ResourcePlan
     from agent.kube_api import CoreApi
     from agent.status import StatusSource
+    from agent.telemetry.dra_claims import ClaimDevice
     from agent.telemetry.latency import OperationLatency
     from agent.telemetry.nfd import FeatureFile
     from agent.telemetry.node_labels_api import NodeLabelPublisher
@@ -49,10 +51,12 @@ class Telemetry:
         *,
         node_api: CoreApi | None = None,
         latency: OperationLatency | None = None,
+        claims: Callable[[], Sequence[ClaimDevice]] | None = None,
     ) -> None:
         """``node_api`` is where ``settings.label_node`` writes the labels; ``latency`` holds the timings the
         device plugin servers and the DRA service record (one is made when none is given: its histograms are
-        then served empty)."""
+        then served empty); ``claims`` gives the devices of the DRA front end's prepared claims
+        (``agent.telemetry.dra_claims.claim_devices`` of its checkpoint), attributed like dcgm-exporter does."""
         # Imported here, not with this module: an agent without metrics never loads http.server or the
         # PodResources stubs (``tessera run`` imports TelemetrySettings either way). prometheus_client is
         # loaded by none of them (exposition.py writes the text format itself).
@@ -77,6 +81,7 @@ class Telemetry:
             holders=lambda: allocated_devices(pod_resources_socket),
             on_collected=self._write_labels,
             latency=latency if latency is not None else OperationLatency(),
+            claims=claims,
         )
         self.server = TelemetryServer(
             settings.metrics_address, self.collector.last, self.healthy, self.ready, self.status_json

@@ -1,9 +1,10 @@
-"""Each GPU process joined to its pod: per-pod memory and utilization per physical device, and what is nobody's.
+"""Each GPU process joined to its holder: memory and utilization per holder and physical device, and what is nobody's.
 
 Pure: it takes what was read (NVML's process lists and per-process samples, each PID's owner from /proc, the
-kubelet's assignments) and returns sums. A process counts for a pod only when all of these agree: its cgroup names
-the pod, the kubelet gave that pod a device on the physical device (GPU or MIG device) the process runs on, and
-the pod is named by PodResources. Anything else goes to an unattributed sum with its reason, never to a pod.
+kubelet's assignments) and returns sums. A holder is a pod that the kubelet gave a device (``(namespace, pod)``)
+or a DRA claim prepared for a pod (``("dra", namespace, claim UID)``). A process counts for a holder only when all
+of these agree: its cgroup names a pod, and that pod holds, through the holder, the very physical device (GPU or
+MIG device) the process runs on. Anything else goes to an unattributed sum with its reason, never to a holder.
 
 Utilization: a process's utilization over the window is the mean of its samples stamped after it started (an
 older sample is of an earlier process with the same PID); a listed process without a sample did no work. A pod's
@@ -20,6 +21,8 @@ from agent.telemetry.process_utilization import Load, Sample
 from agent.telemetry.procfs import Owner, Unattributed
 
 PodKey = tuple[str, str]  # (namespace, pod)
+Holder = tuple[str, ...]  # a PodKey, or ("dra", namespace, claim UID)
+Holdings = Mapping[str, Mapping[str, Holder]]  # pod UID -> physical UUID -> who holds it for that pod
 IDLE_LOAD: Load = (0.0, 0.0, 0.0, 0.0)
 
 
@@ -53,21 +56,20 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Attribution:
-    by_pod: dict[tuple[str, str, str], Usage]  # (namespace, pod, physical UUID) -> its processes there
+    by_holder: dict[tuple[Holder, str], Usage]  # (holder, physical UUID) -> its processes there
     unattributed: dict[tuple[str, Unattributed], Usage]  # (physical UUID, reason) -> processes nobody owns
 
 
 def attribute(
     devices: Iterable[DeviceProcesses],
     owners: Mapping[int, Owner],
-    pods_by_uid: Mapping[str, PodKey],
-    held: Mapping[PodKey, frozenset[str]],
+    holdings: Holdings,
     boot_wall: float,
 ) -> Attribution:
-    """``pods_by_uid``: pod UID -> (namespace, pod), for pods the kubelet assigned devices and PodResources names;
-    ``held``: (namespace, pod) -> the physical UUIDs it holds; ``boot_wall``: the wall-clock time of boot (to put
-    /proc start times and NVML timestamps on one clock)."""
-    by_pod: dict[tuple[str, str, str], Usage] = {}
+    """``holdings``: pod UID -> the physical UUIDs the pod holds and through whom (only pods the kubelet's
+    assignments name); ``boot_wall``: the wall-clock time of boot (to put /proc start times and NVML timestamps on
+    one clock)."""
+    by_holder: dict[tuple[Holder, str], Usage] = {}
     unattributed: dict[tuple[str, Unattributed], Usage] = {}
     for device in devices:
         loads = _loads(device.samples, owners, boot_wall) if device.samples is not None else None
@@ -78,29 +80,27 @@ def attribute(
         for pid, memory, is_listed in entries:
             load = None if loads is None else loads.get(pid, IDLE_LOAD)
             owner = owners.get(pid)
-            reason = _reason(owner, device.uuid, pods_by_uid, held)
+            reason = _reason(owner, device.uuid, holdings)
             if reason is None and owner is not None and owner.pod_uid is not None:
-                pod = pods_by_uid[owner.pod_uid]
-                usage = by_pod.setdefault((*pod, device.uuid), Usage())
+                holder = holdings[owner.pod_uid][device.uuid]
+                usage = by_holder.setdefault((holder, device.uuid), Usage())
             else:
                 usage = unattributed.setdefault((device.uuid, reason or Unattributed.UNREADABLE), Usage())
             if loads is None:
                 usage.load = None
             usage.add(memory, load, counted=is_listed)
-    return Attribution(by_pod, unattributed)
+    return Attribution(by_holder, unattributed)
 
 
-def _reason(
-    owner: Owner | None, uuid: str, pods_by_uid: Mapping[str, PodKey], held: Mapping[PodKey, frozenset[str]]
-) -> Unattributed | None:
+def _reason(owner: Owner | None, uuid: str, holdings: Holdings) -> Unattributed | None:
     if owner is None:
         return Unattributed.UNREADABLE
     if owner.reason is not None or owner.pod_uid is None:
         return owner.reason or Unattributed.NO_POD
-    pod = pods_by_uid.get(owner.pod_uid)
-    if pod is None:
+    held = holdings.get(owner.pod_uid)
+    if held is None:
         return Unattributed.UNKNOWN_POD
-    if uuid not in held.get(pod, frozenset()):
+    if uuid not in held:
         return Unattributed.NOT_HOLDING
     return None
 

@@ -121,8 +121,7 @@ def owner(pid: int, uid: str | None, start: float = 100.0) -> Owner:
     return Owner(pid, start, uid, None if uid else Unattributed.NO_POD)
 
 
-PODS = {UID: ("ml", "trainer"), OTHER: ("ml", "notebook")}
-HELD = {("ml", "trainer"): frozenset({GPU}), ("ml", "notebook"): frozenset({GPU})}
+HELD = {UID: {GPU: ("ml", "trainer")}, OTHER: {GPU: ("ml", "notebook")}}  # pod UID -> physical -> holder
 BOOT = 1_000_000.0  # wall clock at boot: a process started 100 s after boot started at 1_000_100
 
 
@@ -137,8 +136,8 @@ def test_each_pod_gets_its_own_processes_memory_and_utilization() -> None:
         [Sample(1, us(BOOT + 150), (40, 10, 0, 0)), Sample(2, us(BOOT + 150), (30, 0, 5, 0))],
     )
     owners = {1: owner(1, UID), 2: owner(2, UID), 3: owner(3, OTHER), 4: owner(4, None)}
-    result = attribute([device], owners, PODS, HELD, BOOT)
-    trainer, notebook = result.by_pod[("ml", "trainer", GPU)], result.by_pod[("ml", "notebook", GPU)]
+    result = attribute([device], owners, HELD, BOOT)
+    trainer, notebook = result.by_holder[(("ml", "trainer"), GPU)], result.by_holder[(("ml", "notebook"), GPU)]
     assert (trainer.processes, trainer.memory_bytes, trainer.load) == (2, 3 << 30, [70, 10, 5, 0])
     assert (notebook.processes, notebook.memory_bytes, notebook.load) == (1, 3 << 30, [0, 0, 0, 0])
     host = result.unattributed[(GPU, Unattributed.NO_POD)]
@@ -152,18 +151,20 @@ def test_a_sample_older_than_the_process_now_holding_its_pid_is_an_earlier_proce
         [ListedProcess(7, 1 << 30)],
         [Sample(7, us(BOOT + 150), (90, 0, 0, 0)), Sample(7, us(BOOT + 210), (20, 0, 0, 0))],
     )
-    result = attribute([device], {7: owner(7, UID, start=200.0)}, PODS, HELD, BOOT)
-    assert result.by_pod[("ml", "trainer", GPU)].load == [20, 0, 0, 0]
+    result = attribute([device], {7: owner(7, UID, start=200.0)}, HELD, BOOT)
+    assert result.by_holder[(("ml", "trainer"), GPU)].load == [20, 0, 0, 0]
     only_old = DeviceProcesses(GPU, [ListedProcess(7, 1 << 30)], [Sample(7, us(BOOT + 150), (90, 0, 0, 0))])
-    result = attribute([only_old], {7: owner(7, UID, start=200.0)}, PODS, HELD, BOOT)
-    assert result.by_pod[("ml", "trainer", GPU)].load == [0, 0, 0, 0], "the earlier process's work is not the pod's"
+    result = attribute([only_old], {7: owner(7, UID, start=200.0)}, HELD, BOOT)
+    assert result.by_holder[(("ml", "trainer"), GPU)].load == [0, 0, 0, 0], (
+        "the earlier process's work is not the pod's"
+    )
 
 
 def test_a_pod_that_holds_no_device_here_or_that_nobody_names_gets_nothing() -> None:
     device = DeviceProcesses(MIG, [ListedProcess(1, 5), ListedProcess(2, 7)], None)
     owners = {1: owner(1, UID), 2: owner(2, "99999999-9999-9999-9999-999999999999")}
-    result = attribute([device], owners, PODS, HELD, BOOT)
-    assert not result.by_pod
+    result = attribute([device], owners, HELD, BOOT)
+    assert not result.by_holder
     assert result.unattributed[(MIG, Unattributed.NOT_HOLDING)].memory_bytes == 5
     assert result.unattributed[(MIG, Unattributed.UNKNOWN_POD)].memory_bytes == 7
     assert result.unattributed[(MIG, Unattributed.NOT_HOLDING)].load is None, "a MIG device: unknown, not zero"
@@ -172,10 +173,10 @@ def test_a_pod_that_holds_no_device_here_or_that_nobody_names_gets_nothing() -> 
 def test_a_process_that_exited_in_the_window_still_counts_its_work_but_not_as_a_process() -> None:
     device = DeviceProcesses(GPU, [ListedProcess(1, 1 << 30)], [Sample(5, us(BOOT + 150), (35, 0, 0, 0))])
     owners = {1: owner(1, UID), 5: Owner(5, None, None, Unattributed.EXITED)}
-    result = attribute([device], owners, PODS, HELD, BOOT)
+    result = attribute([device], owners, HELD, BOOT)
     gone = result.unattributed[(GPU, Unattributed.EXITED)]
     assert (gone.processes, gone.load) == (0, [35, 0, 0, 0])
-    assert result.by_pod[("ml", "trainer", GPU)].load == [0, 0, 0, 0]
+    assert result.by_holder[(("ml", "trainer"), GPU)].load == [0, 0, 0, 0]
 
 
 def test_utilization_is_capped_at_a_hundred_percent() -> None:
@@ -183,8 +184,8 @@ def test_utilization_is_capped_at_a_hundred_percent() -> None:
         GPU, [ListedProcess(1, 0), ListedProcess(2, 0)],
         [Sample(1, us(BOOT + 150), (70, 0, 0, 0)), Sample(2, us(BOOT + 150), (60, 0, 0, 0))],
     )  # fmt: skip
-    result = attribute([device], {1: owner(1, UID), 2: owner(2, UID)}, PODS, HELD, BOOT)
-    assert result.by_pod[("ml", "trainer", GPU)].load == [100, 0, 0, 0]
+    result = attribute([device], {1: owner(1, UID), 2: owner(2, UID)}, HELD, BOOT)
+    assert result.by_holder[(("ml", "trainer"), GPU)].load == [100, 0, 0, 0]
 
 
 def test_the_boot_clock_and_the_wall_clock_agree_with_proc() -> None:

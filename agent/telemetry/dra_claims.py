@@ -1,0 +1,142 @@
+"""DRA claims as telemetry sees them: which claim holds which physical device, and which pods use each claim.
+
+Two inputs, both read-only:
+
+- ``ClaimDevice`` values, one per device of a prepared claim: the claim's UID, namespace and name, the pool and
+  device names the kubelet was given, and the MIG device Prepare made (dynamic MIG). ``claim_devices`` builds them
+  from the DRA front end's checkpoint value (``agent.core.dra.checkpoint.Checkpoint``); the collector takes a
+  callable returning them (``TelemetryCollector(claims=...)``).
+- the kubelet's own DRA checkpoint (``<kubelet dir>/dra_manager_state``: per claim its UID, name, namespace and the
+  UIDs of the pods it is reserved for), which is what joins a process's pod UID to a claim. It is read, never
+  written (a driver must never touch it), only when it changed, bounded and defensively: anything unexpected
+  gives no pods (processes then stay unattributed, ``unknown_pod``), never an exception.
+
+Labels follow dcgm-exporter's DRA mapper: ``dra_claim_name``, ``dra_pool_name``, ``dra_device_name``,
+``dra_mig_profile``, ``dra_mig_device_uuid``, with the claim's ``namespace``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agent.config.model import ConfigError
+from agent.config.yaml_limits import read_bounded
+
+if TYPE_CHECKING:
+    from agent.core.dra.checkpoint import Checkpoint
+    from agent.core.inventory import Inventory
+
+KUBELET_DRA_STATE = "dra_manager_state"
+MAX_STATE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimDevice:
+    """One device of a prepared claim."""
+
+    claim_uid: str
+    namespace: str
+    name: str
+    pool: str
+    device: str  # the DRA device name (``gpu-<minor>``, ``gpu-<minor>-mig-<profile>-<id>-<start>``)
+    mig_uuid: str | None = None  # the MIG device Prepare made for it (dynamic MIG); else found by name
+
+
+def claim_devices(checkpoint: Checkpoint) -> tuple[ClaimDevice, ...]:
+    """The devices of every completed claim in the DRA front end's checkpoint (admin-access devices excluded:
+    they watch a device, they do not hold it)."""
+    from agent.core.dra.checkpoint import PREPARE_COMPLETED
+
+    return tuple(
+        ClaimDevice(uid, claim.namespace, claim.name, device.pool, device.device,
+                    device.mig.uuid if device.mig is not None else None)
+        for uid, claim in sorted(checkpoint.claims.items())
+        if claim.state == PREPARE_COMPLETED
+        for device in claim.devices
+        if not device.admin_access
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class PhysicalClaim:
+    """A claim device resolved on the node: the physical UUID it is, and its MIG profile ("" for a whole GPU)."""
+
+    claim: ClaimDevice
+    uuid: str
+    gpu_uuid: str
+    mig_profile: str
+
+
+def resolve(claims: Iterable[ClaimDevice], inventory: Inventory | None) -> list[PhysicalClaim]:
+    """Each claim device's physical UUID, by its device name on this node's inventory; a device not found (a MIG
+    device being made, a GPU gone) is left out."""
+    from agent.core.dra.devices import gpu_device_name, mig_device_name
+
+    names: dict[str, tuple[str, str, str]] = {}  # device name or MIG UUID -> (uuid, gpu uuid, profile)
+    for gpu in inventory.gpus if inventory is not None else ():
+        names[gpu_device_name(gpu)] = (gpu.uuid, gpu.uuid, "")
+        for mig in gpu.mig_devices:
+            names[mig_device_name(gpu, mig)] = names[mig.uuid] = (mig.uuid, gpu.uuid, mig.profile)
+    found = []
+    for claim in claims:
+        where = names.get(claim.mig_uuid or "") or names.get(claim.device)
+        if where is not None:
+            found.append(PhysicalClaim(claim, *where))
+    return found
+
+
+class KubeletClaimPods:
+    """Claim UID -> the UIDs of the pods it is reserved for, from the kubelet's DRA checkpoint; read again only
+    when the file changed (a ``stat`` per collection otherwise)."""
+
+    def __init__(self, kubelet_dir: Path) -> None:
+        self.path = kubelet_dir / KUBELET_DRA_STATE
+        self._key: tuple[int, ...] | None = None
+        self._pods: dict[str, frozenset[str]] = {}
+
+    def pods(self) -> dict[str, frozenset[str]]:
+        try:
+            info = self.path.stat()
+        except (OSError, ValueError):
+            self._key, self._pods = None, {}
+            return self._pods
+        key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+        if key != self._key:
+            self._key, self._pods = key, read_claim_pods(self.path)
+        return self._pods
+
+
+def read_claim_pods(path: Path) -> dict[str, frozenset[str]]:
+    """The kubelet's ``dra_manager_state``: ``{"Data": "<JSON of a DRACheckpoint>", "Checksum": N}`` whose
+    ``ClaimInfoStateList`` holds per claim ``ClaimUID`` and ``PodUIDs`` (a Go set: a JSON object, or a list)."""
+    try:
+        outer = json.loads(read_bounded(path, str(path), MAX_STATE_BYTES))
+        data = outer.get("Data") if isinstance(outer, dict) else None
+        inner = json.loads(data) if isinstance(data, str) else data
+    except (ConfigError, ValueError, RecursionError):
+        return {}
+    entries = inner.get("ClaimInfoStateList") if isinstance(inner, dict) else None
+    found: dict[str, frozenset[str]] = {}
+    for entry in entries if isinstance(entries, list) else []:
+        if not isinstance(entry, dict) or not isinstance(entry.get("ClaimUID"), str):
+            continue
+        pods = entry.get("PodUIDs")
+        uids = pods.keys() if isinstance(pods, dict) else pods if isinstance(pods, list) else ()
+        found[entry["ClaimUID"]] = frozenset(uid for uid in uids if isinstance(uid, str))
+    return found
+
+
+def claim_holdings(
+    claims: Iterable[PhysicalClaim], pods: Mapping[str, frozenset[str]]
+) -> dict[str, dict[str, tuple[str, ...]]]:
+    """Pod UID -> physical UUID -> the claim holding it for that pod (``("dra", namespace, claim UID)``)."""
+    holdings: dict[str, dict[str, tuple[str, ...]]] = {}
+    for physical in claims:
+        claim = physical.claim
+        for pod in pods.get(claim.claim_uid, ()):
+            holdings.setdefault(pod, {})[physical.uuid] = ("dra", claim.namespace, claim.claim_uid)
+    return holdings
