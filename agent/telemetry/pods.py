@@ -22,11 +22,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agent.telemetry.claim_series import claim_series
 from agent.telemetry.dra_claims import PhysicalClaim, claim_holdings
 from agent.telemetry.exposition import Family, counter, gauge
+from agent.telemetry.idle import IdleLedger
 from agent.telemetry.process_utilization import UtilizationRead
 from agent.telemetry.procfs import ProcessOwners, Unattributed, boot_clock
 from agent.telemetry.usage import Attribution, DeviceProcesses, Holder, ListedProcess, PodKey, Usage, attribute
+from agent.telemetry.window import ENGINES, IdleDevice, Physical, Window
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -51,39 +54,7 @@ POD_LABELS = (
     "container",
     "Hostname",
 )
-DRA_LABELS = (
-    "dra_claim_name",
-    "namespace",
-    "dra_pool_name",
-    "dra_device_name",
-    "dra_mig_profile",
-    "dra_mig_device_uuid",
-    "gpu",
-    "UUID",
-    "device",
-    "modelName",
-    "GPU_I_PROFILE",
-    "GPU_I_ID",
-    "Hostname",
-)
 UNATTRIBUTED_LABELS = ("gpu", "UUID", "device", "modelName", "GPU_I_PROFILE", "GPU_I_ID", "reason", "Hostname")
-ENGINES = (
-    ("tessera_pod_gpu_utilization_percent", "SM (graphics and compute engine)"),
-    ("tessera_pod_gpu_memory_copy_utilization_percent", "memory controller"),
-    ("tessera_pod_gpu_encoder_utilization_percent", "video encoder"),
-    ("tessera_pod_gpu_decoder_utilization_percent", "video decoder"),
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Physical:
-    """A physical device's dcgm-exporter labels: gpu, UUID (the GPU's), device, modelName, GPU_I_PROFILE, GPU_I_ID."""
-
-    labels: tuple[str, str, str, str, str, str]
-    gpu_uuid: str
-    is_mig: bool
-    gpu_memory_mib: int
-    memory_mib: int  # the device's own: the GPU's, or the MIG device's
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,19 +72,6 @@ class HeldDevice:
     memory_mib: int
 
 
-@dataclass(frozen=True, slots=True)
-class IdleDevice:
-    """One held device in ``tessera status --idle``: its pod, how long it has been idle, its pod's utilization."""
-
-    resource: str
-    device_id: str
-    namespace: str
-    pod: str
-    container: str
-    idle_seconds: float  # 0 while busy
-    utilization_percent: float | None  # the pod's SM utilization on the device; None when NVML cannot say
-
-
 class PodTelemetry:
     """The per-pod part of a collection, with what it keeps between collections (idle time, PID owners)."""
 
@@ -122,15 +80,10 @@ class PodTelemetry:
         self._threshold = idle_threshold_percent
         self._host = hostname
         self._physical: tuple[Inventory | None, dict[str, Physical]] = (None, {})
-        self._idle_seconds: dict[tuple[str, ...], float] = defaultdict(float)
-        self._idle_since: dict[tuple[str, ...], float] = {}  # idle key -> monotonic start of its idle streak
-        self._namespace_seconds: dict[str, float] = defaultdict(float)
-        self._node_seconds = 0.0
+        self._ledger = IdleLedger()
         self._warned: set[str] = set()
         self.idle_devices: tuple[IdleDevice, ...] = ()  # the last collection's, for /status
         self.attribution: Attribution | None = None  # the last collection's
-        self._claim_families: list[Family] = []
-        self._claim_keys: set[tuple[str, ...]] = set()
 
     def families(
         self,
@@ -186,6 +139,7 @@ class PodTelemetry:
             ["resource", "device_id", "gpu", "UUID", "pod", "namespace", "container", "Hostname"],
         )
         now = time.monotonic()
+        window = Window(physical, stats, utilization, tuple(devices), result, elapsed, now, self._threshold, host)
         groups: dict[tuple[str, str, str], list[HeldDevice]] = defaultdict(list)
         for device in held:
             groups[(device.namespace, device.pod, device.physical_uuid)].append(device)
@@ -194,8 +148,7 @@ class PodTelemetry:
         for (namespace, pod, uuid), members in sorted(groups.items()):
             where = physical.get(uuid)
             usage = result.by_holder.get(((namespace, pod), uuid))
-            gpu_stat = stats.get(where.gpu_uuid) if where is not None else None
-            is_idle = self._is_idle(usage, where, gpu_stat, members[0].replicas)
+            is_idle = window.is_idle(usage, where, members[0].replicas)
             containers = {m.container for m in members}
             if where is not None:
                 labels = (
@@ -207,7 +160,7 @@ class PodTelemetry:
                     containers.pop() if len(containers) == 1 else "",
                     host,
                 )
-                known = usage.load if usage is not None else self._zero_load(where, utilization)
+                known = usage.load if usage is not None else window.zero_load(where)
                 if known is not None:
                     for family, value in zip(engines, known, strict=True):
                         family.add_metric(labels, value)
@@ -217,27 +170,19 @@ class PodTelemetry:
             sm = None
             if usage is not None and usage.load is not None:
                 sm = usage.load[0]
-            elif usage is None and where is not None and self._zero_load(where, utilization) is not None:
+            elif usage is None and where is not None and window.zero_load(where) is not None:
                 sm = 0.0
             for member in members:
-                key = member.idle_key
-                idle_keys.add(key)
-                if is_idle:
-                    self._idle_seconds[key] += elapsed
-                    self._idle_since.setdefault(key, now - elapsed)
-                    share = _gpu_share(member, where)
-                    self._namespace_seconds[namespace] += elapsed * share
-                    self._node_seconds += elapsed * share
-                else:
-                    self._idle_since.pop(key, None)
-                idle.add_metric(key, self._idle_seconds[key])
-                since = self._idle_since.get(key)
+                idle_keys.add(member.idle_key)
+                total, streak = self._ledger.credit(
+                    member.idle_key, namespace, is_idle, elapsed, _gpu_share(member, where), now
+                )
+                idle.add_metric(member.idle_key, total)
                 report.append(IdleDevice(member.resource, member.device_id, namespace, pod, member.container,
-                                         0.0 if since is None else now - since, sm))  # fmt: skip
-        report += self._claims(claims, claim_pods, devices, result, physical, stats, utilization, elapsed, now)
-        for gone in self._idle_seconds.keys() - idle_keys - self._claim_keys:  # a released device's series ends
-            del self._idle_seconds[gone]
-            self._idle_since.pop(gone, None)
+                                         streak, sm))  # fmt: skip
+        claim_families, claim_report, claim_keys = claim_series(window, claims, claim_pods, self._ledger)
+        report += claim_report
+        self._ledger.keep(idle_keys | claim_keys)
         self.idle_devices = tuple(report)
 
         namespace_seconds = counter(
@@ -246,121 +191,20 @@ class PodTelemetry:
             "share of a GPU; / 3600 for GPU-hours)",
             ["namespace", "Hostname"],
         )
-        for namespace, seconds in sorted(self._namespace_seconds.items()):
+        for namespace, seconds in sorted(self._ledger.namespace_seconds.items()):
             namespace_seconds.add_metric((namespace, host), seconds)
         node_seconds = counter(
             "tessera_node_allocated_idle_gpu_seconds",
             "GPU-seconds this node's devices were held by pods whose own processes left them idle",
             ["Hostname"],
         )
-        node_seconds.add_metric((host,), self._node_seconds)
-        families = [*engines, memory, processes, idle_now, idle, *self._claim_families, namespace_seconds, node_seconds]
+        node_seconds.add_metric((host,), self._ledger.node_seconds)
+        families = [*engines, memory, processes, idle_now, idle, *claim_families, namespace_seconds, node_seconds]
         families += self._unattributed(result.unattributed, physical)
         families.append(self._availability(inventory, utilization))
         return families
 
-    # ----- DRA claims -------------------------------------------------------------------------------------
-
-    def _claims(
-        self,
-        claims: Sequence[PhysicalClaim],
-        claim_pods: Mapping[str, frozenset[str]] | None,
-        devices: Sequence[DeviceProcesses],
-        result: Attribution,
-        physical: Mapping[str, Physical],
-        stats: Mapping[str, GpuStats],
-        utilization: Mapping[str, UtilizationRead],
-        elapsed: float,
-        now: float,
-    ) -> list[IdleDevice]:
-        """Per claim device: the claim's pods' own work there, idle time, and its share of the GPU-seconds.
-
-        Without the kubelet's word on which pods a claim serves, no process is the claim's: the device is then
-        idle only when no process at all runs on it, and its utilization is unknown."""
-        engines = [gauge(name.replace("tessera_pod_", "tessera_dra_claim_"), f"{what} utilization of the claim's "
-                         "pods' own processes on the device, percent; absent where NVML cannot say", DRA_LABELS)
-                   for name, what in ENGINES]  # fmt: skip
-        memory = gauge("tessera_dra_claim_memory_used_bytes", "GPU memory of the claim's pods' processes on the "
-                       "device", DRA_LABELS)  # fmt: skip
-        processes = gauge("tessera_dra_claim_processes", "the claim's pods' processes on the device", DRA_LABELS)
-        idle_now = gauge(
-            "tessera_dra_claim_idle",
-            "1 when the claim's pods' own processes did no work on the device over the last window",
-            DRA_LABELS,
-        )
-        idle = counter(
-            "tessera_dra_claim_allocated_idle_seconds",
-            "seconds a prepared claim held the device while its pods' own processes on it stayed under the idle "
-            "threshold",
-            DRA_LABELS,
-        )
-        self._claim_families = [*engines, memory, processes, idle_now, idle]
-        busy_devices = {d.uuid for d in devices if d.processes}
-        sharing: dict[str, int] = defaultdict(int)
-        for entry in claims:
-            sharing[entry.uuid] += 1
-        keys: set[tuple[str, ...]] = set()
-        report: list[IdleDevice] = []
-        for entry in claims:
-            claim, where = entry.claim, physical.get(entry.uuid)
-            if where is None:
-                continue
-            labels = (claim.name, claim.namespace, claim.pool, claim.device, entry.mig_profile,
-                      entry.uuid if where.is_mig else "", *where.labels, self._host)  # fmt: skip
-            known = claim_pods is not None and claim.claim_uid in claim_pods
-            usage = result.by_holder.get((("dra", claim.namespace, claim.claim_uid), entry.uuid))
-            gpu_stat = stats.get(where.gpu_uuid)
-            if known:
-                is_idle = self._is_idle(usage, where, gpu_stat, sharing[entry.uuid])
-            else:
-                is_idle = gpu_stat is not None and gpu_stat.gpu is not None and entry.uuid not in busy_devices
-            load = usage.load if usage is not None else self._zero_load(where, utilization)
-            if not known and entry.uuid in busy_devices:
-                load = None
-            if load is not None:
-                for family, value in zip(engines, load, strict=True):
-                    family.add_metric(labels, value)
-            memory.add_metric(labels, usage.memory_bytes if usage is not None else 0)
-            processes.add_metric(labels, usage.processes if usage is not None else 0)
-            idle_now.add_metric(labels, 1 if is_idle else 0)
-            keys.add(labels)
-            if is_idle:
-                self._idle_seconds[labels] += elapsed
-                self._idle_since.setdefault(labels, now - elapsed)
-                share = min(1.0, where.memory_mib / max(1, where.gpu_memory_mib)) / sharing[entry.uuid]
-                self._namespace_seconds[claim.namespace] += elapsed * share
-                self._node_seconds += elapsed * share
-            else:
-                self._idle_since.pop(labels, None)
-            idle.add_metric(labels, self._idle_seconds[labels])
-            since = self._idle_since.get(labels)
-            idle_for = 0.0 if since is None else now - since
-            sm = None if load is None else load[0]
-            report.append(IdleDevice(f"DRA claim {claim.name}", claim.device, claim.namespace, "", "", idle_for, sm))
-        self._claim_keys = keys
-        return report
-
     # ----- pieces -----------------------------------------------------------------------------------------
-
-    def _is_idle(self, usage: Usage | None, where: Physical | None, gpu_stat: GpuStats | None, replicas: int) -> bool:
-        if where is None or gpu_stat is None or gpu_stat.gpu is None:
-            return False  # NVML did not answer for the GPU: unknown, not idle
-        if usage is None:
-            return True  # none of the pod's processes is on the device
-        if usage.load is not None:
-            return max(usage.load) < self._threshold
-        if not usage.processes:
-            return True  # only exited processes, whose work NVML cannot tell here
-        whole = not where.is_mig and replicas == 1 and gpu_stat.gpu.utilization_percent is not None
-        return whole and gpu_stat.gpu.utilization_percent < self._threshold
-
-    @staticmethod
-    def _zero_load(where: Physical, utilization: Mapping[str, UtilizationRead]) -> tuple[float, ...] | None:
-        """A pod without processes on a device: 0 where NVML measures per process, else unknown."""
-        if where.is_mig:
-            return None
-        read = utilization.get(where.gpu_uuid)
-        return (0.0, 0.0, 0.0, 0.0) if read is None or read.error is None else None
 
     def _physical_devices(self, inventory: Inventory | None) -> dict[str, Physical]:
         """Physical UUID -> its labels, built once per inventory (inventories are immutable)."""
