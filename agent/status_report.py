@@ -134,6 +134,7 @@ def render_text(document: Mapping[str, Any]) -> str:
         error = f"; {dra['error']}" if dra["error"] else ""
         lines.append(f"DRA:        driver {dra['driver']} serves {served}{error}")
         lines += [f"  leaving for the device plugin once no claim holds it: {uuid}" for uuid in dra["leaving"]]
+        lines += [f"  unavailable: {note}" for note in dra.get("unavailable") or []]
         for claim in dra.get("claims") or []:
             made = []
             for device in claim["devices"]:

@@ -84,6 +84,10 @@ class DraFrontEnd:
             state, error = self._mps_states[key]
         return None if state == "ready" else error
 
+    def dropped_gates(self) -> tuple[str, ...]:
+        """Feature gates the API server has off, whose fields it dropped from the slices."""
+        return self._publisher.dropped if self._publisher is not None else ()
+
     def claims(self) -> list[dict[str, object]]:
         return self._service.claims() if self._service is not None else []
 

@@ -331,7 +331,14 @@ class DraManager:
             "leaving": sorted(self._served - self._wanted),
             "error": self.error,
             "claims": self._front.claims() if self._front is not None else [],
+            "unavailable": self._unavailable(),
         }
+
+    def _unavailable(self) -> list[str]:
+        """What the cluster does not offer of what the config asks (the API server dropped a gate's fields)."""
+        from agent.core.dra.slices import DROPPED_GATES
+
+        return [DROPPED_GATES[gate] for gate in (self._front.dropped_gates() if self._front is not None else ())]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 from agent.core.dra.devices import DraDevice
 from agent.core.dra.partitions import counter_sets
-from agent.core.dra.slices import layout_for, resource_slices
+from agent.core.dra.slices import DROPPED_GATES, dropped_gates, layout_for, resource_slices
 from agent.core.dra.taints import DeviceTaint
 from agent.dra.types import SlicesFailed, SlicesPublished
 from agent.kube_api import CoreApi
@@ -74,6 +74,8 @@ class SlicePublisher:
         # what it is given): a re-check compares with that, so it settles even where the forms differ.
         self._applied: tuple[object, list[Any]] | None = None
         self._threads: list[threading.Thread] = []
+        # feature gates the API server has off, seen in what it stored of the last write (read by the status)
+        self.dropped: tuple[str, ...] = ()
         self._active_watch: Any = None
         self._watch_response: Any = None  # the open watch's HTTP response (urllib3), for stop
 
@@ -183,12 +185,20 @@ class SlicePublisher:
             self._update(old, new)
         for new in wanted[len(existing) :]:
             self._create(new)
-        self._applied = (wanted_input, _contents(self._list()))
+        stored = self._list()
+        self._applied = (wanted_input, _contents(stored))
+        self._check_dropped(wanted, stored)
         log.info(
             "ResourceSlices published node=%s driver=%s generation=%d slices=%d devices=%d",
             self._node_name, self._driver, generation, len(wanted), len(devices),
         )  # fmt: skip
         return generation, len(wanted), True
+
+    def _check_dropped(self, wanted: list[dict[str, Any]], stored: list[dict[str, Any]]) -> None:
+        dropped = dropped_gates(wanted, stored)
+        for gate in sorted(set(dropped) - set(self.dropped)):
+            log.warning("%s node=%s", DROPPED_GATES[gate], self._node_name)
+        self.dropped = dropped
 
     def _list(self) -> list[dict[str, Any]]:
         listed = self._custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, field_selector=self._selector)

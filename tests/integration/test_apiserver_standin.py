@@ -562,3 +562,35 @@ def test_a_client_that_resets_its_connection_mid_request_leaves_no_traceback(
     assert [n["metadata"]["name"] for n in api.objects("nodes")] == ["node-a", "node-b"]
     resource_api(api).list_resource_slice()  # a request after it is answered
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_with_a_feature_gate_off_its_fields_are_dropped_from_what_is_written() -> None:
+    """As a cluster without DRAConsumableCapacity / DRAPartitionableDevices: the rest of the object is stored."""
+    shared = nvidia_gpu(0)
+    shared["allowMultipleAllocations"] = True
+    shared["capacity"]["memory"]["requestPolicy"] = {"default": "80Gi", "validRange": {"min": "1Gi"}}
+    partition = nvidia_gpu(1)
+    partition["consumesCounters"] = [{"counterSet": "gpu-1-counter-set", "counters": {"memory": {"value": "80Gi"}}}]
+    with ApiServer(disabled_gates=["DRAConsumableCapacity", "DRAPartitionableDevices"]) as api:
+        api.add_node("node-a")
+        combined = nvidia_slice("node-a", [shared, partition])
+        combined["spec"]["sharedCounters"] = [{"name": "gpu-1-counter-set", "counters": {"memory": {"value": "80Gi"}}}]
+        stored = api.create("resourceslices", combined)
+        gpu0, gpu1 = stored["spec"]["devices"]
+        assert "allowMultipleAllocations" not in gpu0 and gpu0["capacity"]["memory"] == {"value": "80Gi"}
+        assert "consumesCounters" not in gpu1 and "sharedCounters" not in stored["spec"]
+        claim = gpu_claim("asks")
+        claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"] = {"requests": {"memory": "10Gi"}}
+        stored_claim = api.create("resourceclaims", {**claim, "metadata": {"name": "asks", "namespace": "default"}})
+        assert "capacity" not in stored_claim["spec"]["devices"]["requests"][0]["exactly"]
+    with pytest.raises(ValueError, match="not DRAFancyThing"):
+        ApiServer(disabled_gates=["DRAFancyThing"])
+
+
+def test_with_the_gates_on_the_fields_are_kept() -> None:
+    shared = nvidia_gpu(0)
+    shared["allowMultipleAllocations"] = True
+    with ApiServer() as api:
+        api.add_node("node-a")
+        stored = api.create("resourceslices", nvidia_slice("node-a", [shared]))
+        assert stored["spec"]["devices"][0]["allowMultipleAllocations"] is True

@@ -131,14 +131,16 @@ def fake_sysfs(root: Path, links: dict[str, str]) -> None:
 @pytest.fixture
 def world(request: pytest.FixtureRequest, sim_node: Callable[[object], SimDriver]) -> Iterator[World]:
     """A dgx-a100, or the node spec a test gives (``parametrize("world", [spec], indirect=True)``; a spec with
-    ``"recovery_seconds"`` gives the agent that health quiet period)."""
+    ``"recovery_seconds"`` gives the agent that health quiet period, one with ``"gates_off"`` an API server with
+    those feature gates off)."""
     spec = getattr(request, "param", "dgx-a100")
     recovery = spec.pop("recovery_seconds", None) if isinstance(spec, dict) else None
+    gates_off = spec.pop("gates_off", ()) if isinstance(spec, dict) else ()
     driver = sim_node(spec)
     base = Path(tempfile.mkdtemp(prefix="e", dir="/tmp"))  # unix socket paths stay short
     fake_sysfs(base / "sys", {driver.gpus[0].pci_bus_id.removeprefix("0000"): "pci0000:00"})  # GPU 1: no link
     (base / "config.yaml").write_text(CONFIG)
-    api = ApiServer(git_version="v1.36.3")
+    api = ApiServer(git_version="v1.36.3", disabled_gates=gates_off)
     api.start()
     api.add_node(NODE)
     selectors = [{"cel": {"expression": GPU_CLASS}}]

@@ -41,19 +41,25 @@ def shares(world: World, mps_bin: Path, monkeypatch: pytest.MonkeyPatch) -> Path
 
 
 def shared(world: World) -> dict[str, Any]:
+    """GPU 0's device as the API server stored it."""
     return next((d for s in world.slices() for d in s["spec"].get("devices", []) if d["name"] == "gpu-0"), {})
 
 
 def share_claim(
-    world: World, name: str, config: dict | None = None, *, stale_memory: str | None = None, **capacity: str
+    world: World,
+    name: str,
+    config: dict | None = None,
+    *,
+    stale_memory: str | None = None,
+    shared_only: bool = True,
+    **capacity: str,
 ) -> dict:
-    """A claim for a share of a shareable GPU (``capacity`` as ``capacity.requests``), allocated next to the claims
-    already allocated, and stored; ``stale_memory`` replaces the memory the allocation consumes, as a stale
-    scheduler or a hand-written status could."""
-    exactly: dict[str, Any] = {
-        "deviceClassName": DRIVER,
-        "selectors": [{"cel": {"expression": "device.allowMultipleAllocations"}}],
-    }
+    """A claim for a share of a GPU (``capacity`` as ``capacity.requests``; a shared GPU unless not
+    ``shared_only``), allocated next to the claims already allocated, and stored; ``stale_memory`` replaces the
+    memory the allocation consumes, as a stale scheduler or a hand-written status could."""
+    exactly: dict[str, Any] = {"deviceClassName": DRIVER}
+    if shared_only:  # a selector for shared GPUs (GPU 1 is DRA's too, whole)
+        exactly["selectors"] = [{"cel": {"expression": "device.allowMultipleAllocations"}}]
     if capacity:
         exactly["capacity"] = {"requests": capacity}
     spec: dict[str, Any] = {"requests": [{"name": "gpu", "exactly": exactly}]}
@@ -171,3 +177,30 @@ def test_shares_survive_an_agent_restart_and_still_count_against_the_gpu(world: 
     share_claim(world, "late", memory="10Gi", stale_memory="20Gi")
     with pytest.raises(PodStartError, match="exceed the GPU's 80Gi"):
         world.dra.run_pod("default", "late", "pod-2", [("gpu", "late")], {"a": [("gpu", None)]})
+
+
+WITHOUT_CONSUMABLE_CAPACITY = {
+    "name": "dgx-a100",
+    "gpus": [{"model": "A100-SXM4-80GB", "count": 8}],
+    "gates_off": ["DRAConsumableCapacity"],
+}
+
+
+@pytest.mark.parametrize("world", [WITHOUT_CONSUMABLE_CAPACITY], indirect=True)
+def test_without_the_consumable_capacity_gate_a_share_claim_gets_the_whole_gpu_and_the_status_says_why(
+    world: World, mps_bin: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = world.agent.status.config_digest
+    (world.base / "config.yaml").write_text("version: v1\ndra:\n  enabled: true\n  gpus: [0, 1]\n  gpuShares: [0]\n")
+    test_dra_e2e.poll(lambda: world.agent.status.config_digest != before, "the config with gpuShares applied")
+    note = test_dra_e2e.poll(
+        lambda: (world.agent.status.dra or {}).get("unavailable"), "the status saying what the cluster lacks"
+    )
+    assert "feature gate DRAConsumableCapacity is off" in note[0] and "allocated whole" in note[0]
+    assert "allowMultipleAllocations" not in shared(world)  # as the API server stored it
+    claim = share_claim(world, "asks-10gi", shared_only=False, memory="10Gi")  # its capacity.requests dropped too
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert "consumedCapacity" not in result and "capacity" not in claim["spec"]["devices"]["requests"][0]["exactly"]
+    world.dra.run_pod("default", "asks-10gi", "pod-1", [("gpu", "asks-10gi")], {"a": [("gpu", None)]})
+    assert "CUDA_MPS" not in cdi_spec(world, claim)  # a whole GPU: nothing to enforce
+    assert not dra_daemons(world)

@@ -411,3 +411,25 @@ def test_time_added_is_utc_whole_seconds():
     eastern = datetime(2026, 7, 1, 4, 0, 0, 999000, tzinfo=timezone(timedelta(hours=-4)))
     assert rfc3339(eastern) == "2026-07-01T08:00:00Z"
     assert rfc3339(datetime(2026, 7, 1, 8, 0, 0)) == "2026-07-01T08:00:00Z"  # naive: taken as UTC
+
+
+# ----- what the API server dropped ------------------------------------------------------------------------------
+
+
+def _slice(*devices: dict, counters: bool = False) -> dict:
+    spec: dict = {"devices": list(devices)}
+    if counters:
+        spec["sharedCounters"] = [{"name": "gpu-0-counter-set", "counters": {"memory": {"value": "80Gi"}}}]
+    return {"spec": spec}
+
+
+def test_dropped_gates_names_the_gates_whose_fields_the_server_did_not_keep() -> None:
+    from agent.core.dra.slices import DROPPED_GATES, dropped_gates
+
+    shared = {"name": "gpu-0", "allowMultipleAllocations": True}
+    whole = {"name": "gpu-0"}
+    assert dropped_gates([_slice(shared)], [_slice(whole)]) == ("DRAConsumableCapacity",)
+    assert dropped_gates([_slice(shared)], [_slice(shared)]) == ()
+    assert dropped_gates([_slice(whole, counters=True)], [_slice(whole)]) == ("DRAPartitionableDevices",)
+    assert dropped_gates([_slice(whole)], [_slice(whole)]) == ()  # nothing gated was asked for
+    assert "dra.gpuShares are allocated whole" in DROPPED_GATES["DRAConsumableCapacity"]

@@ -119,6 +119,42 @@ def resource_slices(
     ]
 
 
+# What a cluster loses when the API server drops the fields of a feature gate that is off (it stores the rest)
+DROPPED_GATES = {
+    "DRAConsumableCapacity": (
+        "the API server dropped allowMultipleAllocations (feature gate DRAConsumableCapacity is off): the GPUs in "
+        "dra.gpuShares are allocated whole, one claim each; turn the gate on (beta and on from Kubernetes 1.36)"
+    ),
+    "DRAPartitionableDevices": (
+        "the API server dropped the shared counters (feature gate DRAPartitionableDevices is off): the scheduler "
+        "may allocate overlapping MIG partitions of dynamic-MIG GPUs, whose Prepare then fails; turn the gate on "
+        "(beta and on from 1.36) or drop dra.dynamicMig"
+    ),
+}
+
+
+def dropped_gates(wanted: Sequence[Mapping[str, Any]], stored: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """The feature gates the API server evidently has off: the fields of theirs Tessera wrote (``wanted``) and the
+    server did not keep (``stored``, this pool's slices as listed after the write). Keys of ``DROPPED_GATES``."""
+
+    def devices(slices: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        return [d for s in slices for d in s.get("spec", {}).get("devices") or []]
+
+    def counters(slices: Sequence[Mapping[str, Any]]) -> bool:
+        return any(s.get("spec", {}).get("sharedCounters") for s in slices) or any(
+            d.get("consumesCounters") for d in devices(slices)
+        )
+
+    dropped = []
+    if any(d.get("allowMultipleAllocations") for d in devices(wanted)) and not any(
+        d.get("allowMultipleAllocations") for d in devices(stored)
+    ):
+        dropped.append("DRAConsumableCapacity")
+    if counters(wanted) and not counters(stored):
+        dropped.append("DRAPartitionableDevices")
+    return tuple(dropped)
+
+
 def quantity(value: int) -> str:
     """An integer in resource.Quantity's canonical BinarySI form, as ``NewQuantity(v, BinarySI)`` prints it:
     ``85899345920`` -> ``80Gi``, ``1536`` -> ``1536``, ``14`` -> ``14`` (below 1024: decimal SI, ``1000`` -> ``1k``)."""

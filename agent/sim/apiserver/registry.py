@@ -31,9 +31,10 @@ def _meta(obj: dict) -> dict:
 
 
 class Registry:
-    def __init__(self, store: Store, validator: Validator) -> None:
+    def __init__(self, store: Store, validator: Validator, disabled_gates: frozenset[str] = frozenset()) -> None:
         self.store = store
         self.validator = validator
+        self.disabled_gates = disabled_gates  # feature gates that are off: their fields are dropped on write
 
     # -- reads
 
@@ -81,7 +82,9 @@ class Registry:
     def create(
         self, kind: Kind, namespace: str | None, body: object, *, dry_run: bool = False, keep_status: bool = False
     ) -> dict:
-        obj = prepare_create(kind, namespace, check_body(kind, body, namespace), keep_status=keep_status)
+        obj = prepare_create(
+            kind, namespace, check_body(kind, body, namespace), keep_status=keep_status, disabled=self.disabled_gates
+        )
         self.validator.check(kind, obj)
         if dry_run:
             return obj
@@ -151,7 +154,7 @@ class Registry:
             wanted = _meta(body).get("resourceVersion")
             if wanted and wanted != old_rv:
                 raise conflict(kind, name)
-            new = prepare_update(kind, body, old, subresource)
+            new = prepare_update(kind, body, old, subresource, disabled=self.disabled_gates)
             if same_object(new, old):
                 return old
             self.validator.check(kind, new, old, subresource)

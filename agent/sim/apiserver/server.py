@@ -22,7 +22,7 @@ from agent.sim.apiserver.kinds import NODE, Kind, lookup
 from agent.sim.apiserver.observe import Request, RequestLog
 from agent.sim.apiserver.registry import Registry
 from agent.sim.apiserver.store import DEFAULT_HISTORY, Store
-from agent.sim.apiserver.strategy import prepare_create
+from agent.sim.apiserver.strategy import GATES, prepare_create
 from agent.sim.apiserver.validate import DEFAULT_SCHEMA_VERSIONS, Validator, parse_version
 
 if TYPE_CHECKING:
@@ -70,7 +70,10 @@ class ApiServer:
         host: str = "127.0.0.1",
         port: int = 0,
         history_limit: int = DEFAULT_HISTORY,
+        disabled_gates: Iterable[str] = (),
     ) -> None:
+        """``disabled_gates``: feature gates that are off (of ``strategy.GATES``), whose fields the stand-in drops
+        from what is written, as a cluster without them does."""
         if host not in _LOOPBACK:
             raise ValueError(f"the API server stand-in binds loopback only, not {host!r}")
         self.host = "127.0.0.1" if host == "localhost" else host
@@ -78,7 +81,10 @@ class ApiServer:
         self.git_version = git_version
         self.store = Store(history_limit)
         self.validator = Validator(schema_versions, git_version, schema=validate)
-        self.registry = Registry(self.store, self.validator)
+        unknown = set(disabled_gates) - set(GATES)
+        if unknown:
+            raise ValueError(f"the stand-in can turn off {', '.join(GATES)}, not {', '.join(sorted(unknown))}")
+        self.registry = Registry(self.store, self.validator, frozenset(disabled_gates))
         self.log = RequestLog(self.store.cond)
         self.faults = Faults()
         self._stopping = threading.Event()

@@ -10,6 +10,10 @@
 * Quantities are stored in canonical form (``quantity.canonical``: ``"81920Mi"`` → ``"80Gi"``).
 * Defaults: ResourceClaim requests get ``allocationMode: ExactCount`` and ``count: 1``, tolerations
   ``operator: Equal``; device taints without ``timeAdded`` get the current time.
+* Fields of a feature gate that is off are dropped (``dropDisabledFields``), unless the stored object already
+  uses them: with DRAConsumableCapacity off, ResourceSlice devices lose ``allowMultipleAllocations`` and their
+  capacities' ``requestPolicy``, and claim requests their ``capacity``; with DRAPartitionableDevices off, slices
+  lose ``sharedCounters`` and devices ``consumesCounters`` (the gates of facts ``dra.md`` B1, B4).
 """
 
 from __future__ import annotations
@@ -58,7 +62,14 @@ def check_body(kind: Kind, body: object, namespace: str | None, name: str | None
     return body
 
 
-def prepare_create(kind: Kind, namespace: str | None, body: dict, *, keep_status: bool = False) -> dict:
+CONSUMABLE_CAPACITY = "DRAConsumableCapacity"
+PARTITIONABLE_DEVICES = "DRAPartitionableDevices"
+GATES = (CONSUMABLE_CAPACITY, PARTITIONABLE_DEVICES)  # the gates whose fields the stand-in can drop
+
+
+def prepare_create(
+    kind: Kind, namespace: str | None, body: dict, *, keep_status: bool = False, disabled: frozenset[str] = frozenset()
+) -> dict:
     obj = copy.deepcopy(body)
     obj["apiVersion"], obj["kind"] = kind.api_version, kind.kind
     meta = obj.setdefault("metadata", {})
@@ -77,11 +88,14 @@ def prepare_create(kind: Kind, namespace: str | None, body: dict, *, keep_status
     meta["generation"] = 1
     if kind.status and not keep_status:
         obj.pop("status", None)
+    drop_disabled_fields(kind, obj, None, disabled)
     _defaults(kind, obj, None)
     return obj
 
 
-def prepare_update(kind: Kind, body: dict, old: dict, subresource: str | None) -> dict:
+def prepare_update(
+    kind: Kind, body: dict, old: dict, subresource: str | None, *, disabled: frozenset[str] = frozenset()
+) -> dict:
     obj = copy.deepcopy(body)
     obj["apiVersion"], obj["kind"] = kind.api_version, kind.kind
     meta = obj.setdefault("metadata", {})
@@ -109,10 +123,46 @@ def prepare_update(kind: Kind, body: dict, old: dict, subresource: str | None) -
             else:
                 meta.pop(field, None)
         meta.pop("managedFields", None)
+    drop_disabled_fields(kind, obj, old, disabled)
     _defaults(kind, obj, old)
     if kind.has_spec and obj.get("spec") != old.get("spec"):
         meta["generation"] = int(old_meta.get("generation") or 0) + 1
     return obj
+
+
+def drop_disabled_fields(kind: Kind, obj: dict, old: dict | None, disabled: frozenset[str]) -> None:
+    """The fields of the ``disabled`` gates, dropped unless ``old`` (the stored object) already uses them."""
+    if not disabled:
+        return
+    spec, old_spec = obj.get("spec") or {}, (old or {}).get("spec") or {}
+    if kind is RESOURCE_SLICE:
+        devices = spec.get("devices") or []
+        if CONSUMABLE_CAPACITY in disabled and not _uses_consumable_capacity(old_spec):
+            for device in devices:
+                device.pop("allowMultipleAllocations", None)
+                for capacity in (device.get("capacity") or {}).values():
+                    if isinstance(capacity, dict):
+                        capacity.pop("requestPolicy", None)
+        if PARTITIONABLE_DEVICES in disabled and not _uses_counters(old_spec):
+            spec.pop("sharedCounters", None)
+            for device in devices:
+                device.pop("consumesCounters", None)
+    elif kind is RESOURCE_CLAIM and CONSUMABLE_CAPACITY in disabled and "status" not in (old or {}):
+        for request in (spec.get("devices") or {}).get("requests") or []:
+            for alternative in [request.get("exactly") or {}, *(request.get("firstAvailable") or [])]:
+                alternative.pop("capacity", None)
+
+
+def _uses_counters(spec: dict) -> bool:
+    return bool(spec.get("sharedCounters")) or any(d.get("consumesCounters") for d in spec.get("devices") or [])
+
+
+def _uses_consumable_capacity(spec: dict) -> bool:
+    return any(
+        d.get("allowMultipleAllocations")
+        or any(isinstance(c, dict) and c.get("requestPolicy") for c in (d.get("capacity") or {}).values())
+        for d in spec.get("devices") or []
+    )
 
 
 def _defaults(kind: Kind, obj: dict, old: dict | None) -> None:

@@ -1,0 +1,123 @@
+"""Memory-sized GPU shares (agent.core.dra.shares): how a shared GPU is published, what a claim's share is, when
+shares do not fit together, and what a share's MPS clients are limited to."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import MappingProxyType
+
+import pytest
+
+from agent.core.dra.claims import ClaimRef, plan_prepare
+from agent.core.dra.devices import DraDevice, RequestPolicy
+from agent.core.dra.shares import Share, client_env, gate_note, over_committed, share_of, shareable, whole
+from agent.core.dra.slices import SliceError, resource_slices
+
+GIB = 1 << 30
+GPU = DraDevice(
+    name="gpu-0",
+    kind="gpu",
+    uuid="GPU-0000",
+    parent_uuid=None,
+    gpu_minor=0,
+    attributes=MappingProxyType({"type": "gpu", "uuid": "GPU-0000"}),
+    capacity=MappingProxyType({"memory": 80 * GIB}),
+)
+SHARED = shareable(GPU)
+REF = ClaimRef("default", "mine", "0b8e2f44-0000-4000-8000-000000000001")
+
+
+def test_a_shared_gpu_is_published_multi_allocatable_with_memory_and_compute_policies() -> None:
+    (item,) = resource_slices("node", "uid", "gpu.nvidia.com", [SHARED], 1)
+    (device,) = item["spec"]["devices"]
+    assert device["allowMultipleAllocations"] is True
+    assert device["capacity"] == {
+        "computePercent": {
+            "value": "100",
+            "requestPolicy": {"default": "0", "validRange": {"min": "0", "max": "100", "step": "1"}},
+        },
+        "memory": {
+            "value": "80Gi",
+            "requestPolicy": {"default": "80Gi", "validRange": {"min": "1Gi", "max": "80Gi", "step": "1Gi"}},
+        },
+    }
+
+
+def test_a_request_policy_without_multiple_allocations_is_refused_before_publishing() -> None:
+    policy = {"memory": RequestPolicy(default=GIB, minimum=GIB, maximum=80 * GIB, step=GIB)}
+    with pytest.raises(
+        SliceError, match="gpu-0: a capacity has a request policy, which needs allowMultipleAllocations"
+    ):
+        resource_slices("node", "uid", "gpu.nvidia.com", [replace(GPU, request_policies=policy)], 1)
+
+
+def test_only_a_whole_gpu_can_be_shared_by_memory() -> None:
+    with pytest.raises(ValueError, match="only a whole GPU"):
+        shareable(replace(GPU, kind="mig", name="gpu-0-mig-1g10gb-19-0"))
+
+
+def test_a_share_is_read_from_the_consumed_capacity_and_checked_against_the_gpu() -> None:
+    assert share_of(SHARED, {"memory": 10 * GIB, "computePercent": 25}) == Share(10 * GIB, 25)
+    assert share_of(SHARED, {"memory": 10 * GIB}) == Share(10 * GIB, 0)
+    assert "not between 1 byte" in str(share_of(SHARED, {"memory": 81 * GIB}))
+    assert "not between 0 and 100" in str(share_of(SHARED, {"memory": GIB, "computePercent": 101}))
+    assert whole(SHARED, Share(80 * GIB)) and not whole(SHARED, Share(79 * GIB))
+
+
+def test_shares_that_together_exceed_the_gpus_memory_or_compute_do_not_fit() -> None:
+    others = {"default/a": Share(50 * GIB, 60), "default/b": Share(20 * GIB)}
+    assert over_committed(SHARED, Share(10 * GIB, 40), others) is None  # exactly full
+    memory = over_committed(SHARED, Share(11 * GIB), others)
+    assert memory is not None and "its 11Gi of gpu-0 and the 70Gi other claims hold" in memory
+    compute = over_committed(SHARED, Share(GIB, 41), others)
+    assert compute is not None and "exceed 100%" in compute
+
+
+def test_a_shares_clients_are_limited_to_its_memory_and_compute_only_when_asked() -> None:
+    assert client_env("GPU-0000", Share(10 * GIB)) == ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=GPU-0000=10240M",)
+    assert client_env("GPU-0000", Share(20 * GIB, 25))[1] == "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25"
+
+
+@pytest.mark.parametrize(("version", "needed"), [((1, 34), True), ((1, 35), True), ((1, 36), False), ((1, 37), False)])
+def test_the_gate_note_names_the_versions_that_need_the_gate(version: tuple[int, int], needed: bool) -> None:
+    note = gate_note(version)
+    assert (note is not None) == needed
+    if note:
+        assert "DRAConsumableCapacity" in note and f"1.{version[1]}" in note
+
+
+def claim(consumed: dict[str, str] | None, *, config: dict | None = None) -> dict:
+    result = {"request": "gpu", "driver": "gpu.nvidia.com", "pool": "node", "device": "gpu-0"}
+    if consumed is not None:
+        result |= {"shareID": "7f0c6d3e-0000-4000-8000-000000000002", "consumedCapacity": consumed}
+    devices: dict = {"results": [result]}
+    if config is not None:
+        devices["config"] = [{"source": "FromClaim", "opaque": {"driver": "gpu.nvidia.com", "parameters": config}}]
+    return {"metadata": {"uid": REF.uid}, "status": {"allocation": {"devices": devices}}}
+
+
+def plan(raw: dict, **held: object) -> object:
+    return plan_prepare(REF, raw, driver="gpu.nvidia.com", pool="node", devices={"gpu-0": SHARED}, **held)  # type: ignore[arg-type]
+
+
+def test_a_planned_share_is_enforced_through_mps_unless_it_is_all_of_the_gpu() -> None:
+    part = plan(claim({"memory": "10Gi", "computePercent": "30"}))
+    assert part.devices[0].mps_share == Share(10 * GIB, 30)  # type: ignore[union-attr]
+    full = plan(claim({"memory": "80Gi", "computePercent": "0"}))
+    assert full.devices[0].share == Share(80 * GIB) and full.devices[0].mps_share is None  # type: ignore[union-attr]
+
+
+def test_a_whole_allocation_of_a_gpu_others_hold_shares_of_is_refused() -> None:
+    refused = plan(claim(None), shares_held={"gpu-0": {"default/a": Share(10 * GIB)}})
+    assert "is allocated whole, but claims hold shares of it: default/a" in refused.message  # type: ignore[union-attr]
+
+
+def test_a_share_of_a_gpu_a_claim_holds_whole_is_refused() -> None:
+    refused = plan(claim({"memory": "10Gi"}), held_by={"gpu-0": ClaimRef("default", "whole", "other-uid")})
+    assert "already allocated to different claim other-uid" in refused.message  # type: ignore[union-attr]
+
+
+def test_a_share_with_a_time_slicing_config_is_refused() -> None:
+    config = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing"}}
+    refused = plan(claim({"memory": "10Gi"}, config=config))
+    assert "asks for TimeSlicing sharing too" in refused.message  # type: ignore[union-attr]
