@@ -363,7 +363,7 @@ class MpsManager:
         from agent.drain import why_busy  # the PodResources stubs load with the first drain, not at start
 
         drain = Drain(retiring.spec.physical_ids, retiring.spec.physical_ids)
-        busy = why_busy(drain, self._socket)
+        busy = why_busy(drain, self._socket, exclude_pids=_server_pids(retiring.control))
         if busy:
             self._post(MpsDrainChecked(key, tuple(busy)))
             return
@@ -378,6 +378,17 @@ class MpsManager:
                 _compute_mode(uuid, DEFAULT)
         log.info("MPS daemon stopped key=%s", key)
         self._post(MpsDaemonStopped(key))
+
+
+def _server_pids(control: MpsControl | None) -> frozenset[int]:
+    """The daemon's own MPS servers: a real driver lists a server among its GPUs' compute processes, but it is
+    the daemon's, not a workload (clients are listed on their own). None when the daemon does not say."""
+    if control is None:
+        return frozenset()
+    try:
+        return frozenset(int(line) for line in control.commands(["get_server_list"]) if line.strip().isdigit())
+    except MpsError:
+        return frozenset()
 
 
 def _compute_mode(uuid: str, mode: int) -> None:

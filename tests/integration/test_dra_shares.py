@@ -204,3 +204,33 @@ def test_without_the_consumable_capacity_gate_a_share_claim_gets_the_whole_gpu_a
     world.dra.run_pod("default", "asks-10gi", "pod-1", [("gpu", "asks-10gi")], {"a": [("gpu", None)]})
     assert "CUDA_MPS" not in cdi_spec(world, claim)  # a whole GPU: nothing to enforce
     assert not dra_daemons(world)
+
+
+def test_the_gpus_daemon_stops_after_its_last_share_though_the_driver_lists_its_mps_server(
+    world: World, shares: Path, mps_bin: Path
+) -> None:
+    """A real driver lists the MPS server among the GPU's compute processes: it is the daemon's own, not a
+    workload, so the drain does not wait for it; a client still running would be waited for."""
+    import subprocess
+
+    share_claim(world, "only", memory="10Gi")
+    world.dra.run_pod("default", "only", "pod-1", [("gpu", "only")], {"a": [("gpu", None)]})
+    (key,) = dra_daemons(world)
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(shares / key / "pipe")}
+    ask = [str(mps_bin / "nvidia-cuda-mps-control")]
+    subprocess.run(ask, input="start_server -uid 0\n", env=env, check=True, capture_output=True, text=True)
+    listed = subprocess.run(ask, input="get_server_list\n", env=env, check=True, capture_output=True, text=True)
+    server = int(listed.stdout.split()[0])
+    world.driver.add_process(0, server, 300, kind="mps_server")  # as nvidia-smi shows it: type C
+    world.driver.add_process(0, 4242, 1024, kind="mps_client")  # a client that has not exited yet
+    world.dra.stop_pod("pod-1")
+    waiting = test_dra_e2e.poll(
+        lambda: (
+            [d["error"] for d in dra_daemons(world).values() if "4242" in str(d["error"])] or not dra_daemons(world)
+        ),
+        "the retiring daemon waiting for its client",
+    )
+    assert waiting is not True, "the daemon stopped under a running client"
+    assert str(server) not in str(waiting)  # its own server is not what it waits for
+    world.driver.remove_process(4242)
+    test_dra_e2e.poll(lambda: not dra_daemons(world), "the daemon stopped; only its own server was left")
