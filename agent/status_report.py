@@ -140,6 +140,10 @@ def render_text(document: Mapping[str, Any]) -> str:
             for device in claim["devices"]:
                 extra = [f"MIG device {device['mig']}"] if device.get("mig") else []
                 extra += [f"time-slice {device['timeslice']}"] if device.get("timeslice") else []
+                if device.get("share"):
+                    share = device["share"]
+                    compute = f", {share['computePercent']}% of its compute" if share["computePercent"] else ""
+                    extra.append(f"share of {share['memory'] / (1 << 30):g}Gi{compute}")
                 made.append(device["device"] + (f" ({', '.join(extra)})" if extra else ""))
             state = "" if claim["state"] == "PrepareCompleted" else f" [{claim['state']}]"
             lines.append(f"  claim {claim['claim']}{state}: {', '.join(made)}")

@@ -230,6 +230,8 @@ class DraService:
                     entry["mig"] = device.mig.uuid or f"being made at memory slice {device.mig.start}"
                 if device.timeslice is not None:
                     entry["timeslice"] = levels.get(device.timeslice.level, str(device.timeslice.level))
+                if device.share is not None:
+                    entry["share"] = {"memory": device.share.memory, "computePercent": device.share.compute_percent}
                 devices.append(entry)
             shown.append({"claim": f"{claim.namespace}/{claim.name}", "uid": uid, "state": claim.state,
                           "devices": devices})  # fmt: skip

@@ -121,6 +121,15 @@ def test_two_claims_share_one_gpu_each_with_its_memory_and_compute_limits(world:
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in small_spec  # it asked for no compute: no limit
     assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={uuid}=20480M" in large_spec
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in large_spec
+    from agent.status_report import render_text, status_document
+
+    test_dra_e2e.poll(
+        lambda: (
+            "gpu-0 (share of 20Gi, 30% of its compute)" in render_text(status_document(world.agent.status, version="t"))
+        ),
+        "the shares in tessera status",
+    )
+    assert "claim default/small: gpu-0 (share of 10Gi)" in render_text(status_document(world.agent.status, version="t"))
     prepared = world.dra.prepared_claims()
     echoed = {prepared[c["metadata"]["uid"]].devices[0].share_id for c in (small, large)}
     assert echoed == {r["shareID"] for r in results}  # Device.share_id echoes the allocation's shareID
