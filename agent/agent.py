@@ -15,7 +15,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -63,11 +62,11 @@ from agent.gpu.health import (
     recovery_evidence,
 )
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
-from agent.plugin.registration import KUBELET_SOCKET, RegistrationError, register_all
-from agent.plugin.server import ResourceServer, stop_servers
+from agent.plugin.registration import KUBELET_SOCKET, register_soon
+from agent.plugin.server import ResourceServer, send_updates, stop_servers
 from agent.plugin.watch import KubeletSocketChanged, PluginDirChanged, PluginDirWatcher, PluginSocketRemoved
 from agent.status import AgentStatus
-from agent.supervise import Backoff, WorkerCrashed, submit
+from agent.supervise import Backoff, WorkerCrashed
 from agent.telemetry.service import Telemetry, TelemetrySettings
 
 if TYPE_CHECKING:
@@ -187,7 +186,6 @@ class Agent:
         self._events: queue.Queue[object] = queue.Queue()
         self._servers: dict[str, ResourceServer] = {}
         self._registrations: dict[str, _Registration] = {}
-        self._registrar = ThreadPoolExecutor(1, thread_name_prefix="register")
         self._inventory: Inventory | None = None
         self._plan: ResourcePlan | None = None
         self._loaded: LoadedConfig | None = None
@@ -407,7 +405,6 @@ class Agent:
         ):
             if watcher is not None:
                 watcher.stop()
-        self._registrar.shutdown(wait=join is None, cancel_futures=True)
         for feature in (self._mps, self._mig, self._dra):
             if feature is not None:
                 feature.shutdown()
@@ -1033,13 +1030,16 @@ class Agent:
             self._servers.pop(name).stop()
             self._registrations.pop(name, None)
             log.info("resource removed resource=%s", name)
+        updated = []
         for name, snapshot in snapshots.items():
             server = self._servers.get(name)
             if server is None:
                 self._servers[name] = self._new_server(snapshot)
                 self._want_registration(name)
             elif snapshot.listing() != server.snapshot.listing() or snapshot.options != server.snapshot.options:
-                server.update(snapshot)
+                updated += [server] if server.update(snapshot) else []
+        if updated:
+            send_updates(updated)  # the kubelet first: the status, logs and NVML reads that follow come after
         self._snapshots = snapshots
         self._refresh_status()
 
@@ -1094,7 +1094,9 @@ class Agent:
         registration.due_at = due if registration.due_at is None else min(registration.due_at, due)
 
     def _start_due_registrations(self, now: float) -> None:
-        """Every due registration in one job: the kubelet gets them concurrently over one connection."""
+        """Every due registration at once: the kubelet gets them concurrently over one connection, made on the
+        gRPC loop (the kubelet dials back inside Register, which can take seconds: the loop does not wait).
+        The answers come back as ``RegistrationDone`` events."""
         if not self._kubelet_present:
             return
         batch = []
@@ -1111,17 +1113,12 @@ class Agent:
             registration.unless_watched = False
             registration.in_flight = registration.attempts + 1
             batch.append((name, server.socket_path.name, registration.in_flight))
-        if batch and submit(self._registrar, self.post, "register", ",".join(n for n, _, _ in batch),
-                            self._register, tuple(batch)) is None:  # fmt: skip
-            for name, _, _ in batch:
-                self._registrations[name].in_flight = 0  # shutting down
+        if batch:
+            endpoints = [(endpoint, name) for name, endpoint, _ in batch]
+            register_soon(self.options.kubelet_socket, endpoints, lambda answers: self._answered(batch, answers))
 
-    def _register(self, batch: tuple[tuple[str, str, int], ...]) -> None:
-        """Runs on the registrar thread: the kubelet dials back inside Register, which can take seconds."""
-        try:
-            answers = register_all(self.options.kubelet_socket, [(endpoint, name) for name, endpoint, _ in batch])
-        except RegistrationError as error:
-            answers = {name: str(error) for name, _, _ in batch}
+    def _answered(self, batch: list[tuple[str, str, int]], answers: dict[str, str | None]) -> None:
+        """On the gRPC loop's thread: the kubelet's answers go to the reconcile loop."""
         for name, _, attempt in batch:
             self.post(RegistrationDone(name, attempt, answers.get(name, "no answer from the kubelet")))
 
@@ -1137,11 +1134,6 @@ class Agent:
                 self._publish()
         elif event.owner == "dra" and self._dra is not None:
             self._dra.on_crashed(event.key, now)
-        elif event.owner == "register":
-            for name in event.key.split(","):
-                registration = self._registrations.get(name)
-                if registration is not None and registration.in_flight:
-                    self._on_registered(RegistrationDone(name, registration.in_flight, event.error))
 
     def _supervise_watchers(self, now: float) -> None:
         """A watcher thread that died is noticed here and started again (counted, said once per death)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -29,6 +30,7 @@ class GrpcLoop:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._pending: set[Future[Any]] = set()  # submitted coroutines, referenced until they are done
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coroutine`` on the loop and wait for its result (its exception is raised here)."""
@@ -37,6 +39,13 @@ class GrpcLoop:
             coroutine.close()
             raise RuntimeError("GrpcLoop.run called on the loop's own thread: it would wait for itself")
         return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout)
+
+    def submit(self, coroutine: Coroutine[Any, Any, object]) -> None:
+        """Run ``coroutine`` on the loop, from any thread, without waiting for it: it handles its own outcome
+        (what it raises is lost)."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._started())
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
 
     def call_soon(self, callback: Callable[..., object], *args: object) -> None:
         """Run ``callback(*args)`` on the loop, from any thread, without waiting."""

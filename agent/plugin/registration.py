@@ -13,7 +13,7 @@ channel-spin thread, ~0.5 MB and a few milliseconds to load) is not loaded on th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
@@ -56,6 +56,27 @@ def register_all(
     Returns, per resource, ``None`` when the kubelet accepted it, else why not (the kubelet's own text).
     """
     return (loop or grpc_loop()).run(_register_all(kubelet_socket, tuple(endpoints)), REGISTER_TIMEOUT + 5.0)
+
+
+def register_soon(
+    kubelet_socket: Path,
+    endpoints: Iterable[tuple[str, str]],
+    answered: Callable[[dict[str, str | None]], None],
+    *,
+    loop: GrpcLoop | None = None,
+) -> None:
+    """Register like ``register_all``, without waiting: ``answered`` gets the answers on the gRPC loop's thread
+    (it only hands them over). An attempt that fails as a whole answers every resource with why."""
+    endpoints = tuple(endpoints)
+
+    async def attempt() -> None:
+        try:
+            answers = await _register_all(kubelet_socket, endpoints)
+        except Exception as error:  # a bug, not the kubelet: every resource hears of it and is retried
+            answers = {resource: f"registration failed: {type(error).__name__}: {error}" for _, resource in endpoints}
+        answered(answers)
+
+    (loop or grpc_loop()).submit(attempt())
 
 
 async def _register_all(kubelet_socket: Path, endpoints: tuple[tuple[str, str], ...]) -> dict[str, str | None]:

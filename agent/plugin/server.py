@@ -49,6 +49,7 @@ SERVICE = "v1beta1.DevicePlugin"
 # ``stop`` first ends every ListAndWatch stream itself (a clean end of stream, within a millisecond), so
 # this only bounds how long that may take and a handler that is somehow still running.
 STOP_GRACE = 0.1
+SEND_WAIT = 0.05  # send_updates waits at most this long for the gRPC loop (it takes well under a millisecond)
 
 
 PLUGIN_OPTIONS = wire.device_plugin_options(pre_start_required=False, get_preferred_allocation_available=True)
@@ -204,17 +205,20 @@ class ResourceServer:
             return
         self._standby_linked = True
 
-    def update(self, snapshot: ResourceSnapshot) -> None:
-        """Serve ``snapshot`` from now on; ListAndWatch streams send it only if the listing changed.
+    def update(self, snapshot: ResourceSnapshot) -> bool:
+        """Serve ``snapshot`` from now on; ListAndWatch streams send it only if the listing changed (True).
 
         Called by the one reconcile thread. The derived answers are built before the swap (one attribute
         write), so a handler sees either the old snapshot or the new one with everything belonging to it.
+        The streams send on the gRPC loop; ``send_updates`` waits until they have.
         """
         served = _Served.of(snapshot, self._served)
         changed = served.list_and_watch is not self._served.list_and_watch
         self._served = served
         if changed and self._server is not None:
             self._loop.call_soon(self._wake)
+            return True
+        return False
 
     def stop(self, grace: float = STOP_GRACE) -> None:
         """Stop at once: every ListAndWatch stream sends nothing more and ends (the kubelet sees a clean end
@@ -278,6 +282,26 @@ class ResourceServer:
         """On the loop: every waiting stream looks again."""
         wakeup, self._wakeup = self._wakeup, asyncio.Event()
         wakeup.set()
+
+
+def send_updates(servers: Iterable[ResourceServer], timeout: float = SEND_WAIT) -> None:
+    """Wait until the streams woken by ``update`` have handed their new listing to gRPC (at most ``timeout``).
+
+    The reconcile thread calls it after a change the kubelet must see (a device turned Unhealthy): rather than
+    go on with what follows (logs, NVML reads, the status) while the gRPC loop waits for the GIL, it lets the
+    loop send first. Handlers on the loop never block, so this takes as long as the sending itself.
+    """
+    loops = {server._loop for server in servers if server._server is not None}
+    for loop in loops:
+        with contextlib.suppress(TimeoutError):
+            loop.run(_next_turns(), timeout)
+
+
+async def _next_turns() -> None:
+    """Done once the loop ran what was queued before it, and the tasks that woke up from that their next step
+    (a stream woken by ``update`` has then yielded its message to gRPC)."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
 
 
 def stop_servers(servers: Iterable[ResourceServer], grace: float = STOP_GRACE) -> None:

@@ -23,8 +23,8 @@ from agent.core.preferred import preferred
 from agent.core.resources import Device
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot
 from agent.plugin.lock import LOCK_DIRECTORY
-from agent.plugin.registration import RegistrationError, register, register_all
-from agent.plugin.server import ResourceServer
+from agent.plugin.registration import RegistrationError, register, register_all, register_soon
+from agent.plugin.server import ResourceServer, send_updates
 from agent.sim.kubelet import KubeletEmulator
 from agent.sim.kubelet.common import CHANNEL_OPTIONS
 
@@ -139,8 +139,9 @@ def test_update_reaches_the_stream_and_an_unchanged_listing_sends_nothing(serve)
     reader = Reader(server.socket_path)
     try:
         assert len(reader.wait_for(1)) == 1
-        server.update(snapshot(strategies=(DeviceListStrategy.CDI_CRI,)))  # new options, the same listing
-        server.update(snapshot(unhealthy=(1,)))
+        assert not server.update(snapshot(strategies=(DeviceListStrategy.CDI_CRI,)))  # options only: no message
+        assert server.update(snapshot(unhealthy=(1,)))
+        send_updates([server])  # returns once the stream has handed the message to gRPC
         messages = reader.wait_for(2)
         assert len(messages) == 2  # the options-only change sent nothing
         assert reader.health() == {uuid(0): "Healthy", uuid(1): "Unhealthy", uuid(2): "Healthy", uuid(3): "Healthy"}
@@ -326,3 +327,41 @@ def test_serving_and_registering_load_no_synchronous_grpc_client_and_no_protobuf
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "False"]
     kubelet.wait_for(lambda: GPU in kubelet.resources(), what="registered")
+
+
+def test_register_soon_hands_every_answer_over_without_waiting(kubelet, serve):
+    gpu = serve(snapshot())
+    answered: list[dict[str, str | None]] = []
+    done = threading.Event()
+
+    def hand_over(answers: dict[str, str | None]) -> None:
+        answered.append(answers)
+        done.set()
+
+    register_soon(kubelet.kubelet_socket, [(gpu.socket_path.name, GPU), ("x.sock", "gpu")], hand_over)
+    assert done.wait(10)
+    assert answered == [
+        {GPU: None, "gpu": 'kubelet refused the registration: UNKNOWN: the ResourceName "gpu" is invalid'}
+    ]
+    kubelet.wait_for(lambda: kubelet.allocatable(GPU) == 4, what="registered")
+
+
+def test_register_soon_answers_every_resource_when_the_attempt_itself_fails(plugin_dir):
+    answered: list[dict[str, str | None]] = []
+    done = threading.Event()
+
+    def hand_over(answers: dict[str, str | None]) -> None:
+        answered.append(answers)
+        done.set()
+
+    endpoints = [(5, GPU), ("b.sock", "nvidia.com/gpu.shared")]  # an endpoint that is no string: a bug of ours
+    register_soon(plugin_dir / "kubelet.sock", endpoints, hand_over)  # type: ignore[list-item]
+    assert done.wait(10)
+    assert set(answered[0]) == {GPU, "nvidia.com/gpu.shared"}
+    assert all(text and text.startswith("registration failed: AttributeError") for text in answered[0].values())
+
+
+def test_send_updates_has_nothing_to_wait_for_without_a_running_server(plugin_dir):
+    server = ResourceServer(snapshot(), plugin_dir)  # never started
+    assert not server.update(snapshot(unhealthy=(1,)))
+    send_updates([server])
