@@ -156,3 +156,23 @@ def test_the_reader_says_why_and_asks_a_not_supported_gpu_no_more(driver: SimDri
     assert reader.read([uuid])[uuid].error == "NOT_SUPPORTED", "not asked again"
     reader.forget([])
     assert reader.read([uuid])[uuid].samples, "asked afresh once forgotten (the GPU left MIG mode)"
+
+
+def test_the_control_socket_sets_loads_and_makes_processes_exit_after_listing(driver: SimDriver, tmp_path) -> None:
+    """An end-to-end test outside the agent's process drives the same through ``--sim-control``."""
+    from agent.sim.nvml.control import SimControlClient, SimControlServer
+
+    server = SimControlServer(driver, tmp_path / "ctl.sock")
+    server.start()
+    try:
+        client = SimControlClient(tmp_path / "ctl.sock")
+        client.call("add_process", gpu=0, pid=20, used_mib=64, sm=15, decoder=4)
+        assert samples(0) == {20: (15, 0, 0, 4)}
+        client.call("set_process_utilization", pid=20, sm=0)
+        client.call("exit_after_listing", pid=20)
+        assert [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle(0))] == [20]
+        assert pynvml.nvmlDeviceGetComputeRunningProcesses(handle(0)) == []
+        with pytest.raises(Exception, match="0-100"):
+            client.call("add_process", gpu=0, pid=21, used_mib=64, sm=101)  # refused, not half-made
+    finally:
+        server.stop()

@@ -699,8 +699,7 @@ class SimDriver:
     def set_process_utilization(self, pid: int, sm: int, memory: int = 0, encoder: int = 0, decoder: int = 0) -> None:
         """From now on the process keeps the GPU's SM, memory, encoder and decoder this busy (percent)."""
         load = (sm, memory, encoder, decoder)
-        if not all(0 <= value <= 100 for value in load):
-            raise ValueError(f"utilization {load} is not within 0-100 %")
+        _check_load(load)
         with self.lock:
             process = self._running(pid)
             process.loads.append((time.time(), load))
@@ -901,6 +900,7 @@ class SimDriver:
         the GPU's engines as busy as ``sm``, ``memory``, ``encoder`` and ``decoder`` say (percent)."""
         if kind not in PROCESS_KINDS:
             raise ValueError(f"process kind {kind!r} is not one of {', '.join(PROCESS_KINDS)}")
+        _check_load((sm, memory, encoder, decoder))
         with self.lock:
             gpu = self.gpu(index)
             gi_id = ci_id = INVALID_INSTANCE_ID
@@ -1091,6 +1091,11 @@ class SimDriver:
 
 
 # ----- memory health --------------------------------------------------------------------------------
+
+
+def _check_load(load: Load) -> None:
+    if not all(isinstance(value, int) and 0 <= value <= 100 for value in load):
+        raise ValueError(f"utilization {load} is not within 0-100 %")
 
 
 def _uint32(name: str, value: int | None) -> int | None:
