@@ -5,16 +5,21 @@ kubelet's own PodResources client uses), at most ``MAX_DEVICE_IDS`` device IDs a
 ``MAX_NAME_CHARS`` are refused. Whatever goes wrong — no socket, a failed call, an answer too big or
 malformed — is a :class:`PodResourcesError`, never another exception; callers treat it as "unknown", which
 counts as busy.
+
+The generated stubs (and the protobuf runtime with them, ~2.4 MB) load with the first call, not with this module:
+metrics import ``DeviceHolder`` at start but ask the kubelet only once its checkpoint lists devices of ours.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
-from agent.api.podresources.v1 import api_pb2, api_pb2_grpc
+if TYPE_CHECKING:
+    from agent.api.podresources.v1 import api_pb2
 
 TIMEOUT = 5.0
 MAX_RECEIVE_BYTES = 16 << 20  # as the kubelet's own PodResources client (DefaultPodResourcesMaxSize, 16 MiB)
@@ -43,6 +48,8 @@ def allocated_devices(socket: Path) -> dict[str, DeviceHolder]:
     try:
         if not socket.exists():
             raise PodResourcesError(f"the kubelet's PodResources socket {socket} does not exist")
+        from agent.api.podresources.v1 import api_pb2, api_pb2_grpc
+
         with grpc.insecure_channel(f"unix://{socket}", options=CHANNEL_OPTIONS) as channel:
             response = api_pb2_grpc.PodResourcesListerStub(channel).List(
                 api_pb2.ListPodResourcesRequest(), timeout=TIMEOUT

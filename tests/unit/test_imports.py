@@ -91,6 +91,12 @@ def test_a_simulated_run_loads_no_pydantic_and_no_drain_machinery():
     assert not packages(loaded, "pydantic", "pydantic_core", "agent.drain", "agent.plugin.podresources")
 
 
+def test_the_podresources_client_loads_protobuf_with_its_first_call_not_with_its_types():
+    """Metrics import DeviceHolder at start; the stubs and protobuf load only once the kubelet is asked."""
+    loaded = loaded_after("from agent.plugin.podresources import DeviceHolder, allocated_devices")
+    assert not packages(loaded, "google.protobuf", "agent.api")
+
+
 def test_the_telemetry_settings_load_no_metrics_library():
     code = "from agent.telemetry.service import TelemetrySettings\nfrom agent.telemetry.server import parse_address"
     assert not packages(loaded_after(code), "prometheus_client", "http.server", "grpc", "agent.telemetry.collector")
