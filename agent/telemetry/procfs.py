@@ -71,6 +71,7 @@ class ProcessOwners:
 
     def __init__(self, proc_root: Path) -> None:
         self.proc_root = proc_root
+        self._root = os.fspath(proc_root)  # paths as strings: a collection reads a stat file per GPU process
         self._known: dict[int, tuple[int, str | None]] = {}  # pid -> (start ticks, pod UID)
 
     def owners(self, pids: Iterable[int], listed_at: float | None = None) -> dict[int, Owner]:
@@ -99,7 +100,7 @@ class ProcessOwners:
             uid = known[1]
         else:
             try:
-                with (self.proc_root / str(pid) / "cgroup").open("rb") as file:
+                with open(f"{self._root}/{pid}/cgroup", "rb") as file:  # noqa: PTH123 - a str path: no pathlib per read
                     text = file.read(MAX_CGROUP_BYTES).decode(errors="replace")
             except FileNotFoundError:
                 return Owner(pid, start, None, Unattributed.EXITED)
@@ -114,7 +115,8 @@ class ProcessOwners:
 
     def _start_ticks(self, pid: int) -> int | Unattributed:
         try:
-            text = (self.proc_root / str(pid) / "stat").read_bytes()
+            with open(f"{self._root}/{pid}/stat", "rb") as file:  # noqa: PTH123 - as above
+                text = file.read()
         except (FileNotFoundError, ProcessLookupError):
             return Unattributed.EXITED
         except OSError:
