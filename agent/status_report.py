@@ -175,7 +175,7 @@ def render_idle(document: Mapping[str, Any]) -> str:
         util = entry.get("utilization_percent")
         table.append(
             (
-                f"{entry['namespace']}/{entry['pod']}",
+                f"{entry['namespace']}/{entry['pod'] or '-'}",  # a DRA claim's pods are known by UID only
                 str(entry["container"]) or "-",
                 str(entry["resource"]),
                 str(entry["device_id"]),
