@@ -60,6 +60,10 @@ class ProcessUtilization:
             reads[uuid] = self._read(uuid)
         return reads
 
+    def unsupported(self, gpu_uuids: Iterable[str]) -> dict[str, UtilizationRead]:
+        """The GPUs among ``gpu_uuids`` known not to report it, as reads saying so (no NVML call)."""
+        return {uuid: UtilizationRead(error="NOT_SUPPORTED") for uuid in gpu_uuids if uuid in self._unsupported}
+
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the state of GPUs not in ``keep`` (gone, or in MIG mode now: asked afresh when they leave it)."""
         kept = set(keep)

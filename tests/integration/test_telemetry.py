@@ -630,6 +630,11 @@ def test_when_nvml_has_no_per_process_utilization_the_series_say_so_and_nobody_i
     assert value(samples, name, pod=working.name) == 0
     assert value(samples, "tessera_pod_device_memory_used_bytes", pod=working.name) == 1000 * MIB
     node.wait_samples(lambda s: value(s, name, pod=empty.name) >= 1.5, 5, "more collections")
+    driver.remove_process(7200)  # with no process left the GPU is not asked, and still said not to report it
+    available = "tessera_gpu_process_utilization_available"
+    processes = "tessera_pod_device_processes"
+    samples = node.wait_samples(lambda s: value(s, processes, pod=working.name) == 0, 5, "the process gone")
+    assert value(samples, available, gpu=str(shared), reason="NOT_SUPPORTED") == 0
     warnings = [r.getMessage() for r in caplog.records if "per-process GPU utilization" in r.getMessage()]
     assert len(warnings) == 1 and "NOT_SUPPORTED" in warnings[0], warnings
 
