@@ -1019,6 +1019,7 @@ class Agent:
             self._effective.allocation,
             unavailable=self._mps.unavailable() if self._mps is not None else frozenset(),
             cordoned=self._cordon.units,
+            previous=self._snapshots,
         )
         snapshots = {
             name: snapshot

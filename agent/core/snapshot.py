@@ -7,7 +7,7 @@ handler threads only ever read the snapshot they picked up, so nothing is shared
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from types import MappingProxyType
 
 from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
@@ -39,11 +39,17 @@ class ResourceSnapshot:
     by_id: Mapping[str, Device] = field(init=False)
     layout: DeviceLayout = field(init=False)  # counted once here, not on every GetPreferredAllocation
     _listing: tuple[tuple[str, bool, int | None], ...] = field(init=False, repr=False, compare=False)
+    previous: InitVar[ResourceSnapshot | None] = None  # its layout is taken over when the devices are the same
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, previous: ResourceSnapshot | None) -> None:
         health = MappingProxyType(dict(self.health))
-        object.__setattr__(self, "by_id", MappingProxyType({d.id: d for d in self.devices}))
-        object.__setattr__(self, "layout", DeviceLayout.of(self.by_id, self.nvlink_peers))
+        if previous is not None and previous.devices == self.devices and previous.nvlink_peers == self.nvlink_peers:
+            by_id, layout = previous.by_id, previous.layout  # only health changed (an XID): nothing to count again
+        else:
+            by_id = MappingProxyType({d.id: d for d in self.devices})
+            layout = DeviceLayout.of(by_id, self.nvlink_peers)
+        object.__setattr__(self, "by_id", by_id)
+        object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "health", health)
         object.__setattr__(self, "_listing", tuple((d.id, health.get(d.id, False), d.numa_node) for d in self.devices))
 
@@ -65,10 +71,12 @@ def build_snapshots(
     *,
     unavailable: frozenset[str] = frozenset(),
     cordoned: frozenset[str] = frozenset(),
+    previous: Mapping[str, ResourceSnapshot] | None = None,
 ) -> dict[str, ResourceSnapshot]:
     """One snapshot per resource with devices; a device is healthy when its GPU (or MIG device) is, its
     physical device is not ``unavailable`` (e.g. its MPS daemon is down) and neither its GPU nor its MIG
-    device is ``cordoned`` by the operator."""
+    device is ``cordoned`` by the operator. ``previous`` (the snapshots being served) lends its per-device
+    layout to a resource whose devices did not change."""
     peers = {gpu.index: frozenset(gpu.nvlink_peers) for gpu in inventory.gpus}
     snapshots = {}
     for resource in plan.resources:
@@ -92,5 +100,6 @@ def build_snapshots(
             fail_requests_greater_than_one=resource.fail_requests_greater_than_one,
             replicas=resource.replicas,
             mps=resource.mps,
+            previous=previous.get(resource.name) if previous else None,
         )
     return snapshots

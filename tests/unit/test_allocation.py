@@ -286,6 +286,20 @@ def test_snapshot_carries_devices_health_peers_and_options_for_allocate():
     assert allocation.cdi_devices == (f"example.com/gpu={gpu_uuid(2)}",)
 
 
+def test_a_snapshot_takes_over_the_layout_of_the_one_it_replaces_only_when_its_devices_are_the_same():
+    first = build_snapshots(PLAN, HealthState(), INVENTORY, AllocationOptions())
+    health = record_fault(HealthState(), [gpu_uuid(1)], "XID 79", now=10.0)
+    after_xid = build_snapshots(PLAN, health, INVENTORY, AllocationOptions(), previous=first)[GPU]
+    assert after_xid.layout is first[GPU].layout  # only health changed: nothing counted again
+    assert after_xid == build_snapshots(PLAN, health, INVENTORY, AllocationOptions())[GPU]
+    assert after_xid.health[gpu_uuid(1)] is False
+    fewer = ResourcePlan((Resource(GPU, tuple(GPUS[:2])),), MigStrategy.MIXED)
+    shrunk = build_snapshots(fewer, health, INVENTORY, AllocationOptions(), previous=first)[GPU]
+    assert shrunk.layout is not first[GPU].layout
+    assert shrunk.layout == build_snapshots(fewer, health, INVENTORY, AllocationOptions())[GPU].layout
+    assert set(shrunk.layout.position) == {gpu_uuid(0), gpu_uuid(1)}
+
+
 def test_default_options_are_envvar_with_nvidia_cdi_kind():
     assert AllocationOptions() == AllocationOptions(strategies=(ENVVAR,), cdi_kind="nvidia.com/gpu")
 
