@@ -248,6 +248,12 @@ def value(samples: Samples, name: str, **match: str) -> float:
     return only[1]
 
 
+def maybe(samples: Samples, name: str, **match: str) -> float | None:
+    """The one series' value, or None while there is none (yet)."""
+    found = series(samples, name, **match)
+    return found[0][1] if len(found) == 1 else None
+
+
 def held_device(pod: Pod, container: str, resource: str) -> str:
     (device,) = pod.containers[container][resource].device_ids
     return device
@@ -708,3 +714,26 @@ def test_status_lists_each_allocated_device_with_its_pod_and_how_long_it_has_bee
         "the idle time growing",
     )
     assert idle_for(later, busy.name) == 0
+
+
+def test_the_mps_client_list_unsupported_or_failing_costs_the_clients_not_the_node(node: TelemetryNode) -> None:
+    kubelet, driver = node.kubelet, node.driver
+    pods = [kubelet.create_pod(f"mps-fault-{n}", {"main": {GPU: 1}}, namespace="infer") for n in range(3)]
+    shared, first, second, other, third = shared_pair(node, pods)
+    node.run_process(first, shared, 7500, 1000, sm=20)  # a compute process: listed either way
+    node.run_process(second, shared, 7501, 2000, kind="mps_client", sm=30)
+    node.run_process(third, other, 7502, 3000, sm=40)
+    memory = "tessera_pod_device_memory_used_bytes"
+    node.wait_samples(lambda s: maybe(s, memory, pod=second.name) == 2000 * MIB, 5, "the MPS client's memory")
+
+    symbol = "nvmlDeviceGetMPSComputeRunningProcesses_v3"
+    driver.inject_error(symbol, Return.ERROR_NOT_SUPPORTED, times=None, gpu_index=shared)  # an older driver
+    samples = node.wait_samples(lambda s: maybe(s, memory, pod=second.name) == 0, 5, "the client unlisted")
+    assert value(samples, memory, pod=first.name) == 1000 * MIB and value(samples, "tessera_gpu_up", gpu=str(shared))
+    driver.clear_injected_errors()
+    driver.inject_error(symbol, Return.ERROR_UNKNOWN, times=None, gpu_index=shared)  # the call fails
+    samples = node.wait_samples(lambda s: maybe(s, "tessera_gpu_up", gpu=str(shared)) == 0, 5, "the GPU unread")
+    assert value(samples, memory, pod=third.name) == 3000 * MIB, "the other GPU keeps its pods' numbers"
+    assert value(samples, "tessera_pod_device_idle", pod=first.name) == 0, "unread is unknown, not idle"
+    driver.clear_injected_errors()
+    node.wait_samples(lambda s: maybe(s, memory, pod=second.name) == 2000 * MIB, 5, "back once NVML answers")
