@@ -33,6 +33,7 @@ class TelemetrySettings:
     interval: float = 10.0
     idle_threshold_percent: float = 5.0
     proc_root: Path = Path("/proc")
+    kubelet_dir: Path | None = None  # where the kubelet's dra_manager_state is; None: the device plugin dir's parent
     nfd_features_dir: Path | None = None
     shared_product_suffix: bool = False
     label_node: bool = False  # also patch the labels onto the Node (no NFD): needs the node-labels overlay's RBAC
@@ -72,6 +73,7 @@ class Telemetry:
             interval=settings.interval,
             idle_threshold_percent=settings.idle_threshold_percent,
             proc_root=settings.proc_root,
+            kubelet_dir=settings.kubelet_dir,
             device_plugin_dir=device_plugin_dir,
             pod_resources_socket=pod_resources_socket,
         )
