@@ -591,18 +591,7 @@ def dynamic_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure
 
         def claim(name: str, profile: str, held: set[tuple[str, str, str]]) -> dict | None:
             """A claim for one MIG device of ``profile``, allocated around ``held``; None when nothing fits."""
-            selector = f"device.attributes['gpu.nvidia.com'].profile == '{profile}'"
-            request = {"deviceClassName": "mig.nvidia.com", "selectors": [{"cel": {"expression": selector}}]}
-            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                    "metadata": {"name": name, "namespace": "default"},
-                    "spec": {"devices": {"requests": [{"name": "mig", "exactly": request}]}}}  # fmt: skip
-            created = api.create("resourceclaims", body)
-            try:
-                allocated = allocate(created, slices, classes, held, NODE)
-            except Unschedulable:
-                api.delete("resourceclaims", name, namespace="default")
-                return None
-            return api.update("resourceclaims", allocated, status=True)
+            return _allocated_claim(api, name, _mig_request(profile), slices, classes, held)
 
         # Prepare (creates the MIG device) and Unprepare (destroys it), one 1g.10gb claim at a time
         one = claim("timed", "1g.10gb", set())
@@ -694,8 +683,7 @@ def shares_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure]
 
         def new_claim(name: str) -> dict | None:
             if rng.random() < 0.5:
-                selector = f"device.attributes['gpu.nvidia.com'].profile == '{rng.choice(CHURN_PROFILES)}'"
-                exactly = {"deviceClassName": "mig.nvidia.com", "selectors": [{"cel": {"expression": selector}}]}
+                exactly = _mig_request(rng.choice(CHURN_PROFILES))
             else:
                 asked = {"memory": f"{rng.choice(SHARE_MEMORY_GIB)}Gi"}
                 compute = rng.choice(SHARE_COMPUTE)
@@ -703,17 +691,8 @@ def shares_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure]
                     asked["computePercent"] = str(compute)
                 exactly = {"deviceClassName": DRIVER, "capacity": {"requests": asked},
                            "selectors": [{"cel": {"expression": "device.allowMultipleAllocations"}}]}  # fmt: skip
-            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                    "metadata": {"name": name, "namespace": "default"},
-                    "spec": {"devices": {"requests": [{"name": "r", "exactly": exactly}]}}}  # fmt: skip
-            created = api.create("resourceclaims", body)
             held, consumed = devices_in_use(live.values())
-            try:
-                allocated = allocate(created, slices, classes, held, NODE, consumed=consumed)
-            except Unschedulable:
-                api.delete("resourceclaims", name, namespace="default")
-                return None
-            return api.update("resourceclaims", allocated, status=True)
+            return _allocated_claim(api, name, exactly, slices, classes, held, consumed)
 
         def check() -> None:
             results = {n: c["status"]["allocation"]["devices"]["results"][0] for n, c in live.items()}
@@ -796,6 +775,35 @@ def shares_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure]
         figures["mix rss"].add_one(world.rss())
 
     _with_world(base, str(spec), "all", args, body, dra_extra="  dynamicMig: [0, 1, 2, 3]\n  gpuShares: [4, 5, 6, 7]\n")
+
+
+def _mig_request(profile: str) -> dict:
+    """One MIG device of ``profile`` through NVIDIA's ``mig.nvidia.com`` class."""
+    selector = f"device.attributes['gpu.nvidia.com'].profile == '{profile}'"
+    return {"deviceClassName": "mig.nvidia.com", "selectors": [{"cel": {"expression": selector}}]}
+
+
+def _allocated_claim(
+    api: ApiServer,
+    name: str,
+    exactly: dict,
+    slices: list[dict],
+    classes: dict[str, dict],
+    held: set[tuple[str, str, str]],
+    consumed: dict | None = None,
+) -> dict | None:
+    """A claim of one request (``exactly``), allocated by the simulated scheduler around what other claims hold and
+    consume, and stored; None (and nothing stored) when nothing fits."""
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"devices": {"requests": [{"name": "r", "exactly": exactly}]}}}  # fmt: skip
+    created = api.create("resourceclaims", body)
+    try:
+        allocated = allocate(created, slices, classes, held, NODE, consumed=consumed)
+    except Unschedulable:
+        api.delete("resourceclaims", name, namespace="default")
+        return None
+    return api.update("resourceclaims", allocated, status=True)
 
 
 def _same_partitions(made: list[dict], prepared: list[str]) -> None:
