@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import logging
 import os
@@ -11,6 +10,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,7 +205,7 @@ def run_agent(
 ) -> int:
     """Run the agent until it is stopped. ``collector_paused``: the caller turned the garbage collector off for
     the start (``tessera run`` does, before it imports the agent); it is turned back on once the kubelet is
-    served (``_tidy_once_served``)."""
+    served (``_resume_collector_once_served``)."""
     with ExitStack() as stack:
         if simulate:
             from agent.sim.nvml.install import simulated_node
@@ -228,8 +228,8 @@ def run_agent(
             _nvml_starts()
         agent = Agent(options)
         if collector_paused:
-            _tidy_once_served(agent.served)
-        _stop_on_signals(agent)
+            _resume_collector_once_served(agent.served)
+        stack.callback(_stop_on_signals(agent))
         try:
             agent.run()
         except AgentExit as error:
@@ -239,34 +239,24 @@ def run_agent(
     return 0
 
 
-def _tidy_once_served(served: threading.Event) -> None:
+def _resume_collector_once_served(served: threading.Event) -> None:
     """Resume the garbage collector, paused for the start, once the kubelet is served.
 
     Nearly everything the start makes (modules, classes, the plan, the servers) lives as long as the process:
     collecting while it is made only walks it again and again (~80 passes, 5-10 ms before the first
-    registration). Once the kubelet is served, one pass frees what the start left behind, the survivors are
-    frozen out of the collector's way for good (``gc.freeze``: later passes walk only what is newer), collection
-    resumes, and the C heap's free pages go back to the system (glibc's ``malloc_trim``: ~1 MB freed by the
-    start that would otherwise stay in the process's RSS).
+    registration). Once the kubelet is served, what the start made is frozen out of the collector's way for good
+    (``gc.freeze``: later passes walk only what is newer) and collection resumes. The start leaves ~500 cyclic
+    objects behind (~70 kB, mostly the pure-Python ``datetime`` classes its C module replaces): frozen with the
+    rest, they are not worth a full pass that would hold the GIL for ~10 ms. (Measured and left out: a full
+    pass before freezing, and glibc's ``malloc_trim`` after it, ~0.1 MB less RSS.)
     """
 
-    def tidy() -> None:
+    def resume() -> None:
         served.wait()
-        gc.collect()
         gc.freeze()
         gc.enable()
-        _trim_heap()
 
-    threading.Thread(target=tidy, name="start-tidy", daemon=True).start()
-
-
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the system, where the C library can (glibc; musl has no trim)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
+    threading.Thread(target=resume, name="gc-resume", daemon=True).start()
 
 
 def _nvml_starts() -> None:
@@ -278,19 +268,48 @@ def _nvml_starts() -> None:
         pass
 
 
-def _stop_on_signals(agent: Agent) -> None:
+SIGNALS = {signal.SIGTERM: "stop", signal.SIGINT: "stop", signal.SIGHUP: "reload"}
+
+
+def _stop_on_signals(agent: Agent) -> Callable[[], None]:
+    """SIGTERM and SIGINT stop the agent; SIGHUP has it read its config again (NVIDIA's config-manager sidecar
+    sends it after it switched the config: read it again, do not die). Returns what puts the previous handling
+    back (for an agent run inside another program).
+
+    Python runs a signal's handler on the main thread only, between two bytecodes, but the kernel may deliver
+    the signal to any thread (a gRPC thread, say): the main thread, asleep in the reconcile loop's wait, would
+    then run the handler only when that wait ends, up to ``SAFETY_SECONDS`` later (seen about once in a
+    hundred SIGTERMs right after a start). So the interpreter's own handler, whichever thread it runs on,
+    writes the signal's number to a pipe (``signal.set_wakeup_fd``), and a thread reading it tells the agent.
+    """
     if threading.current_thread() is not threading.main_thread():
-        return
+        return lambda: None
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    previous = {signum: signal.signal(signum, _on_signal) for signum in SIGNALS}
+    threading.Thread(target=_dispatch_signals, args=(read_end, agent), name="signals", daemon=True).start()
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        log.info("stopping signal=%s", signal.Signals(signum).name)
-        agent.stop()
+    def restore() -> None:
+        signal.set_wakeup_fd(previous_fd)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        os.close(write_end)  # the dispatcher reads the end of the pipe and stops
 
-    def reload(signum: int, frame: FrameType | None) -> None:
-        log.info("reading the config again signal=SIGHUP")
-        agent.post(ConfigSourceChanged())
+    return restore
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    # NVIDIA's config-manager sidecar sends SIGHUP after it switched the config: read it again, do not die
-    signal.signal(signal.SIGHUP, reload)
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    """The signals are handled by ``_dispatch_signals``: this handler only makes the interpreter catch them."""
+
+
+def _dispatch_signals(read_end: int, agent: Agent) -> None:
+    with open(read_end, "rb", buffering=0) as pipe:
+        while numbers := pipe.read(64):
+            for signum in numbers:
+                if SIGNALS.get(signum) == "stop":
+                    log.info("stopping signal=%s", signal.Signals(signum).name)
+                    agent.stop()
+                elif SIGNALS.get(signum) == "reload":
+                    log.info("reading the config again signal=SIGHUP")
+                    agent.post(ConfigSourceChanged())

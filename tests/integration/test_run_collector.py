@@ -76,8 +76,8 @@ def test_the_start_runs_without_collections_and_the_collector_resumes_once_the_k
         shutil.rmtree(base, ignore_errors=True)
     assert result["enabled"]
     assert result["frozen"] > 1000  # the start's modules, classes and values: out of the collector's way
-    # Before the freeze: the handful while the command line is parsed, before `run` begins, and the one pass
-    # that frees what the start left behind (collecting during the start is ~80 passes).
+    # Before the freeze: the handful while the command line is parsed, before `run` begins (collecting during
+    # the start is ~80 passes).
     assert len([p for p in result["passes"] if p == 0]) <= 20, result["passes"][:30]
 
 
