@@ -833,6 +833,7 @@ class Agent:
             self._clock(),
             dynamic_mig=section.dynamic_mig if section else None,
             gpu_shares=section.gpu_shares if section else None,
+            default_share=section.default_share if section else None,
         )
 
     def _dra_settings(self, driver: str) -> DraSettings:

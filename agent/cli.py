@@ -764,7 +764,10 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
         node_name = args.node_name or _spec_node_name(args.node)
         dynamic = dynamic_mig_gpus(section.dynamic_mig, chosen, inventory) if section is not None else frozenset()
         shared = shared_gpus(section.gpu_shares, chosen, dynamic, inventory) if section is not None else frozenset()
-        devices = dra_devices(inventory, gpu_uuids=chosen, dynamic_mig=dynamic, shared=shared)
+        default_share = section.default_share if section is not None else None
+        devices = dra_devices(
+            inventory, gpu_uuids=chosen, dynamic_mig=dynamic, shared=shared, default_share=default_share
+        )
         layout = layout_for(f"v{args.kubernetes_version.lstrip('v')}.0")
         slices = resource_slices(
             node_name, args.node_uid or PLACEHOLDER_NODE_UID, driver, devices, 1, layout,
@@ -816,8 +819,10 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
                 memory = device.get("capacity", {}).get("memory", {})
                 shares = ""
                 if device.get("allowMultipleAllocations"):
-                    step = memory["requestPolicy"]["validRange"]["step"]
-                    shares = f"  shared: memory in {step} steps, computePercent 0-100"
+                    policy = memory["requestPolicy"]
+                    given = "all" if policy["default"] == memory["value"] else policy["default"]
+                    step = policy["validRange"]["step"]
+                    shares = f"  shared: memory in {step} steps ({given} if not asked), computePercent 0-100"
                 print(f"  {device['name']:<28} {kind:<4} {what:<26} memory {memory.get('value', '-')}{shares}")
     return EXIT_OK
 

@@ -224,6 +224,7 @@ class DraSection:
     gpus: Literal["all"] | list[int | str] = "all"
     dynamic_mig: Literal["all"] | list[int | str] | None = None  # partitionable devices: MIG made per claim
     gpu_shares: Literal["all"] | list[int | str] | None = None  # consumable capacity: memory-sized shares
+    default_share: int | None = None  # bytes a claim that asks for no memory gets of a shared GPU (None: all)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -312,13 +312,37 @@ class DraSection(_Section):
     ``dynamicMig`` (``all``: every MIG-capable GPU DRA serves, or indices and UUIDs) lists those GPUs as
     partitionable devices: MIG devices are created for a claim and destroyed after it. ``gpuShares`` (``all``:
     every GPU DRA serves outside dynamic MIG, or indices and UUIDs) publishes those GPUs for memory-sized shares:
-    several claims each take an amount of the GPU's memory (and compute), enforced through MPS."""
+    several claims each take an amount of the GPU's memory (and compute), enforced through MPS. ``defaultShare``
+    (a whole number of GiB) is what a claim that asks for no memory gets of such a GPU (default: all of it), so
+    requests by count — an unchanged pod's ``nvidia.com/gpu.shared: 1`` through a DeviceClass — share GPUs too."""
 
     enabled: StrictBool = False
     driver_name: GoString = Field("gpu.nvidia.com", alias="driverName")
     gpus: Literal["all"] | list[StrictInt | GoString] = "all"
     dynamic_mig: Literal["all"] | list[StrictInt | GoString] | None = Field(None, alias="dynamicMig")
     gpu_shares: Literal["all"] | list[StrictInt | GoString] | None = Field(None, alias="gpuShares")
+    default_share: StrictInt | None = Field(None, alias="defaultShare")  # bytes, from a quantity such as "10Gi"
+
+    @field_validator("default_share", mode="before")
+    @classmethod
+    def _default_share(cls, value: object) -> object:
+        if value is None:
+            return None
+        from agent.core.dra.opaque import parse_quantity
+        from agent.core.dra.shares import MEMORY_STEP
+
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError("write a memory size such as 10Gi")
+        amount = parse_quantity(str(value))
+        if amount <= 0 or amount.denominator != 1 or amount % MEMORY_STEP:
+            raise ValueError(f"{value!r} is not a whole number of GiB (1Gi, 10Gi, …): shares come in 1Gi steps")
+        return int(amount)
+
+    @model_validator(mode="after")
+    def _shares_named(self) -> DraSection:
+        if self.default_share is not None and self.gpu_shares is None:
+            raise ValueError("defaultShare is set but gpuShares names no GPU to share: add dra.gpuShares")
+        return self
 
     @field_validator("driver_name")
     @classmethod

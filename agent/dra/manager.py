@@ -75,6 +75,7 @@ class DraManager:
         self._sys_root = Path("/sys")
         self._dynamic_mig: object = None  # the config's dra.dynamicMig
         self._gpu_shares: object = None  # the config's dra.gpuShares
+        self._default_share: int | None = None  # ... and dra.defaultShare (bytes)
         self._seen_made: set[str] = set()  # MIG devices made for claims that the inventory has shown
         self._last_made: frozenset[str] = frozenset()
         self._pcie_roots: dict[str, str | None] = {}  # by PCI bus ID, read once per GPU (None: sysfs does not say)
@@ -94,6 +95,7 @@ class DraManager:
         *,
         dynamic_mig: object = None,
         gpu_shares: object = None,
+        default_share: int | None = None,
     ) -> None:
         """The config's ``dra`` section on this node; ``OwnershipError`` when ``gpus`` names GPUs it lacks,
         ``dynamic_mig`` GPUs DRA does not serve or that cannot do MIG, or ``gpu_shares`` GPUs DRA does not serve
@@ -103,6 +105,7 @@ class DraManager:
         shared_gpus(gpu_shares if enabled else None, wanted, dynamic, inventory)  # type: ignore[arg-type]
         self._dynamic_mig = dynamic_mig if enabled else None
         self._gpu_shares = gpu_shares if enabled else None
+        self._default_share = default_share
         if wanted and self._front is None:
             client = self._api_client()
             if client is None:
@@ -229,6 +232,7 @@ class DraManager:
             pcie_roots=self._roots(inventory),
             dynamic_mig=self._dynamic_gpus(inventory),
             shared=self._shared_gpus(inventory),
+            default_share=self._default_share,
         )
         offered = [d for d in devices if d.gpu_uuid in self._wanted]
         self._taints = device_taints(devices, health, now=self._now(), previous=self._taints, driver=self._driver)

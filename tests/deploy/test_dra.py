@@ -84,7 +84,9 @@ def by_kind(kind: str) -> dict[str, dict[str, Any]]:
 
 
 def device_classes() -> dict[str, dict[str, Any]]:
-    return by_kind("DeviceClass")
+    """The DeviceClasses `kubectl apply -f deploy/dra/` installs: NVIDIA's two (the examples' class is apart)."""
+    top = (o for path in sorted(DEPLOY.glob("*.yaml")) for o in documents(path))
+    return {o["metadata"]["name"]: o for o in top if o["kind"] == "DeviceClass"}
 
 
 @functools.cache
@@ -178,6 +180,7 @@ def test_deploy_dra_holds_the_classes_and_the_examples():
     ]
     examples = sorted((o["kind"], o["metadata"]["name"]) for _, o in deploy_objects() if o not in top)
     assert examples == [
+        ("DeviceClass", "gpu-shared.tessera.dev"),
         ("Pod", "dra-gpu-example"),
         ("Pod", "dra-gpu-share-10gi-example"),
         ("Pod", "dra-gpu-share-20gi-example"),
@@ -200,7 +203,7 @@ def test_deploy_dra_objects_are_valid_kubernetes(version):
             where = f"{path.relative_to(ROOT)}: {obj['kind']}/{obj['metadata']['name']}"
             pytest.fail(f"{where} on {version}: {error.message}")
         checked += 1
-    assert checked == 10
+    assert checked == 11
 
 
 def test_oldest_supported_kubernetes_has_no_resource_k8s_io_v1():
@@ -323,6 +326,34 @@ def test_share_example_claims_land_on_one_shared_gpu_with_their_consumed_memory(
     assert "allowMultipleAllocations" not in device
     with pytest.raises(Unschedulable, match="0 have the requested capacity free"):
         allocated(template_claim("gpu-share-10gi"), slices("dgx-a100"))
+
+
+def test_the_shared_resource_class_serves_nvidia_com_gpu_shared_from_shared_gpus_only(tmp_path: Path):
+    from agent.sim.scheduler import devices_in_use
+    from agent.sim.scheduler.extended import extended_resource_claim
+
+    config = tmp_path / "shares.yaml"
+    config.write_text("version: v1\ndra: {enabled: true, gpus: all, gpuShares: [0, 1], defaultShare: 20Gi}\n")
+    node_slices = slices("dgx-a100", "1.36", config)
+    classes = {**device_classes(), **{n: c for n, c in by_kind("DeviceClass").items() if n not in NVIDIA_CLASSES}}
+    assert classes["gpu-shared.tessera.dev"]["spec"]["extendedResourceName"] == "nvidia.com/gpu.shared"
+    claims: list[dict[str, Any]] = []
+    for n in range(9):  # 4 shares of 20Gi fit on each of the 2 shared GPUs; the 9th finds no room
+        container = {"name": "c", "resources": {"limits": {"nvidia.com/gpu.shared": "1"}}}
+        pod = {
+            "metadata": {"name": f"p{n}", "namespace": "default", "uid": f"uid-{n}"},
+            "spec": {"containers": [container]},
+        }
+        built = extended_resource_claim(pod, classes)
+        assert built is not None
+        held, consumed = devices_in_use(claims)
+        if n == 8:
+            with pytest.raises(Unschedulable):
+                allocate(built[0], node_slices, classes, held, node_name(node_slices), consumed=consumed)
+            break
+        claims.append(allocate(built[0], node_slices, classes, held, node_name(node_slices), consumed=consumed))
+    devices = [c["status"]["allocation"]["devices"]["results"][0]["device"] for c in claims]
+    assert sorted(devices) == ["gpu-0"] * 4 + ["gpu-1"] * 4  # never gpu-2..7: they are not shared
 
 
 def test_mig_example_claim_finds_nothing_without_mig():

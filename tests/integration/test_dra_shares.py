@@ -243,3 +243,51 @@ def test_the_gpus_daemon_stops_after_its_last_share_though_the_driver_lists_its_
     assert str(server) not in str(waiting)  # its own server is not what it waits for
     world.driver.remove_process(4242)
     test_dra_e2e.poll(lambda: not dra_daemons(world), "the daemon stopped; only its own server was left")
+
+
+def test_unchanged_pods_asking_for_nvidia_com_gpu_shared_share_one_gpu_through_dra(
+    world: World, mps_bin: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KEP-5004 with a shared resource name: deploy/dra/examples/deviceclass-gpu-shared.yaml serves
+    ``nvidia.com/gpu.shared``; with ``defaultShare`` each unit is that much of a shared GPU, as a replica is."""
+    import yaml
+
+    from agent.sim.scheduler.extended import extended_resource_claim
+
+    root = world.base / "mps"
+    before = world.agent.status.config_digest
+    (world.base / "config.yaml").write_text(
+        f"version: v1\nflags: {{mpsRoot: '{root}'}}\n"
+        "dra: {enabled: true, gpus: [0, 1], gpuShares: [0], defaultShare: 10Gi}\n"
+    )
+    test_dra_e2e.poll(lambda: world.agent.status.config_digest != before, "the config with defaultShare applied")
+    monkeypatch.setenv("PATH", f"{mps_bin}:{os.environ['PATH']}")
+    world.api.wait_for(lambda: shared(world).get("allowMultipleAllocations") is True, DEADLINE)
+    assert shared(world)["capacity"]["memory"]["requestPolicy"]["default"] == "10Gi"
+    example = Path(__file__).parents[2] / "deploy" / "dra" / "examples" / "deviceclass-gpu-shared.yaml"
+    world.api.create("deviceclasses", yaml.safe_load(example.read_text()))
+    classes = {c["metadata"]["name"]: c for c in world.api.objects("deviceclasses")}
+    uuid = world.driver.gpus[0].uuid
+    for n in (1, 2):
+        container = {"name": "main", "resources": {"limits": {"nvidia.com/gpu.shared": "1"}}}
+        uid = f"5f0c6d3e-0000-4000-8000-00000000000{n}"
+        pod = {
+            "metadata": {"name": f"replica-{n}", "namespace": "default", "uid": uid},
+            "spec": {"containers": [container]},
+        }
+        built = extended_resource_claim(pod, classes)
+        assert built is not None
+        claim, _ = built
+        created = world.api.create("resourceclaims", claim)
+        held, consumed = devices_in_use(c for c in world.api.objects("resourceclaims") if c is not created)
+        allocated = allocate(created, world.slices(), classes, held, NODE, consumed=consumed)
+        stored = world.api.update("resourceclaims", allocated, status=True)
+        (result,) = stored["status"]["allocation"]["devices"]["results"]
+        assert (result["device"], result["consumedCapacity"]["memory"]) == ("gpu-0", "10Gi")
+        name = created["metadata"]["name"]
+        world.dra.run_pod(
+            "default", pod["metadata"]["name"], pod["metadata"]["uid"], [("extended", name)],
+            {"main": [("extended", "container-0-request-0")]},
+        )  # fmt: skip
+        assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={uuid}=10240M" in cdi_spec(world, stored)
+    assert len(dra_daemons(world)) == 1  # both replicas on GPU 0's one daemon

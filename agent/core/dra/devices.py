@@ -135,13 +135,15 @@ def dra_devices(
     pcie_roots: Mapping[str, str] | None = None,
     dynamic_mig: Collection[str] = (),
     shared: Collection[str] = (),
+    default_share: int | None = None,
 ) -> tuple[DraDevice, ...]:
     """The devices of ``inventory`` (only the GPUs in ``gpu_uuids`` when given), by GPU minor then name.
 
     ``pcie_roots`` maps a PCI bus ID in the attribute's spelling (``0000:18:00.0``) to its PCIe root
     (``pci0000:00``); GPUs without an entry get no ``pcieRoot`` attribute. GPUs in ``dynamic_mig`` (UUIDs) are
     listed as partitionable devices (``partitions``): the full GPU and every MIG profile and placement. GPUs in
-    ``shared`` (UUIDs) that are whole GPUs (MIG off) are listed for memory-sized shares (``shares``).
+    ``shared`` (UUIDs) that are whole GPUs (MIG off) are listed for memory-sized shares (``shares``), a claim that
+    asks for no memory getting ``default_share`` bytes of one (None: all of it).
     """
     devices: list[DraDevice] = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor_number):
@@ -159,7 +161,7 @@ def dra_devices(
             if gpu.uuid in shared:
                 from agent.core.dra.shares import shareable  # it builds on this module
 
-                device = shareable(device)
+                device = shareable(device, default_share)
             devices.append(device)
             continue
         migs = [_mig_device(gpu, mig, common) for mig in gpu.mig_devices if mig.is_full_instance]

@@ -6,7 +6,9 @@ with no scheduler extender. Its two consumable capacities:
 
 - ``memory`` — the GPU's memory in bytes. Request policy: 1Gi steps from 1Gi to all of it; a request is rounded up
   to the next GiB. The default (a claim that does not ask) is *all* of it, so a claim written for a whole GPU still
-  gets a whole GPU and nobody shares it.
+  gets a whole GPU and nobody shares it — unless the config's ``dra.defaultShare`` says otherwise: then a claim that
+  does not ask gets that much, as a replica of a shared GPU is for NVIDIA's device plugin (and requests by count,
+  such as the claim the scheduler writes for a pod asking for ``nvidia.com/gpu.shared: 1``, share GPUs).
 - ``computePercent`` — the share of the GPU's SMs, 100 in all. Default 0: a claim that does not ask reserves no
   compute and gets no compute limit (its clients use what the others leave, as MPS clients do without a limit).
 
@@ -51,14 +53,16 @@ class Share:
         return self.memory >> 20
 
 
-def shareable(device: DraDevice) -> DraDevice:
+def shareable(device: DraDevice, default_share: int | None = None) -> DraDevice:
     """``device`` (a whole GPU) as a shared one: multi-allocatable, with the memory and compute capacities and
-    their request policies."""
+    their request policies; ``default_share`` (bytes, whole GiB) is what a claim that asks for no memory gets (all
+    of it when None, or when the GPU has no more)."""
     if device.kind != GPU or device.dynamic or device.consumes_counters:
         raise ValueError(f"device {device.name}: only a whole GPU can be shared by memory")
     memory = device.capacity[MEMORY]
+    default = memory if default_share is None else min(default_share, memory)
     policies = {
-        MEMORY: RequestPolicy(default=memory, minimum=MEMORY_STEP, maximum=memory, step=MEMORY_STEP),
+        MEMORY: RequestPolicy(default=default, minimum=MEMORY_STEP, maximum=memory, step=MEMORY_STEP),
         COMPUTE: RequestPolicy(default=0, minimum=0, maximum=WHOLE_COMPUTE, step=1),
     }
     return replace(
