@@ -88,6 +88,14 @@ class DraFrontEnd:
         """Feature gates the API server has off, whose fields it dropped from the slices."""
         return self._publisher.dropped if self._publisher is not None else ()
 
+    def claim_devices(self) -> tuple[Any, ...]:
+        """The devices of the prepared claims, for telemetry (``agent.telemetry.dra_claims.ClaimDevice``)."""
+        if self._service is None:
+            return ()
+        from agent.telemetry.dra_claims import claim_devices
+
+        return claim_devices(self._service.checkpoint())
+
     def claims(self) -> list[dict[str, object]]:
         return self._service.claims() if self._service is not None else []
 
@@ -123,6 +131,7 @@ class DraFrontEnd:
             read_claim=KubernetesClaimReader(self._api_client),
             cdi=CdiStore(s.cdi_root),
             checkpoints=CheckpointStore(checkpoint_path(endpoint.parent)),
+            latency=s.latency,
             node_cdi_kind=s.cdi_kind,
             timeslices=NvidiaSmiTimeslices(s.nvidia_smi),
             claims_changed=lambda: self._post(DraClaimsChanged()),

@@ -338,6 +338,10 @@ class DraManager:
             "unavailable": self._unavailable(),
         }
 
+    def prepared_claim_devices(self) -> tuple[object, ...]:
+        """The devices of the claims prepared through DRA, for the telemetry's per-claim series (any thread)."""
+        return self._front.claim_devices() if self._front is not None else ()
+
     def _unavailable(self) -> list[str]:
         """What the cluster does not offer of what the config asks (the API server dropped a gate's fields)."""
         from agent.core.dra.slices import DROPPED_GATES

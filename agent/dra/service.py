@@ -41,7 +41,7 @@ from agent.api.dra.v1 import api_pb2 as dra_v1
 from agent.api.dra.v1beta1 import api_pb2 as dra_v1beta1
 from agent.api.drahealth.v1alpha1 import api_pb2 as dra_health
 from agent.core.allocation import DEFAULT_CDI_KIND
-from agent.core.dra.checkpoint import PREPARE_COMPLETED, mps_records
+from agent.core.dra.checkpoint import PREPARE_COMPLETED, Checkpoint, mps_records
 from agent.core.dra.claims import ClaimError, ClaimRef
 from agent.core.dra.devices import DraDevice
 from agent.core.dra.mps import MpsRecord
@@ -112,19 +112,22 @@ class DraService:
         mps_root: Callable[[], str] = lambda: "/run/nvidia/mps",
         health_timeout_seconds: int = HEALTH_TIMEOUT_SECONDS,
         loop: GrpcLoop | None = None,
+        latency: Any = None,
     ) -> None:
         """``pool`` is the node's name; ``node_wide_cdi`` adds each device's ``<node_cdi_kind>=<uuid>`` CDI ID
         (the spec ``nvidia-ctk cdi generate`` writes brings the driver libraries; see ``agent.core.dra.cdi``).
         ``device_nodes`` gives each device's nodes for its claim entry; by default
         ``agent.dra.devnodes.default_device_nodes``: the GPU's node, and without node-wide CDI a MIG device's
-        capability nodes read from the driver's ``/proc``. The checkpoint is read here, so ``prepared`` answers
-        before ``start``."""
+        capability nodes read from the driver's ``/proc``. ``latency`` (``agent.telemetry.latency.OperationLatency``)
+        records each Prepare and Unprepare call as the kubelet's ``dra_operations_duration_seconds`` does. The
+        checkpoint is read here, so ``prepared`` answers before ``start``."""
         if health_timeout_seconds < 3:
             raise ValueError("health_timeout_seconds must be at least 3 (the stream reports every third of it)")
         self.socket_path = socket_path
         self.driver = check_driver_name(driver)
         self.pool = pool
         self._health_timeout = health_timeout_seconds
+        self._latency = latency
         self._loop = loop or grpc_loop()
         self._view: DeviceView | None = None
         self._claims = ClaimWorker(
@@ -212,6 +215,10 @@ class DraService:
             if d.mig is not None and d.mig.uuid is not None
         }
 
+    def checkpoint(self) -> Checkpoint:
+        """The prepared claims now (an immutable value, replaced whole by the worker: safe to read anywhere)."""
+        return self._claims.checkpoint
+
     def mps_records(self) -> dict[str, MpsRecord]:
         """Claim UID -> the MPS daemon it needs (a consistent view: the checkpoint is replaced whole)."""
         return mps_records(self._claims.checkpoint)
@@ -291,8 +298,14 @@ class DraService:
         async def prepare(request: Any, context: grpc.aio.ServicerContext) -> Any:
             response = api.NodePrepareResourcesResponse()
             if not request.claims:
-                return response  # NVIDIA's liveness probe: the service answers
-            outcomes = await self._on_worker(context, self._claims.prepare, _refs(request.claims))
+                return response  # NVIDIA's liveness probe: the service answers (and is not timed)
+            started, failed = time.perf_counter(), True
+            try:
+                outcomes = await self._on_worker(context, self._claims.prepare, _refs(request.claims))
+                failed = any(isinstance(outcome, ClaimError) for outcome in outcomes.values())
+            finally:
+                if self._latency is not None:
+                    self._latency.observe_prepare(time.perf_counter() - started, error=failed)
             for uid, outcome in outcomes.items():
                 entry = response.claims[uid]
                 if isinstance(outcome, ClaimError):
@@ -313,7 +326,13 @@ class DraService:
             response = api.NodeUnprepareResourcesResponse()
             if not request.claims:
                 return response
-            errors = await self._on_worker(context, self._claims.unprepare, _refs(request.claims))
+            started, failed = time.perf_counter(), True
+            try:
+                errors = await self._on_worker(context, self._claims.unprepare, _refs(request.claims))
+                failed = any(errors.values())
+            finally:
+                if self._latency is not None:
+                    self._latency.observe_unprepare(time.perf_counter() - started, error=failed)
             for uid, error in errors.items():
                 response.claims[uid].SetInParent()  # an entry even without an error: the kubelet counts them
                 if error:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,7 @@ class DraSettings:
     sys_root: Path = Path("/sys")  # where the GPUs' PCIe roots are read (resource.kubernetes.io/pcieRoot)
     nvidia_smi: str = "nvidia-smi"  # sets a time-slicing claim's GPU time-slice
     mps_root: str = "/run/nvidia/mps"  # the MPS root on the host (mpsRoot): MPS claims' pipes and shared memory
+    latency: Any = None  # an agent.telemetry.latency.OperationLatency the service records Prepare/Unprepare into
 
 
 @dataclass(frozen=True, slots=True)

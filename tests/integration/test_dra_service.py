@@ -736,3 +736,28 @@ def test_the_kubernetes_reader_tells_not_found_from_an_outage():
             server.server_close()
         with pytest.raises(ClaimsUnavailable, match="could not be reached for ResourceClaim ml/claim-1"):
             reader("ml", "claim-1", uid(1))
+
+
+def test_prepare_and_unprepare_calls_are_timed_as_the_kubelets_dra_operations(node: Node):
+    from agent.telemetry.latency import OperationLatency
+
+    latency = OperationLatency()
+    node.restart(latency=latency)
+    node.claims.add(claim(1, "gpu-0"))
+    node.kubelet.prepare(ref(1))
+    node.kubelet.prepare(ref(2))  # not in the API server: that claim fails
+    node.kubelet.unprepare(ref(1))
+    node.kubelet.prepare()  # the liveness probe (no claims) is not an operation
+    assert _counts(latency) == {
+        ("PrepareResources", "false"): 1,
+        ("PrepareResources", "true"): 1,
+        ("UnprepareResources", "false"): 1,
+    }
+
+
+def _counts(latency: Any) -> dict[tuple[str, ...], int]:
+    """Calls per (operation_name, is_error) of the DRA histogram, as the metrics show them."""
+    (family,) = [f for f in latency.families("node-a") if f.name == "tessera_dra_operations_duration_seconds"]
+    names = family.labels
+    return {tuple(v for n, v in zip(names, values, strict=True) if n in ("operation_name", "is_error")):
+            buckets.cumulative[-1] for values, buckets in family.samples}  # fmt: skip
