@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agent.gpu.nvml import nvml_session
+from agent.gpu.process_utilization import ProcessUtilization, UtilizationRead
 from agent.gpu.telemetry import GpuStats, read_stats
 from agent.plugin.podresources import DeviceHolder as Holder
 from agent.telemetry.attribution import Checkpoint, CheckpointReader
@@ -34,7 +35,6 @@ from agent.telemetry.dra_claims import ClaimDevice, KubeletClaimPods, PhysicalCl
 from agent.telemetry.exposition import Family, Renderer, counter, gauge
 from agent.telemetry.latency import OperationLatency
 from agent.telemetry.pods import HeldDevice, PodTelemetry
-from agent.telemetry.process_utilization import ProcessUtilization, UtilizationRead
 from agent.telemetry.procfs import boot_clock
 
 if TYPE_CHECKING:

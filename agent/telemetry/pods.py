@@ -22,11 +22,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agent.gpu.process_utilization import UtilizationRead
 from agent.telemetry.claim_series import claim_series
 from agent.telemetry.dra_claims import PhysicalClaim, claim_holdings
 from agent.telemetry.exposition import Family, counter, gauge
 from agent.telemetry.idle import IdleLedger
-from agent.telemetry.process_utilization import UtilizationRead
 from agent.telemetry.procfs import ProcessOwners, Unattributed, boot_clock
 from agent.telemetry.usage import Attribution, DeviceProcesses, Holder, ListedProcess, PodKey, Usage, attribute
 from agent.telemetry.window import ENGINES, IdleDevice, Physical, Window

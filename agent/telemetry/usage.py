@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from agent.telemetry.process_utilization import Load, Sample
+from agent.gpu.process_utilization import Load, Sample
 from agent.telemetry.procfs import Owner, Unattributed
 
 PodKey = tuple[str, str]  # (namespace, pod)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from agent.gpu.process_utilization import UtilizationRead
     from agent.gpu.telemetry import GpuStats
-    from agent.telemetry.process_utilization import UtilizationRead
     from agent.telemetry.usage import Attribution, DeviceProcesses, Usage
 
 ENGINES = (

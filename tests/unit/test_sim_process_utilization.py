@@ -3,7 +3,7 @@
 NVML's rules (``nvmlDeviceGetProcessUtilization``): samples per process that did some work since
 ``lastSeenTimeStamp``, NOT_FOUND when none did, INSUFFICIENT_SIZE for a buffer too small (pynvml sizes it with a
 first call), NOT_SUPPORTED with MIG enabled; and the MPS client list (``nvmlDeviceGetMPSComputeRunningProcesses``).
-The reader (``agent.telemetry.process_utilization``) on top: windows, retries, and what it remembers.
+The reader (``agent.gpu.process_utilization``) on top: windows, retries, and what it remembers.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import time
 import pynvml
 import pytest
 
+from agent.gpu.process_utilization import ProcessUtilization
 from agent.sim.nvml.codes import Return
 from agent.sim.nvml.driver import SimDriver
-from agent.telemetry.process_utilization import ProcessUtilization
 
 NODE = {
     "name": "putil",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.telemetry.process_utilization import Sample
+from agent.gpu.process_utilization import Sample
 from agent.telemetry.procfs import HZ, Owner, ProcessOwners, Unattributed, boot_clock, pod_uid_in
 from agent.telemetry.usage import DeviceProcesses, ListedProcess, attribute
 

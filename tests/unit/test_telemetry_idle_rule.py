@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from agent.gpu.process_utilization import UtilizationRead
 from agent.gpu.telemetry import DeviceStats, GpuStats, ProcessStat
 from agent.telemetry.idle import IdleLedger
-from agent.telemetry.process_utilization import UtilizationRead
 from agent.telemetry.usage import Attribution, Usage
 from agent.telemetry.window import Physical, Window
 
