@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from agent.kube_api import CoreApi
     from agent.mig.manager import MigManager
     from agent.mps.manager import MpsManager
+    from agent.telemetry.latency import OperationLatency
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,12 @@ class Agent:
         self._config_errors = 0
         self._xid_counts: dict[tuple[str, str, str], int] = {}
         self._telemetry: Telemetry | None = None
+        # Allocate / GetPreferredAllocation / Prepare / Unprepare times, recorded only when metrics are served
+        self._latency: OperationLatency | None = None
+        if options.telemetry is not None:
+            from agent.telemetry.latency import OperationLatency
+
+            self._latency = OperationLatency()
         self._settling = False  # started, the kubelet not served yet: what comes second (metrics) waits
         self._settle_by = 0.0  # what comes second starts by then even if the kubelet has not watched everything
         self._kubelet_known = False  # the watcher has said whether kubelet.sock is there
@@ -379,6 +386,8 @@ class Agent:
                 self.options.device_plugin_dir,
                 self.options.pod_resources_socket,
                 node_api=self._kube_api,
+                latency=self._latency,
+                claims=lambda: self._dra.prepared_claim_devices() if self._dra is not None else (),  # type: ignore[misc]
             )
         except (OSError, ValueError) as error:  # metrics are not worth failing the node's GPUs for
             log.error("no metrics endpoint address=%s error=%r", settings.metrics_address, str(error))
@@ -850,6 +859,7 @@ class Agent:
             pod_uid=self.options.pod_uid,
             cdi_kind=self._effective.allocation.cdi_kind,
             mps_root=self._effective.allocation.mps_root,
+            latency=self._latency,
         )
 
     def _read_inventory(self, reason: str, stale: frozenset[str] = frozenset()) -> bool:
@@ -1051,6 +1061,7 @@ class Agent:
             self.options.device_plugin_dir,
             on_stream_closed=lambda resource: self.post(StreamClosed(resource)),
             on_stream_opened=self._on_stream_opened,
+            latency=self._latency,
         )
         if not self.options.device_plugin_dir.is_dir():
             return server  # served once the directory appears (the tick sees its socket missing)

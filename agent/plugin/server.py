@@ -24,9 +24,11 @@ import contextlib
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -106,8 +108,12 @@ class ResourceServer:
         on_stream_closed: Callable[[str], None] = lambda resource: None,
         on_stream_opened: Callable[[str], None] = lambda resource: None,
         loop: GrpcLoop | None = None,
+        latency: Any = None,
     ) -> None:
+        """``latency`` (``agent.telemetry.latency.OperationLatency``) times each Allocate and GetPreferredAllocation
+        call, as the kubelet's ``kubelet_device_plugin_alloc_duration_seconds`` does from its side."""
         self.resource = snapshot.name
+        self.latency = latency
         self.socket_path = socket_dir / socket_name(snapshot.name)
         self._served = _Served.of(snapshot)
         self._loop = loop or grpc_loop()
@@ -331,11 +337,16 @@ class _DevicePluginHandlers:
         self._server = server
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        latency, resource = self._server.latency, self._server.resource
+        allocate, preferred_allocation = self.allocate, self.get_preferred_allocation
+        if latency is not None:  # timed only when someone reads the times: no cost on the calls otherwise
+            allocate = _timed(allocate, latency.observe_allocate, resource)
+            preferred_allocation = _timed(preferred_allocation, latency.observe_preferred_allocation, resource)
         return {
             "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(self.get_device_plugin_options),
             "ListAndWatch": grpc.unary_stream_rpc_method_handler(self.list_and_watch),
-            "GetPreferredAllocation": grpc.unary_unary_rpc_method_handler(self.get_preferred_allocation),
-            "Allocate": grpc.unary_unary_rpc_method_handler(self.allocate),
+            "GetPreferredAllocation": grpc.unary_unary_rpc_method_handler(preferred_allocation),
+            "Allocate": grpc.unary_unary_rpc_method_handler(allocate),
             "PreStartContainer": grpc.unary_unary_rpc_method_handler(self.pre_start_container),
         }
 
@@ -393,3 +404,20 @@ class _DevicePluginHandlers:
 
     async def pre_start_container(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return _EMPTY
+
+
+_Handler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
+
+
+def _timed(handler: _Handler, observe: Callable[[str, float], None], resource: str) -> _Handler:
+    """``handler`` with each call's time (refused and aborted calls too, as the kubelet counts them) given to
+    ``observe(resource, seconds)``."""
+
+    async def timed(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        started = time.perf_counter()
+        try:
+            return await handler(request, context)
+        finally:
+            observe(resource, time.perf_counter() - started)
+
+    return timed

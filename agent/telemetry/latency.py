@@ -11,7 +11,8 @@ two additions under a lock, with no allocation once a series exists. The series 
 collection (``families``).
 
 One ``OperationLatency`` per agent, made by whoever wires the front ends (no module-level registry): the device
-plugin servers and the DRA service record into it, the telemetry collector exposes it.
+plugin servers and the DRA service record into it, the telemetry collector exposes it. Made before the first
+resource is served, so this module imports nothing the agent's start does not already have.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from agent.telemetry.exposition import Buckets, Family, histogram
+if TYPE_CHECKING:
+    from agent.telemetry.exposition import Family
 
 DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # client_golang's DefBuckets
 PREPARE = "PrepareResources"  # the kubelet's operation_name values
@@ -51,6 +54,8 @@ class Histogram:
 
     def family(self, extra: tuple[str, ...] = (), extra_labels: Sequence[str] = ()) -> Family:
         """The histogram as a family; ``extra`` label values (the Hostname) are appended to every series."""
+        from agent.telemetry.exposition import Buckets, histogram  # with the first collection, not at the agent's start
+
         family = histogram(self.name, self.documentation, [*self.labels, *extra_labels])
         with self._lock:
             copies = [(values, list(series)) for values, series in sorted(self._series.items())]

@@ -739,3 +739,17 @@ def test_the_mps_client_list_unsupported_or_failing_costs_the_clients_not_the_no
     assert value(samples, "tessera_pod_device_idle", pod=first.name) == 0, "unread is unknown, not idle"
     driver.clear_injected_errors()
     node.wait_samples(lambda s: maybe(s, memory, pod=second.name) == 2000 * MIB, 5, "back once NVML answers")
+
+
+def test_allocate_and_preferred_allocation_calls_are_timed_as_the_kubelet_times_them(node: TelemetryNode) -> None:
+    """tessera_device_plugin_alloc_duration_seconds{resource_name} next to the kubelet's own histogram."""
+    node.kubelet.create_pod("timed", {"main": {GPU: 1}}, namespace="shop")
+    node.kubelet.create_pod("timed-2", {"main": {SMALL: 1}}, namespace="shop")
+    samples = node.wait_samples(
+        lambda s: maybe(s, "tessera_device_plugin_alloc_duration_seconds_count", resource_name=SMALL),
+        5,
+        "both Allocate calls in the histogram",
+    )
+    assert value(samples, "tessera_device_plugin_alloc_duration_seconds_count", resource_name=GPU) == 1
+    assert value(samples, "tessera_device_plugin_alloc_duration_seconds_bucket", resource_name=GPU, le="+Inf") == 1
+    assert value(samples, "tessera_device_plugin_alloc_duration_seconds_sum", resource_name=GPU) > 0
