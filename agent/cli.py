@@ -160,6 +160,12 @@ def _parser() -> argparse.ArgumentParser:
         help="where the running agent serves /status: its --metrics-address (HOST:PORT or :PORT)",
     )
     _env_flag(status, "--format", "TESSERA_FORMAT", default="text", choices=["text", "json"], help="output format")
+    status.add_argument(
+        "--idle",
+        action="store_true",
+        help="each allocated device with its pod and how long the pod's own processes have left it idle, "
+        "longest first (with --format json: the whole document, which has them under 'allocated')",
+    )
 
     demo = commands.add_parser("demo", help="a simulated node, an emulated kubelet and the real agent, end to end")
     _env_flag(demo, "--node", "TESSERA_NODE", default="demo", help="the simulated node: a spec file or preset")
@@ -520,7 +526,7 @@ def _status(args: argparse.Namespace) -> int:
     import json
 
     from agent.status_client import StatusUnavailable, fetch_status
-    from agent.status_report import render_text
+    from agent.status_report import render_idle, render_text
 
     if args.metrics_address == "off":
         print(
@@ -532,10 +538,10 @@ def _status(args: argparse.Namespace) -> int:
     except StatusUnavailable as error:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_INVALID
-    print(
-        json.dumps(document, indent=2) if args.format == "json" else render_text(document),
-        end="\n" if args.format == "json" else "",
-    )
+    if args.format == "json":
+        print(json.dumps(document, indent=2))
+    else:
+        print(render_idle(document) if args.idle else render_text(document), end="")
     return EXIT_OK
 
 

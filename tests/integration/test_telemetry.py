@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -716,6 +718,11 @@ def test_status_lists_each_allocated_device_with_its_pod_and_how_long_it_has_bee
         "the idle time growing",
     )
     assert idle_for(later, busy.name) == 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    command = [sys.executable, "-m", "agent", "status", "--idle", "--metrics-address", address]
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines()[0].split()[:2] == ["POD", "CONTAINER"] and "research/notebook" in shown.stdout
 
 
 def test_the_mps_client_list_unsupported_or_failing_costs_the_clients_not_the_node(node: TelemetryNode) -> None:
