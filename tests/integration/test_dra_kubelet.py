@@ -91,12 +91,19 @@ class DraPluginServer:
 
     def stream(self, context: grpc.ServicerContext) -> Iterator[health_pb2.NodeWatchResourcesResponse]:
         messages: queue.Queue[health_pb2.NodeWatchResourcesResponse | None] = queue.Queue()
-        context.add_callback(lambda: messages.put(None))  # the kubelet went: wake the loop below
+        if not context.add_callback(lambda: messages.put(None)):  # the kubelet went: wake the loop below
+            return  # the call ended before its callback could be added: nobody would ever wake the loop
         with self._lock:
             self._open.append(messages)
             self.streams += 1
         try:
-            while (message := messages.get()) is not None:
+            while context.is_active():  # a stream the server cancelled ends too, woken or not
+                try:
+                    message = messages.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                if message is None:
+                    return
                 yield message
         finally:
             with self._lock:
