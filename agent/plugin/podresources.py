@@ -6,6 +6,10 @@ kubelet's own PodResources client uses), at most ``MAX_DEVICE_IDS`` device IDs a
 malformed — is a :class:`PodResourcesError`, never another exception; callers treat it as "unknown", which
 counts as busy.
 
+The same answer names the DRA claims each container uses (``dynamic_resources``, filled by kubelets from 1.34,
+where the ``KubeletPodResourcesDynamicResources`` gate is on by default): telemetry reads from it which pods a
+claim's devices serve, as dcgm-exporter does, in the one List call it makes anyway.
+
 The generated stubs (and the protobuf runtime with them, ~2.4 MB) load with the first call, not with this module:
 metrics import ``DeviceHolder`` at start but ask the kubelet only once its checkpoint lists devices of ours.
 """
@@ -43,8 +47,26 @@ class DeviceHolder:
     resource: str
 
 
+ClaimDeviceKey = tuple[str, str, str, str]  # the claim's namespace and name, the device's pool and name
+PodName = tuple[str, str]  # namespace, name
+
+
+@dataclass(frozen=True, slots=True)
+class PodAllocations:
+    """One PodResources List: ``devices`` as ``allocated_devices`` gives them, and ``claims``: each DRA claim
+    device a container uses -> the pods using it (empty when the kubelet does not report dynamic resources)."""
+
+    devices: dict[str, DeviceHolder]
+    claims: dict[ClaimDeviceKey, frozenset[PodName]]
+
+
 def allocated_devices(socket: Path) -> dict[str, DeviceHolder]:
     """Device ID (as advertised, replicas included) -> the pod and container holding it."""
+    return list_pod_resources(socket).devices
+
+
+def list_pod_resources(socket: Path) -> PodAllocations:
+    """The device-plugin devices and the DRA claim devices the kubelet has given to pods, from one List."""
     try:
         if not socket.exists():
             raise PodResourcesError(f"the kubelet's PodResources socket {socket} does not exist")
@@ -54,7 +76,7 @@ def allocated_devices(socket: Path) -> dict[str, DeviceHolder]:
             response = api_pb2_grpc.PodResourcesListerStub(channel).List(
                 api_pb2.ListPodResourcesRequest(), timeout=TIMEOUT
             )
-        return _holders(response)
+        return PodAllocations(_holders(response), _claim_users(response))
     except PodResourcesError:
         raise
     except grpc.RpcError as error:
@@ -97,3 +119,26 @@ def _holders(response: api_pb2.ListPodResourcesResponse) -> dict[str, DeviceHold
                             "it is not a kubelet's answer"
                         )
     return holders
+
+
+def _claim_users(response: api_pb2.ListPodResourcesResponse) -> dict[ClaimDeviceKey, frozenset[PodName]]:
+    users: dict[ClaimDeviceKey, set[PodName]] = {}
+    count = 0
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            for claim in container.dynamic_resources:
+                for device in claim.claim_resources:
+                    key = (claim.claim_namespace, claim.claim_name, device.pool_name, device.device_name)
+                    if any(len(name) > MAX_NAME_CHARS for name in (*key, pod.namespace, pod.name)):
+                        raise PodResourcesError(
+                            f"PodResources answer names a pod, claim or claim device longer than {MAX_NAME_CHARS} "
+                            "characters; it is not a kubelet's answer"
+                        )
+                    count += 1
+                    if count > MAX_DEVICE_IDS:
+                        raise PodResourcesError(
+                            f"PodResources answer lists more than {MAX_DEVICE_IDS:,} claim devices; "
+                            "it is not a kubelet's answer"
+                        )
+                    users.setdefault(key, set()).add((pod.namespace, pod.name))
+    return {key: frozenset(pods) for key, pods in users.items()}

@@ -1,7 +1,7 @@
 """DRA claims' series: each prepared claim device's pods' own work, labelled as dcgm-exporter labels DRA devices.
 
-Without the kubelet's word on which pods a claim serves (its DRA checkpoint), no process is the claim's: the
-device is then idle only when no process at all runs on it, and its utilization is unknown (no series).
+Without the kubelet's word on which pods a claim serves (PodResources, or its DRA checkpoint), no process is the
+claim's: the device is then idle only when no process at all runs on it, and its utilization is unknown (no series).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ over; ``resource`` and ``device_id`` name Tessera's advertised devices, replicas
 A collection runs every 10 s on every GPU node for the agent's whole life, so what does not change between
 two collections is not recomputed: the kubelet's checkpoint is parsed again only when it changed, a resource's
 per-device labels are built once per snapshot, PodResources is asked only while the checkpoint says one of this
-node's devices may be held, and nothing is rendered for a node nobody scrapes.
+node's devices may be held or a DRA claim is prepared (the same List names the claim's pods), and nothing is
+rendered for a node nobody scrapes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 from agent.gpu.nvml import nvml_session
 from agent.gpu.process_utilization import ProcessUtilization, UtilizationRead
 from agent.gpu.telemetry import GpuStats, read_stats
+from agent.plugin.podresources import ClaimDeviceKey, PodAllocations, PodName
 from agent.plugin.podresources import DeviceHolder as Holder
 from agent.telemetry.attribution import Checkpoint, CheckpointReader
 from agent.telemetry.dra_claims import ClaimDevice, KubeletClaimPods, PhysicalClaim, resolve
@@ -110,13 +112,14 @@ class TelemetryCollector:
         self,
         options: TelemetryOptions,
         status: Callable[[], object],
-        holders: Callable[[], dict[str, Holder]],
+        holders: Callable[[], dict[str, Holder] | PodAllocations],
         on_collected: Callable[[object], None] = lambda status: None,
         latency: OperationLatency | None = None,
         claims: Callable[[], Sequence[ClaimDevice]] | None = None,
     ) -> None:
         """``latency``: the kubelet-facing servers' timings, exposed with every collection; ``claims``: the devices
-        of the DRA front end's prepared claims (``dra_claims.claim_devices`` of its checkpoint)."""
+        of the DRA front end's prepared claims (``dra_claims.claim_devices`` of its checkpoint); ``holders``:
+        PodResources' answer (``list_pod_resources``: devices and DRA claims' users), or its devices alone."""
         self.options = options
         self.latency = latency
         self._claims = claims
@@ -171,17 +174,23 @@ class TelemetryCollector:
             except Exception as error:  # NVML gone entirely: report the GPUs as down, keep the rest
                 self._warn_once("nvml", f"cannot read GPU telemetry error={error!r}")
         checkpoint = self._checkpoint.read()
+        claims = self._prepared_claims(inventory)
         holders: dict[str, Holder] = {}
-        if self._may_be_held(status, checkpoint):
+        users: dict[ClaimDeviceKey, frozenset[PodName]] | None = None
+        if claims or self._may_be_held(status, checkpoint):  # a prepared claim: PodResources names its pods
             self._asked_kubelet = True
             try:
-                holders = self._holders()
+                answer = self._holders()
+                if isinstance(answer, PodAllocations):
+                    holders, users = answer.devices, answer.claims
+                else:
+                    holders = answer
             except Exception as error:
                 self._warn_once("podresources", f"metrics without pod labels: cannot read PodResources error={error!r}")
         now = time.monotonic()
         elapsed = 0.0 if self._last_collection is None else now - self._last_collection
         self._last_collection = now
-        families = self._families(status, stats, holders, elapsed, checkpoint, utilization, listed_at)
+        families = self._families(status, stats, holders, elapsed, checkpoint, utilization, listed_at, claims, users)
         self.last.publish(families)
         self._on_collected(status)
 
@@ -221,9 +230,12 @@ class TelemetryCollector:
         checkpoint: Checkpoint | None = None,
         utilization: dict[str, UtilizationRead] | None = None,
         listed_at: float | None = None,
+        claims: Sequence[PhysicalClaim] = (),
+        users: dict[ClaimDeviceKey, frozenset[PodName]] | None = None,
     ) -> list[Family]:
         """``elapsed``: seconds since the previous collection, credited to the devices that are idle now;
-        ``listed_at``: the boot clock before NVML's process lists were read."""
+        ``listed_at``: the boot clock before NVML's process lists were read; ``claims``: the prepared DRA claims'
+        devices; ``users``: which pods PodResources says use each claim device (None when not asked)."""
         host = self.options.hostname
         inventory = getattr(status, "inventory", None)
         gpus = inventory.gpus if inventory is not None else ()
@@ -314,10 +326,9 @@ class TelemetryCollector:
             del self._rows[gone]
 
         devices_of_pod = checkpoint.devices_by_pod if checkpoint is not None else {}
-        claims = self._prepared_claims(inventory)
         pod_families = self.pods.families(
             inventory, stats, utilization or {}, boot_clock() if listed_at is None else listed_at, held, holders,
-            devices_of_pod, elapsed, claims, self._claim_pods.pods() if claims else None,
+            devices_of_pod, elapsed, claims, self._fallback_claim_pods(claims, users), users,
         )  # fmt: skip
         families: list[Family] = [
             up, mem_total, mem_used, util, procs, mig_total, mig_used, mig_procs,
@@ -327,6 +338,16 @@ class TelemetryCollector:
         if self.latency is not None:
             families += self.latency.families(host)
         return families
+
+    def _fallback_claim_pods(
+        self, claims: Sequence[PhysicalClaim], users: dict[ClaimDeviceKey, frozenset[PodName]] | None
+    ) -> dict[str, frozenset[str]] | None:
+        """The kubelet's DRA checkpoint, read only while a prepared claim has a device PodResources names no user of
+        (a kubelet without dynamic resources in PodResources; a DaemonSet does not mount the file)."""
+        named = users or {}
+        if not any((c.claim.namespace, c.claim.name, c.claim.pool, c.claim.device) not in named for c in claims):
+            return None
+        return self._claim_pods.pods()
 
     def _prepared_claims(self, inventory: object) -> list[PhysicalClaim]:
         if self._claims is None:

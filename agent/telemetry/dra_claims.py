@@ -1,15 +1,20 @@
 """DRA claims as telemetry sees them: which claim holds which physical device, and which pods use each claim.
 
-Two inputs, both read-only:
+Three inputs, all read-only:
 
 - ``ClaimDevice`` values, one per device of a prepared claim: the claim's UID, namespace and name, the pool and
   device names the kubelet was given, and the MIG device Prepare made (dynamic MIG). ``claim_devices`` builds them
   from the DRA front end's checkpoint value (``agent.core.dra.checkpoint.Checkpoint``); the collector takes a
   callable returning them (``TelemetryCollector(claims=...)``).
+- the kubelet's PodResources answer (``dynamic_resources``: per container the claims it uses and their pool and
+  device names), read in the List the collector makes anyway, as dcgm-exporter reads it. It names pods by
+  namespace and name, while a GPU process names its pod by UID (its cgroup), so the join is the device:
+  ``podresources_claim_pods`` below.
 - the kubelet's own DRA checkpoint (``<kubelet dir>/dra_manager_state``: per claim its UID, name, namespace and the
-  UIDs of the pods it is reserved for), which is what joins a process's pod UID to a claim. It is read, never
-  written (a driver must never touch it), only when it changed, bounded and defensively: anything unexpected
-  gives no pods (processes then stay unattributed, ``unknown_pod``), never an exception.
+  UIDs of the pods it is reserved for), the fallback for a claim PodResources does not name (a kubelet before
+  1.34, or with ``KubeletPodResourcesDynamicResources`` off). It is read, never written (a driver must never touch
+  it), only when it changed, bounded and defensively: anything unexpected gives no pods (processes then stay
+  unattributed, ``unknown_pod``), never an exception. A DaemonSet does not mount it.
 
 Labels follow dcgm-exporter's DRA mapper: ``dra_claim_name``, ``dra_pool_name``, ``dra_device_name``,
 ``dra_mig_profile``, ``dra_mig_device_uuid``, with the claim's ``namespace``.
@@ -127,6 +132,45 @@ def read_claim_pods(path: Path) -> dict[str, frozenset[str]]:
         pods = entry.get("PodUIDs")
         uids = pods.keys() if isinstance(pods, dict) else pods if isinstance(pods, list) else ()
         found[entry["ClaimUID"]] = frozenset(uid for uid in uids if isinstance(uid, str))
+    return found
+
+
+def podresources_claim_pods(
+    claims: Iterable[PhysicalClaim],
+    users: Mapping[tuple[str, str, str, str], frozenset[tuple[str, str]]],
+    pods_on: Mapping[str, frozenset[str]],
+) -> dict[str, frozenset[str]]:
+    """Claim UID -> the UIDs of its pods, for the claims whose devices PodResources names users of.
+
+    ``users``: (claim namespace, claim name, pool, device) -> the pods (namespace, name) whose containers use it;
+    ``pods_on``: physical UUID -> the UIDs of the pods running processes there that hold it through nothing else
+    (no device-plugin device).
+
+    PodResources names pods, /proc names pod UIDs: a process is the claim's when the kubelet gave its pod no other
+    way onto the device, exactly one prepared claim holds the device, and no more pods run there than the claim
+    serves. A device several claims share, or with more pods on it than the claim's, cannot tell whose a process
+    is: the claim is left out (its processes stay ``unknown_pod``, its utilization unknown), never guessed.
+    """
+    holders_of: dict[str, int] = {}
+    by_claim: dict[str, list[PhysicalClaim]] = {}
+    for physical in claims:
+        holders_of[physical.uuid] = holders_of.get(physical.uuid, 0) + 1
+        by_claim.setdefault(physical.claim.claim_uid, []).append(physical)
+    found: dict[str, frozenset[str]] = {}
+    for uid, devices in by_claim.items():
+        keys = [(d.claim.namespace, d.claim.name, d.claim.pool, d.claim.device) for d in devices]
+        if not any(key in users for key in keys):
+            continue  # PodResources does not name this claim: the kubelet's checkpoint may
+        served: set[tuple[str, str]] = set().union(*(users.get(key, frozenset()) for key in keys))
+        pods: set[str] = set()
+        for device in devices:
+            running = pods_on.get(device.uuid, frozenset())
+            if running and holders_of[device.uuid] > 1:
+                break
+            pods |= running
+        else:
+            if len(pods) <= len(served):
+                found[uid] = frozenset(pods)
     return found
 
 

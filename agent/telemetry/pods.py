@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 from agent.gpu.process_utilization import UtilizationRead
 from agent.telemetry.claim_series import claim_series
-from agent.telemetry.dra_claims import PhysicalClaim, claim_holdings
+from agent.telemetry.dra_claims import PhysicalClaim, claim_holdings, podresources_claim_pods
 from agent.telemetry.exposition import Family, counter, gauge
 from agent.telemetry.idle import IdleLedger
-from agent.telemetry.procfs import ProcessOwners, Unattributed, boot_clock
+from agent.telemetry.procfs import Owner, ProcessOwners, Unattributed, boot_clock
 from agent.telemetry.usage import Attribution, DeviceProcesses, Holder, ListedProcess, PodKey, Usage, attribute
 from agent.telemetry.window import ENGINES, IdleDevice, Physical, Window
 
@@ -97,9 +97,11 @@ class PodTelemetry:
         elapsed: float,
         claims: Sequence[PhysicalClaim] = (),
         claim_pods: Mapping[str, frozenset[str]] | None = None,
+        claim_users: Mapping[tuple[str, str, str, str], frozenset[tuple[str, str]]] | None = None,
     ) -> list[Family]:
-        """``claims``: the devices of prepared DRA claims; ``claim_pods``: claim UID -> its pods' UIDs (the
-        kubelet's DRA checkpoint), None when unknown."""
+        """``claims``: the devices of prepared DRA claims; ``claim_users``: (claim namespace, claim name, pool,
+        device) -> the pods PodResources says use it; ``claim_pods``: claim UID -> its pods' UIDs from the
+        kubelet's DRA checkpoint, for the claims PodResources does not name; both None when unknown."""
         host = self._host
         physical = self._physical_devices(inventory)
         devices = self._device_processes(inventory, stats, utilization)
@@ -108,6 +110,9 @@ class PodTelemetry:
         owners = self._owners.owners(pids, listed_at) if pids else {}
         boot_wall = time.time() - boot_clock()
         holdings = _holdings(devices_of_pod, holders)
+        if claims and claim_users:
+            named = podresources_claim_pods(claims, claim_users, _other_pods_on(devices, owners, holdings))
+            claim_pods = {**(claim_pods or {}), **named}
         for uid, held_by_claims in claim_holdings(claims, claim_pods or {}).items():
             for uuid, claim in held_by_claims.items():
                 holdings.setdefault(uid, {}).setdefault(uuid, claim)
@@ -313,6 +318,19 @@ def _holdings(
                 break
             holdings.setdefault(uid, {})[device_id.split("::", 1)[0]] = pod
     return holdings
+
+
+def _other_pods_on(
+    devices: Sequence[DeviceProcesses], owners: Mapping[int, Owner], holdings: Mapping[str, Mapping[str, Holder]]
+) -> dict[str, frozenset[str]]:
+    """Physical UUID -> the UIDs of the pods with processes there (listed or sampled) that hold no device-plugin
+    device there."""
+    found: dict[str, frozenset[str]] = {}
+    for device in devices:
+        pids = {p.pid for p in device.processes} | {s.pid for s in device.samples or ()}
+        uids = {owner.pod_uid for pid in pids if (owner := owners.get(pid)) is not None and owner.pod_uid}
+        found[device.uuid] = frozenset(u for u in uids if device.uuid not in holdings.get(u, {}))
+    return found
 
 
 def _gpu_share(device: HeldDevice, where: Physical | None) -> float:

@@ -61,7 +61,7 @@ class Telemetry:
         # Imported here, not with this module: an agent without metrics never loads http.server or the
         # PodResources stubs (``tessera run`` imports TelemetrySettings either way). prometheus_client is
         # loaded by none of them (exposition.py writes the text format itself).
-        from agent.plugin.podresources import allocated_devices
+        from agent.plugin.podresources import list_pod_resources
         from agent.telemetry.collector import TelemetryCollector, TelemetryOptions
         from agent.telemetry.latency import OperationLatency
         from agent.telemetry.server import TelemetryServer
@@ -80,7 +80,7 @@ class Telemetry:
         self.collector = TelemetryCollector(
             options,
             status=lambda: source.status,
-            holders=lambda: allocated_devices(pod_resources_socket),
+            holders=lambda: list_pod_resources(pod_resources_socket),
             on_collected=self._write_labels,
             latency=latency if latency is not None else OperationLatency(),
             claims=claims,

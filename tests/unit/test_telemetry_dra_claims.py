@@ -13,9 +13,17 @@ import pytest
 
 from agent.core.dra.checkpoint import Checkpoint, CreatedMig, PreparedClaim, PreparedDevice
 from agent.gpu.discovery import discover
+from agent.plugin.podresources import PodAllocations
 from agent.status import AgentStatus
 from agent.telemetry.collector import TelemetryCollector, TelemetryOptions
-from agent.telemetry.dra_claims import ClaimDevice, claim_devices, read_claim_pods, resolve
+from agent.telemetry.dra_claims import (
+    ClaimDevice,
+    PhysicalClaim,
+    claim_devices,
+    podresources_claim_pods,
+    read_claim_pods,
+    resolve,
+)
 
 NODE = {
     "name": "dra-telemetry",
@@ -165,3 +173,85 @@ def test_a_broken_claims_source_leaves_the_other_metrics_alone(sim_node, tmp_pat
     collector.collect_once()
     assert any(f.name == "tessera_gpu_up" and len(f.samples) == 3 for f in collector.last.families)
     assert len([r for r in caplog.records if "without DRA claims" in r.getMessage()]) == 1
+
+
+def physical(uid: str, name: str, device: str, uuid: str) -> PhysicalClaim:
+    return PhysicalClaim(ClaimDevice(uid, "ml", name, "p", device), uuid, uuid, "")
+
+
+def test_podresources_names_a_claims_pods_through_its_device() -> None:
+    train, shared_a, shared_b = (
+        physical("u-train", "train", "gpu-0", "GPU-0"),
+        physical("u-a", "a", "gpu-1", "GPU-1"),
+        physical("u-b", "b", "gpu-1", "GPU-1"),  # two claims share GPU 1 (time-slicing)
+    )
+    users = {(c.claim.namespace, c.claim.name, "p", c.claim.device): frozenset({("ml", c.claim.name)})
+             for c in (train, shared_a, shared_b)}  # fmt: skip
+    found = podresources_claim_pods(
+        [train, shared_a, shared_b], users, {"GPU-0": frozenset({POD_A}), "GPU-1": frozenset({POD_B, POD_C})}
+    )
+    assert found == {"u-train": frozenset({POD_A})}, "a device two claims share cannot tell whose a process is"
+    assert podresources_claim_pods([train], {}, {"GPU-0": frozenset({POD_A})}) == {}, "not named: not known"
+    assert podresources_claim_pods([train], users, {}) == {"u-train": frozenset()}, "named, no process: idle"
+    two = podresources_claim_pods([train], users, {"GPU-0": frozenset({POD_A, POD_B})})
+    assert two == {}, "more pods on the device than the claim serves: none is the claim's"
+
+
+def test_a_pod_holding_the_device_through_the_device_plugin_is_not_counted_for_a_claim() -> None:
+    from agent.telemetry.pods import _other_pods_on
+    from agent.telemetry.procfs import Owner
+    from agent.telemetry.usage import DeviceProcesses, ListedProcess
+
+    devices = [DeviceProcesses("GPU-0", [ListedProcess(1, 10), ListedProcess(2, 10)], None)]
+    owners = {1: Owner(1, 1.0, POD_A), 2: Owner(2, 1.0, POD_B)}
+    assert _other_pods_on(devices, owners, {POD_B: {"GPU-0": ("ml", "plugin-pod")}}) == {"GPU-0": frozenset({POD_A})}
+
+
+def test_podresources_wins_over_the_kubelet_checkpoint_which_is_read_only_for_claims_it_does_not_name(
+    sim_node, tmp_path: Path
+) -> None:
+    driver = sim_node(NODE)
+    inventory = discover()
+    gpu0, gpu1, _ = inventory.gpus
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    proc_entry(proc, 701, POD_A)
+    proc_entry(proc, 702, POD_B)
+    driver.add_process(0, 701, 2048, sm=40)
+    driver.add_process(1, 702, 1024, sm=20)
+    named = ClaimDevice("u1", "ml", "named", "p", f"gpu-{gpu0.minor_number}")
+    unnamed = ClaimDevice("u2", "ml", "unnamed", "p", f"gpu-{gpu1.minor_number}")
+    kubelet_state(tmp_path / "dra_manager_state", {"u1": [POD_C], "u2": [POD_B]})  # stale for u1: PodResources wins
+    answer = PodAllocations({}, {("ml", "named", "p", named.device): frozenset({("ml", "trainer")})})
+    claims: tuple[ClaimDevice, ...] = (named, unnamed)
+    options = TelemetryOptions(hostname="h", proc_root=proc, device_plugin_dir=tmp_path / "dp", kubelet_dir=tmp_path)
+    collector = TelemetryCollector(options, lambda: AgentStatus(inventory=inventory), lambda: answer,
+                                   claims=lambda: claims)  # fmt: skip
+    collector.collect_once()
+    collector.collect_once()
+    memory = series(collector, "tessera_dra_claim_memory_used_bytes")
+    assert memory["named"][1] == 2048 << 20 and memory["unnamed"][1] == 1024 << 20
+    assert collector._claim_pods._key is not None, "a claim PodResources does not name: the checkpoint is read"
+
+    claims = (named,)
+    reader = collector._claim_pods = type(collector._claim_pods)(tmp_path)
+    collector.collect_once()
+    assert reader._key is None, "every claim named by PodResources: the kubelet's checkpoint is not read"
+    assert series(collector, "tessera_dra_claim_memory_used_bytes")["named"][1] == 2048 << 20
+
+
+def test_a_podresources_answer_with_an_overlong_claim_name_is_refused() -> None:
+    from agent.api.podresources.v1 import api_pb2 as pr
+    from agent.plugin.podresources import MAX_NAME_CHARS, PodResourcesError, _claim_users
+
+    def answer(claim: str) -> pr.ListPodResourcesResponse:
+        resource = pr.ClaimResource(driver_name="gpu.nvidia.com", pool_name="p", device_name="gpu-0")
+        dynamic = pr.DynamicResource(claim_name=claim, claim_namespace="ml", claim_resources=[resource])
+        container = pr.ContainerResources(name="main", dynamic_resources=[dynamic])
+        return pr.ListPodResourcesResponse(
+            pod_resources=[pr.PodResources(name="t", namespace="ml", containers=[container])]
+        )
+
+    assert _claim_users(answer("train")) == {("ml", "train", "p", "gpu-0"): frozenset({("ml", "t")})}
+    with pytest.raises(PodResourcesError, match="longer than"):
+        _claim_users(answer("x" * (MAX_NAME_CHARS + 1)))

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -61,9 +62,13 @@ from agent.sim.kubelet.common import (
     TokenBucket,
     write_checkpoint,
 )
-from agent.sim.kubelet.podresources import PodResourcesServicer
+from agent.sim.kubelet.podresources import PodResourcesServicer, dra_pod_resources
 from agent.sim.kubelet.pods import PodsMixin
 from agent.sim.kubelet.registration import RegistrationMixin, RegistrationServicer
+
+if TYPE_CHECKING:
+    from agent.api.podresources.v1 import api_pb2 as pr
+    from agent.sim.kubelet.dra import DraKubeletEmulator
 
 __all__ = [
     "AdmissionError",
@@ -113,6 +118,7 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
         self.cleanup_on_start = cleanup_on_start
         self.checkpoint_enabled = checkpoint
         self._limiter_args = (pod_resources_qps, pod_resources_burst)
+        self._dra: DraKubeletEmulator | None = None  # the node's DRA side, whose pods PodResources lists too
 
         self._cond = threading.Condition(threading.RLock())
         self._version = 0
@@ -136,6 +142,15 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
         self._reuse: dict[str, dict[str, list[str]]] = {}  # devicesToReuse, only for the pod being admitted
 
     # ------------------------------------------------------------------------------------------ lifecycle
+
+    def serve_dra(self, dra: DraKubeletEmulator | None) -> None:
+        """List the pods ``dra`` runs, with their claims, on this emulator's PodResources socket: the kubelet has
+        one socket per node for device-plugin devices and DRA claims alike."""
+        self._dra = dra
+
+    def _dra_pod_resources(self) -> list[pr.PodResources]:
+        dra = self._dra
+        return dra_pod_resources(dra.pods(), dra.claims()) if dra is not None else []
 
     def start(self) -> None:
         """Create the directory (0750), delete stale sockets in it, serve kubelet.sock (and the PodResources socket)."""
@@ -232,6 +247,7 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
                     healthy_devices=self._healthy_device_list,
                     get_enabled=lambda: self.pod_resources_get_enabled,
                     limiter=TokenBucket(*self._limiter_args),
+                    dra_pods=self._dra_pod_resources,
                 )
                 servers.append(
                     self._start_server(

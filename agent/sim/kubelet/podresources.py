@@ -1,9 +1,15 @@
-"""The PodResources v1 server of the kubelet emulator (``pkg/kubelet/apis/podresources/server_v1.go``)."""
+"""The PodResources v1 server of the kubelet emulator (``pkg/kubelet/apis/podresources/server_v1.go``).
+
+One socket per node, as the kubelet has: it lists the device-plugin devices of the emulator's pods and, once a DRA
+kubelet emulator is attached (``KubeletEmulator.serve_dra``), the DRA claims of the pods that one runs
+(``dynamic_resources``, as a kubelet with ``KubeletPodResourcesDynamicResources`` on, the default from 1.34).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -11,6 +17,9 @@ from agent.api.deviceplugin.v1beta1 import api_pb2 as dp
 from agent.api.podresources.v1 import api_pb2 as pr
 from agent.api.podresources.v1 import api_pb2_grpc as pr_grpc
 from agent.sim.kubelet.common import ContainerAllocation, Pod, TokenBucket
+
+if TYPE_CHECKING:
+    from agent.sim.kubelet.dra_common import ClaimState, DraPod
 
 log = logging.getLogger("agent.sim.kubelet")
 
@@ -62,6 +71,61 @@ def pod_resources(pod: Pod) -> pr.PodResources:
     return msg
 
 
+def dra_pod_resources(pods: Iterable[DraPod], claims: Iterable[ClaimState]) -> list[pr.PodResources]:
+    """The running DRA pods with, per container, each claim its ``resources.claims`` names and that claim's devices
+    (only the request's, when the container names one), as ``containerDynamicResources`` builds them."""
+    by_name = {(c.namespace, c.name): c for c in claims}
+    out = []
+    for pod in pods:
+        if not pod.running:
+            continue
+        claim_of = dict(pod.claims)  # pod claim name -> ResourceClaim name (None: none was generated)
+        msg = pr.PodResources(name=pod.name, namespace=pod.namespace)
+        for cname, refs in pod.containers.items():
+            dynamic = []
+            for ref, request in refs:
+                claim_name = claim_of.get(ref)
+                claim = by_name.get((pod.namespace, claim_name)) if claim_name is not None else None
+                if claim is None:
+                    continue
+                resources = [
+                    pr.ClaimResource(
+                        cdi_devices=[pr.CDIDevice(name=cdi) for cdi in d.cdi_device_ids],
+                        driver_name=d.driver,
+                        pool_name=d.pool,
+                        device_name=d.device,
+                        share_id=d.share_id or "",
+                    )
+                    for d in claim.devices
+                    if request is None or request in d.request_names
+                ]
+                dynamic.append(
+                    pr.DynamicResource(
+                        claim_name=claim.name, claim_namespace=claim.namespace, claim_resources=resources
+                    )
+                )
+            msg.containers.append(pr.ContainerResources(name=cname, dynamic_resources=dynamic))
+        out.append(msg)
+    return out
+
+
+def merge_pods(device_pods: list[pr.PodResources], dra_pods: list[pr.PodResources]) -> list[pr.PodResources]:
+    """One entry per pod: a pod with both device-plugin devices and DRA claims lists each container once."""
+    merged = {(p.namespace, p.name): p for p in device_pods}
+    for pod in dra_pods:
+        known = merged.get((pod.namespace, pod.name))
+        if known is None:
+            merged[(pod.namespace, pod.name)] = pod
+            continue
+        containers = {c.name: c for c in known.containers}
+        for container in pod.containers:
+            if container.name in containers:
+                containers[container.name].dynamic_resources.extend(container.dynamic_resources)
+            else:
+                known.containers.append(container)
+    return list(merged.values())
+
+
 class PodResourcesServicer(pr_grpc.PodResourcesListerServicer):
     """List / GetAllocatableResources / Get over the emulator's state, behind a 100 QPS / burst 10 limiter."""
 
@@ -72,7 +136,10 @@ class PodResourcesServicer(pr_grpc.PodResourcesListerServicer):
         healthy_devices: Callable[[], list[tuple[str, dp.Device]]],
         get_enabled: Callable[[], bool],
         limiter: TokenBucket,
+        dra_pods: Callable[[], list[pr.PodResources]] = list,
     ) -> None:
+        """``dra_pods``: the pods a DRA kubelet emulator runs, with their claims (``dra_pod_resources``)."""
+        self._dra_pods = dra_pods
         self._list_pods = list_pods
         self._find_pod = find_pod
         self._healthy_devices = healthy_devices
@@ -86,7 +153,8 @@ class PodResourcesServicer(pr_grpc.PodResourcesListerServicer):
 
     def List(self, request, context):
         self._admit(context, "List")
-        return pr.ListPodResourcesResponse(pod_resources=[pod_resources(p) for p in self._list_pods()])
+        device_pods = [pod_resources(p) for p in self._list_pods()]
+        return pr.ListPodResourcesResponse(pod_resources=merge_pods(device_pods, self._dra_pods()))
 
     def GetAllocatableResources(self, request, context):
         self._admit(context, "GetAllocatableResources")
@@ -97,8 +165,10 @@ class PodResourcesServicer(pr_grpc.PodResourcesListerServicer):
         if not self._get_enabled():
             context.abort(grpc.StatusCode.UNKNOWN, "PodResources API Get method disabled")
         pod = self._find_pod(request.pod_namespace, request.pod_name)
-        if pod is None:
+        found = [pod_resources(pod)] if pod is not None else []
+        dra = [p for p in self._dra_pods() if (p.namespace, p.name) == (request.pod_namespace, request.pod_name)]
+        if not found and not dra:
             context.abort(
                 grpc.StatusCode.UNKNOWN, f"pod {request.pod_name} in namespace {request.pod_namespace} not found"
             )
-        return pr.GetPodResourcesResponse(pod_resources=pod_resources(pod))
+        return pr.GetPodResourcesResponse(pod_resources=merge_pods(found, dra)[0])
