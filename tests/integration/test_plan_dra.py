@@ -69,3 +69,34 @@ def test_plan_without_dra_shows_only_what_the_device_plugin_keeps(tmp_path: Path
     result = exits(0, "plan", "--node", "dgx-a100", "--config", str(config), "--format", "json")
     assert json.loads(result.stdout)["resources"]["nvidia.com/gpu"]["count"] == 6
     assert "GPUs 0, 1 are served through DRA" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("dra", "code", "message"),
+    [
+        (
+            "{enabled: true, gpus: [0], gpuShares: [1]}",
+            1,
+            "dra.gpuShares: GPU 1 is not served by DRA (add it to dra.gpus)",
+        ),
+        (
+            "{enabled: true, dynamicMig: all, gpuShares: [0]}",
+            1,
+            "GPU 0 is in dra.dynamicMig: a GPU is split by MIG or shared",
+        ),
+        ("{enabled: true, gpuShares: all, defaultShare: 1500Mi}", 1, "'1500Mi' is not a whole number of GiB"),
+        (
+            "{enabled: true, gpuShares: all, defaultShare: true}",
+            1,
+            "dra.defaultShare: write a memory size such as 10Gi",
+        ),
+        ("{enabled: true, defaultShare: 10Gi}", 1, "defaultShare is set but gpuShares names no GPU to share"),
+    ],
+)
+def test_a_share_config_that_cannot_work_is_an_error_naming_the_field(
+    tmp_path: Path, dra: str, code: int, message: str
+) -> None:
+    config = tmp_path / "dra.yaml"
+    config.write_text(f"version: v1\ndra: {dra}\n")
+    result = exits(code, "plan", "--dra", "--node", "dgx-a100", "--config", str(config))
+    assert message in result.stderr

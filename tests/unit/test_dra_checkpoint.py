@@ -245,3 +245,20 @@ def test_a_claims_mps_daemon_is_recorded_and_read_back_and_claims_on_the_same_de
     assert {"containerPath": "/dev/shm", "hostPath": "/run/nvidia/mps/shm", "options": ["rbind", "rw"]} in edits[
         "mounts"
     ]
+
+
+@pytest.mark.parametrize(
+    ("share", "message"),
+    [
+        ({"memory": 0}, r"share.memory is not a positive number of bytes"),
+        ({"memory": "10Gi"}, r"share.memory is not a positive number of bytes"),
+        ({"memory": 1 << 30, "computePercent": 101}, r"share.computePercent is not a percentage 0-100"),
+        ("10Gi", r"share is not an object"),
+    ],
+)
+def test_a_malformed_share_is_refused(share: object, message: str):
+    device = {"pool": "node-a", "device": "gpu-0", "requests": ["gpu"], "share": share}
+    claim = {"checkpointState": "PrepareCompleted", "namespace": "ml", "name": "train", "preparedDevices": [device]}
+    data = {"kind": "TesseraDRACheckpoint", "version": 1, "nodeBootID": BOOT, "preparedClaims": {UID_A: claim}}
+    with pytest.raises(CheckpointError, match=message):
+        cpt.decode(sealed(data))

@@ -121,3 +121,40 @@ def test_a_share_with_a_time_slicing_config_is_refused() -> None:
     config = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing"}}
     refused = plan(claim({"memory": "10Gi"}, config=config))
     assert "asks for TimeSlicing sharing too" in refused.message  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("consumed", "message"),
+    [
+        ("10Gi", "consumedCapacity is not a map of capacities"),
+        ({"memory": "lots"}, "consumedCapacity memory: 'lots' is not a quantity"),
+        ({"memory": "1500m"}, "consumedCapacity memory 1500m is not a whole number"),
+    ],
+)
+def test_a_consumed_capacity_that_is_not_a_share_is_refused_naming_it(consumed: object, message: str) -> None:
+    refused = plan(claim(consumed))  # type: ignore[arg-type]
+    assert message in refused.message  # type: ignore[union-attr]
+
+
+def test_a_claim_holds_shares_of_one_gpu_only() -> None:
+    other = replace(SHARED, name="gpu-1", uuid="GPU-0001", gpu_minor=1)
+    raw = claim({"memory": "10Gi"})
+    second = {
+        **raw["status"]["allocation"]["devices"]["results"][0],
+        "device": "gpu-1",
+        "consumedCapacity": {"memory": "10Gi"},
+    }
+    raw["status"]["allocation"]["devices"]["results"].append(second)
+    refused = plan_prepare(REF, raw, driver="gpu.nvidia.com", pool="node", devices={"gpu-0": SHARED, "gpu-1": other})
+    assert "it holds shares of gpu-0, gpu-1" in refused.message  # type: ignore[union-attr]
+
+
+def test_a_request_policy_for_a_capacity_the_device_lacks_is_refused_before_publishing() -> None:
+    policies = {**SHARED.request_policies, "bandwidth": RequestPolicy(default=1, minimum=1, maximum=1, step=1)}
+    with pytest.raises(SliceError, match="request policy for bandwidth, which is not a capacity of the device"):
+        resource_slices("node", "uid", "gpu.nvidia.com", [replace(SHARED, request_policies=policies)], 1)
+
+
+def test_a_default_share_is_what_a_claim_that_asks_for_no_memory_gets_and_never_more_than_the_gpu() -> None:
+    assert shareable(GPU, 10 * GIB).request_policies["memory"].default == 10 * GIB
+    assert shareable(GPU, 100 * GIB).request_policies["memory"].default == 80 * GIB
