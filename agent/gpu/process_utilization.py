@@ -12,12 +12,13 @@ supported") nor on some boards: the GPU's read then carries the NVML error inste
 not asked again until the GPU leaves MIG mode. pynvml sizes the buffer with a first call; when more processes
 became busy between its two calls NVML answers INSUFFICIENT_SIZE, and the read is tried once more.
 
-This module belongs beside ``agent/gpu/telemetry.py`` (the only pynvml importers are meant to be in ``agent/gpu``);
-it sits here until that move.
+A GPU no process runs on is not asked (nobody to attribute work to), but its window moves on (``idle``): the next
+read, once a process appears, starts from there rather than returning what the buffer held from long before.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -59,6 +60,12 @@ class ProcessUtilization:
                 continue
             reads[uuid] = self._read(uuid)
         return reads
+
+    def idle(self, gpu_uuids: Iterable[str]) -> None:
+        """These GPUs run no process now: their next window starts now (no NVML call)."""
+        now_us = int(time.time() * 1_000_000)
+        for uuid in gpu_uuids:
+            self._last_seen[uuid] = max(self._last_seen.get(uuid, 0), now_us)
 
     def unsupported(self, gpu_uuids: Iterable[str]) -> dict[str, UtilizationRead]:
         """The GPUs among ``gpu_uuids`` known not to report it, as reads saying so (no NVML call)."""

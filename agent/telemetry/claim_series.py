@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from agent.telemetry.exposition import Family, counter, gauge
-from agent.telemetry.window import ENGINES, IdleDevice, Window
+from agent.telemetry.window import ENGINES, IdleDevice, Window, gpu_share
 
 if TYPE_CHECKING:
     from agent.telemetry.dra_claims import PhysicalClaim
@@ -89,7 +89,7 @@ def claim_series(
         processes.add_metric(labels, usage.processes if usage is not None else 0)
         idle_now.add_metric(labels, 1 if is_idle else 0)
         keys.add(labels)
-        share = min(1.0, where.memory_mib / max(1, where.gpu_memory_mib)) / sharing[entry.uuid]
+        share = gpu_share(where.memory_mib, where, sharing[entry.uuid])
         total, streak = ledger.credit(labels, claim.namespace, is_idle, window.elapsed, share, window.now)
         idle.add_metric(labels, total)
         sm = None if load is None else load[0]

@@ -199,6 +199,7 @@ class TelemetryCollector:
         whole = [gpu.uuid for gpu in inventory.gpus if not gpu.mig_enabled]  # type: ignore[attr-defined]
         self._utilization.forget(whole)
         busy = [uuid for uuid in whole if (stat := stats.get(uuid)) is not None and stat.gpu and stat.gpu.processes]
+        self._utilization.idle(set(whole) - set(busy))
         return self._utilization.unsupported(whole) | self._utilization.read(busy)
 
     def _may_be_held(self, status: object, checkpoint: Checkpoint | None) -> bool:

@@ -29,7 +29,7 @@ from agent.telemetry.exposition import Family, counter, gauge
 from agent.telemetry.idle import IdleLedger
 from agent.telemetry.procfs import Owner, ProcessOwners, Unattributed, boot_clock
 from agent.telemetry.usage import Attribution, DeviceProcesses, Holder, ListedProcess, PodKey, Usage, attribute
-from agent.telemetry.window import ENGINES, IdleDevice, Physical, Window
+from agent.telemetry.window import ENGINES, IdleDevice, Physical, Window, gpu_share
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -180,7 +180,12 @@ class PodTelemetry:
             for member in members:
                 idle_keys.add(member.idle_key)
                 total, streak = self._ledger.credit(
-                    member.idle_key, namespace, is_idle, elapsed, _gpu_share(member, where), now
+                    member.idle_key,
+                    namespace,
+                    is_idle,
+                    elapsed,
+                    gpu_share(member.memory_mib, where, member.replicas),
+                    now,
                 )
                 idle.add_metric(member.idle_key, total)
                 report.append(IdleDevice(member.resource, member.device_id, namespace, pod, member.container,
@@ -331,10 +336,3 @@ def _other_pods_on(
         uids = {owner.pod_uid for pid in pids if (owner := owners.get(pid)) is not None and owner.pod_uid}
         found[device.uuid] = frozenset(u for u in uids if device.uuid not in holdings.get(u, {}))
     return found
-
-
-def _gpu_share(device: HeldDevice, where: Physical | None) -> float:
-    """The device's share of a GPU: its memory over the GPU's, over its replicas (1 for a whole GPU)."""
-    if where is None or where.gpu_memory_mib <= 0:
-        return 0.0
-    return min(1.0, device.memory_mib / where.gpu_memory_mib) / max(1, device.replicas)

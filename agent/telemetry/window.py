@@ -83,3 +83,10 @@ class Window:
             return None
         read = self.utilization.get(where.gpu_uuid)
         return (0.0, 0.0, 0.0, 0.0) if read is None or read.error is None else None
+
+
+def gpu_share(memory_mib: int, where: Physical | None, replicas: int) -> float:
+    """A device's share of a GPU: its memory over the GPU's, over the number sharing it (1 for a whole GPU)."""
+    if where is None or where.gpu_memory_mib <= 0:
+        return 0.0
+    return min(1.0, memory_mib / where.gpu_memory_mib) / max(1, replicas)

@@ -176,3 +176,18 @@ def test_the_control_socket_sets_loads_and_makes_processes_exit_after_listing(dr
             client.call("add_process", gpu=0, pid=21, used_mib=64, sm=101)  # refused, not half-made
     finally:
         server.stop()
+
+
+def test_a_gpu_idle_in_between_starts_its_next_window_when_it_was_last_seen_idle(driver: SimDriver) -> None:
+    """Work done long ago (a process that has exited since) is not read into the window of a process that just
+    started on a GPU that sat idle in between."""
+    reader = ProcessUtilization()
+    uuid = pynvml.nvmlDeviceGetUUID(handle(0))
+    driver.add_process(0, 20, 100, sm=80)
+    assert {s.pid for s in reader.read([uuid])[uuid].samples} == {20}
+    driver.add_process(0, 21, 100, sm=60)  # more work, then both exit: their samples stay in the driver's buffer
+    driver.remove_process(20)
+    driver.remove_process(21)
+    reader.idle([uuid])  # a collection found no process on the GPU
+    driver.add_process(0, 22, 100, sm=30)
+    assert {s.pid for s in reader.read([uuid])[uuid].samples} == {22}
