@@ -371,9 +371,11 @@ class Agent:
     def _settle(self) -> None:
         """The kubelet is served (or waited for long enough): what comes second starts."""
         self._settling = False
-        if self.options.telemetry is not None:
-            self._start_telemetry()
-        self.served.set()
+        try:
+            if self.options.telemetry is not None:
+                self._start_telemetry()
+        finally:  # whatever metrics do, the kubelet is served: what waits for that (the collector) goes on
+            self.served.set()
 
     def _start_telemetry(self) -> None:
         """Metrics come second: started once every resource was offered to the kubelet (or there is none)."""
