@@ -1044,18 +1044,20 @@ class Agent:
             self._servers.pop(name).stop()
             self._registrations.pop(name, None)
             log.info("resource removed resource=%s", name)
-        updated = []
+        changed = []
         for name, snapshot in snapshots.items():
             server = self._servers.get(name)
             if server is None:
                 self._servers[name] = self._new_server(snapshot)
                 self._want_registration(name)
             elif snapshot.listing() != server.snapshot.listing() or snapshot.options != server.snapshot.options:
-                updated += [server] if server.update(snapshot) else []
-        if updated:
-            send_updates(updated)  # the kubelet first: the status, logs and NVML reads that follow come after
+                changed.append((server, snapshot))
         self._snapshots = snapshots
-        self._refresh_status()
+        before = self._set_status()  # what `tessera status` says never lags what the kubelet hears
+        updated = [server for server, snapshot in changed if server.update(snapshot)]
+        if updated:
+            send_updates(updated)  # the kubelet next: the events, logs and NVML reads that follow come after
+        self._announce(before, self.status)
 
     def _new_server(self, snapshot: ResourceSnapshot) -> ResourceServer:
         server = ResourceServer(
@@ -1199,6 +1201,12 @@ class Agent:
         self._refresh_status()
 
     def _refresh_status(self) -> None:
+        before = self._set_status()
+        self._announce(before, self.status)
+
+    def _set_status(self) -> AgentStatus:
+        """Build the status from the state now (it is one attribute: readers see the old one or the new one);
+        returns the one it replaced, for ``_announce``."""
         before = self.status
         self.status = AgentStatus(
             resources=dict(self._snapshots),
@@ -1223,7 +1231,7 @@ class Agent:
             cordon_problems=self._cordon.problems,
             dra=self._dra.status() if self._dra else None,
         )
-        self._announce(before, self.status)
+        return before
 
     def _reconcile_mps(self, resource_plan: ResourcePlan, root: Path) -> None:
         """One MPS manager for both front ends: the device plugin's MPS resources and the DRA claims' daemons."""

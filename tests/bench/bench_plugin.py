@@ -21,8 +21,9 @@ nothing) to a Python gRPC server in another process, over a unix socket, from th
    holding the new device list (one device Unhealthy, then Healthy again); ``stop()`` with a stream open.
 4. The whole agent (``tessera run --simulate dgx-a100``, a fresh process per round): process start -> all
    devices registered and healthy; Allocate / GetPreferredAllocation / PreStartContainer round trips, dialled
-   as the kubelet does, with the agent's CPU per call; XID -> the kubelet sees Unhealthy (from the start of
-   the simulation-control call that injects it, and from its return); kubelet restart ->
+   as the kubelet does, with the agent's CPU per call; XID -> the kubelet sees Unhealthy (from the moment the
+   simulated driver queued the XID, which the simulation-control call returns, and from the start of that
+   call, whose round trip to the simulator is not the agent's); kubelet restart ->
    re-registered, from the new kubelet.sock (the emulator's ``restart()`` itself first spends ~200 ms closing
    its own channels); SIGTERM -> exit; RSS after start and its growth over the calls. Metrics are off (this is
    the plugin path; ``bench_lifecycle.py`` measures start, idle and stop with the default features).
@@ -60,6 +61,9 @@ from agent.plugin.server import ResourceServer
 from agent.sim.kubelet import KubeletEmulator
 from agent.sim.kubelet.common import CHANNEL_OPTIONS
 from agent.sim.nvml.control import SimControlClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.bench.bench_lifecycle import package_copy
 
 RESOURCE = "nvidia.com/gpu"
 GPUS = 8
@@ -403,7 +407,7 @@ def whole_agent(base: Path, args: argparse.Namespace, figures: dict[str, Figure]
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
     started = time.monotonic()
-    agent = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    agent = subprocess.Popen(command, env=env, cwd=args.agent_home, stderr=subprocess.DEVNULL)
     try:
         kubelet.wait_for(
             lambda: kubelet.allocatable(RESOURCE) == GPUS if RESOURCE in kubelet.resources() else False,
@@ -440,17 +444,17 @@ def whole_agent(base: Path, args: argparse.Namespace, figures: dict[str, Figure]
                 figures[key].add(target.times, target.cpu / target.calls)
                 target.close()
 
-        xid, after_call = [], []
+        xid, with_call = [], []
         for n in range(args.xids):
             began = time.monotonic()
-            control.call("inject_xid", gpu=n % GPUS, xid=48)
-            injected = time.monotonic()  # the simulated driver has the XID by now
+            queued = control.call("inject_xid", gpu=n % GPUS, xid=48)  # when the driver had it: one clock
             kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) < GPUS, timeout=5, what="Unhealthy")
-            xid.append(time.monotonic() - began)
-            after_call.append(time.monotonic() - injected)
+            seen = time.monotonic()
+            xid.append(seen - queued)
+            with_call.append(seen - began)
             kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == GPUS, timeout=5, what="recovered")
         figures["agent xid"].add(xid)
-        figures["agent xid call"].add(after_call)
+        figures["agent xid call"].add(with_call)
 
         from_socket, from_call = [], []
         for _ in range(args.restarts):
@@ -502,8 +506,8 @@ def _figures() -> dict[str, Figure]:
         "agent allocate": ("Allocate (2 GPUs) via the kubelet's connection", "p50 <= 1.2x floor"),
         "agent preferred": ("GetPreferredAllocation (2 of 8)", "-"),
         "agent prestart": ("PreStartContainer (a no-op on the agent)", "-"),
-        "agent xid": ("XID injected -> kubelet sees Unhealthy", "p99 < 2.5 ms"),
-        "agent xid call": ("  from the sim control call's return (XID in the driver)", "-"),
+        "agent xid": ("XID in the driver -> kubelet sees Unhealthy", "p99 < 2.5 ms"),
+        "agent xid call": ("  from the start of the sim control call injecting it", "-"),
         "agent restart": ("kubelet restart (new kubelet.sock) -> re-registered", "p99 < 16 ms"),
         "agent restart call": ("  from the start of the emulator's restart()", "-"),
         "sigterm": ("SIGTERM -> exit", "< 100 ms"),
@@ -585,14 +589,19 @@ def main() -> None:
         "agent": lambda base: whole_agent(base, args, figures),
     }
     steps = [parts[name] for name in args.parts.split(",")]
-    for n in range(args.rounds):
-        base = Path(tempfile.mkdtemp(prefix="bp", dir="/tmp"))  # unix socket paths must stay short
-        try:
-            for step in steps[n % len(steps) :] + steps[: n % len(steps)]:  # each round starts elsewhere
-                step(base)
-        finally:
-            shutil.rmtree(base, ignore_errors=True)
-        print(f"round {n + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    # `python -m agent` runs a copy of this tree's agent with its bytecode compiled, as the image has it
+    args.agent_home = package_copy(Path(tempfile.mkdtemp(prefix="bench-plugin-agent-")), compiled=True)
+    try:
+        for n in range(args.rounds):
+            base = Path(tempfile.mkdtemp(prefix="bp", dir="/tmp"))  # unix socket paths must stay short
+            try:
+                for step in steps[n % len(steps) :] + steps[: n % len(steps)]:  # each round starts elsewhere
+                    step(base)
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+            print(f"round {n + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(args.agent_home, ignore_errors=True)
     report(figures, args.rounds)
 
 

@@ -95,6 +95,21 @@ def test_a_cordoned_gpu_goes_unhealthy_at_once_and_comes_back_when_the_entry_goe
     assert n.agent.status.cordoned == {}
 
 
+def test_the_status_already_says_why_when_the_kubelet_hears_of_a_change(node):
+    """The agent builds its status before it tells the kubelet, so whoever sees a device turn Unhealthy at the
+    kubelet finds the reason in ``tessera status`` at once (on the old order, status after the send, this
+    failed about one turn in three)."""
+    n = node()
+    uuid, device = n.agent.status.inventory.gpus[4].uuid, n.device_of(4)
+    for turn in range(20):
+        n.annotate(tessera="4")
+        n.wait(lambda: n.unhealthy() == {device}, f"GPU 4 Unhealthy at the kubelet (turn {turn})")
+        assert n.agent.status.cordoned == {uuid: (CORDON_ANNOTATION,)}
+        n.annotate(tessera=None)
+        n.wait(lambda: not n.unhealthy(), f"GPU 4 Healthy again (turn {turn})")
+        assert n.agent.status.cordoned == {}
+
+
 def test_hamis_annotation_cordons_by_uuid_too(node):
     n = node()
     uuid = n.agent.status.inventory.gpus[6].uuid

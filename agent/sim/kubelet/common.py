@@ -340,7 +340,3 @@ def write_file_atomically(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def write_checkpoint(path: Path, pods: Iterable[Pod], registered: Mapping[str, Iterable[str]]) -> None:
-    write_file_atomically(path, json.dumps(checkpoint_document(pods, registered)))

@@ -32,6 +32,7 @@ Choices beyond the kubelet's own rules (all keyword arguments of ``KubeletEmulat
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
@@ -60,7 +61,8 @@ from agent.sim.kubelet.common import (
     Pod,
     RunContainerOptions,
     TokenBucket,
-    write_checkpoint,
+    checkpoint_document,
+    write_file_atomically,
 )
 from agent.sim.kubelet.podresources import PodResourcesServicer, dra_pod_resources
 from agent.sim.kubelet.pods import PodsMixin
@@ -122,6 +124,8 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
 
         self._cond = threading.Condition(threading.RLock())
         self._version = 0
+        self._checkpoint_written_lock = threading.Lock()  # taken after _cond, never before it
+        self._checkpoint_written = -1  # the state version of the checkpoint on disk
         self._running = False
         self._stopping = threading.Event()
         self._servers: list[tuple[grpc.Server, futures.ThreadPoolExecutor]] = []
@@ -339,13 +343,31 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
         return resource in self._healthy or bool(self._allocated_locked(resource))
 
     def _write_checkpoint_locked(self) -> None:
+        self._write_checkpoint(self._checkpoint_locked())
+
+    def _checkpoint_locked(self) -> tuple[int, str] | None:
+        """The checkpoint of the state as it is now (call with the lock held); None when none is kept."""
         if not self.checkpoint_enabled or not self.device_plugin_dir.is_dir():
-            return
+            return None
         registered = {r: [d for d in self._all.get(r, {}) if d in ids] for r, ids in self._healthy.items()}
-        try:
-            write_checkpoint(self.checkpoint_path, self._pods.values(), registered)
-        except OSError as exc:
-            log.error("Failed to write checkpoint file: path=%s err=%s", self.checkpoint_path, exc)
+        return self._version, json.dumps(checkpoint_document(self._pods.values(), registered))
+
+    def _write_checkpoint(self, checkpoint: tuple[int, str] | None) -> None:
+        """Write a checkpoint taken under the lock. Device updates write theirs after the lock is let go, as
+        the kubelet's genericDeviceUpdateCallback does (state visible first, then writeCheckpoint), so a
+        checkpoint older than one already written is dropped."""
+        if checkpoint is None:
+            return
+        version, text = checkpoint
+        with self._checkpoint_written_lock:
+            if version < self._checkpoint_written:
+                return
+            try:
+                write_file_atomically(self.checkpoint_path, text)
+            except OSError as exc:
+                log.error("Failed to write checkpoint file: path=%s err=%s", self.checkpoint_path, exc)
+                return
+            self._checkpoint_written = version
 
     # ------------------------------------------------------------------------------------------ registration view
 

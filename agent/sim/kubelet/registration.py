@@ -168,8 +168,9 @@ class RegistrationMixin:
             self._healthy[name] = healthy
             self._unhealthy[name] = unhealthy
             self._all[name] = devices
-            self._write_checkpoint_locked()
             self._changed()
+            checkpoint = self._checkpoint_locked()
+        self._write_checkpoint(checkpoint)
         log.info(
             "State pushed for device plugin: resource=%s resourceCapacity=%d healthy=%d",
             name,

@@ -839,27 +839,32 @@ class SimDriver:
 
     def _emit(
         self, index: int, event_type: int, data: int, gi_id: int = INVALID_INSTANCE_ID, ci_id: int = INVALID_INSTANCE_ID
-    ) -> None:
+    ) -> float:
+        """Queue the event for every set registered for it; the ``time.monotonic()`` at which it was queued."""
         event = SimEvent(index, event_type, data, gi_id, ci_id)
         delivered = False
         for event_set in self._event_sets:
             if event_set.registrations.get(index, 0) & event_type:
                 event_set.queue.append(event)
                 delivered = True
+        queued = time.monotonic()
         if delivered:
             self._event_ready.notify_all()
+        return queued
 
     # ----- control: what tests and the demo do to the node ----------------------------------------
 
-    def inject_xid(self, index: int, xid: int, *, mig_uuid: str | None = None) -> None:
-        """An Xid critical error on a GPU, or attributed to one MIG device of it."""
+    def inject_xid(self, index: int, xid: int, *, mig_uuid: str | None = None) -> float:
+        """An Xid critical error on a GPU, or attributed to one MIG device of it. Returns when the driver
+        had it (``time.monotonic()``, the clock every process of the machine shares), so a benchmark can time
+        what follows from the XID itself rather than from its request to the simulator."""
         with self.lock:
             gpu = self.gpus[index]
             gi_id = ci_id = INVALID_INSTANCE_ID
             if mig_uuid is not None:
                 gi, ci = next((gi, ci) for gi, ci in gpu.mig_devices() if ci.uuid == mig_uuid)
                 gi_id, ci_id = gi.id, ci.id
-            self._emit(index, EVENT_XID_CRITICAL, xid, gi_id, ci_id)
+            return self._emit(index, EVENT_XID_CRITICAL, xid, gi_id, ci_id)
 
     def lose_gpu(self, index: int) -> None:
         """The GPU falls off the bus (Xid 79): from now on every call on it fails with GPU_IS_LOST.
