@@ -115,7 +115,7 @@ class AgentOptions:
     health: HealthPolicy = field(default_factory=HealthPolicy)
     liveness_probe_seconds: float = SAFETY_SECONDS  # the slow re-check for a GPU lost without an event
     lock_wait_seconds: float = 15.0  # how long a predecessor on this plugin directory gets to let go
-    thread_join_seconds: float | None = None  # on stop, wait this long for threads in the driver (None: all)
+    thread_join_seconds: float | None = None  # on stop, wait this long for each thread (None: each its own bound)
     # How long one nvmlEventSetWait may block. It cannot be interrupted, so it bounds how soon the watcher
     # stops and takes up a changed GPU set; each return is a wake-up of an idle agent. `tessera run` uses
     # NVIDIA's 5 s (its process does not wait for the watcher on the way out); in-process agents stop faster.
@@ -398,8 +398,9 @@ class Agent:
 
     def _shutdown(self) -> None:
         """What the kubelet sees goes first (every socket removed, ListAndWatch streams ended), then the
-        threads are told to stop. ``thread_join_seconds`` bounds the wait for threads blocked in the driver
-        (``tessera run`` exits right after, so it does not wait for them); MPS daemons keep serving."""
+        threads are told to stop. ``thread_join_seconds`` bounds the wait for each of them (one blocked in the
+        driver, a watcher closing its inotify instance): ``tessera run`` exits right after, so it does not wait
+        for them; MPS daemons keep serving."""
         self.started.set()  # a caller waiting for the start learns that it is over
         self.served.set()
         stop_servers(self._servers.values(), grace=0)  # together: every stream ends at once
@@ -414,8 +415,12 @@ class Agent:
             self._label_watcher,
             self._recorder,
         ):
-            if watcher is not None:
-                watcher.stop()
+            if watcher is None:
+                continue
+            if join is None:
+                watcher.stop()  # each waits for its thread as long as it needs (bounded by its own limit)
+            else:
+                watcher.stop(timeout=join)
         for feature in (self._mps, self._mig, self._dra):
             if feature is not None:
                 feature.shutdown()

@@ -174,14 +174,16 @@ class InotifyWatcher:
         self._initial()
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop and join the thread: it wakes at once (no timed sleep to wait out)."""
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop and join the thread (at most ``timeout`` seconds): it wakes at once (no timed sleep to wait
+        out), but closing its inotify instance takes the kernel a grace period (~10 ms after a rebuild), which
+        a process about to exit need not wait for (``timeout=0``)."""
         self._stopping.set()
         if self._wake_closed:
             return
         os.eventfd_write(self._wake, 1)
         if self._thread.is_alive():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout)
         if not self._thread.is_alive():
             self._wake_closed = True
             os.close(self._wake)

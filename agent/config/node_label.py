@@ -218,17 +218,17 @@ class NodeLabelWatcher:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop promptly: cut the open watch and join the thread (bounded)."""
+    def stop(self, timeout: float = STOP_JOIN_TIMEOUT) -> None:
+        """Stop promptly: cut the open watch and join the thread (at most ``timeout`` seconds)."""
         self._stop.set()
         with self._lock:
             response = self._response
         if response is not None:
             _shutdown(response)
-        if self._thread.ident is not None:
-            self._thread.join(timeout=STOP_JOIN_TIMEOUT)
+        if self._thread.ident is not None and timeout > 0:
+            self._thread.join(timeout=timeout)
             if self._thread.is_alive():
-                log.warning("node label watch did not stop node=%s timeout=%.0fs", self._node, STOP_JOIN_TIMEOUT)
+                log.warning("node label watch did not stop node=%s timeout=%.0fs", self._node, timeout)
 
     # ----- the thread -----------------------------------------------------------------------------
 

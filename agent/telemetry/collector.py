@@ -141,9 +141,10 @@ class TelemetryCollector:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=timeout)
 
     def _run(self) -> None:
         while True:

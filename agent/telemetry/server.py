@@ -72,10 +72,14 @@ class TelemetryServer:
         self._thread.start()
         log.info("serving metrics port=%d paths=/metrics,/healthz,/readyz,/status", self.port)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
+        """Wake the serving thread and wait for it (at most ``timeout`` seconds); its sockets are closed once it
+        is gone (a process about to exit, ``timeout=0``, leaves that to the kernel)."""
         os.write(self._wake_write, b"x")
         if self._thread.ident is not None:
-            self._thread.join(timeout=2)
+            self._thread.join(timeout=timeout)
+            if self._thread.is_alive():
+                return
         self._server.server_close()
         os.close(self._wake_read)
         os.close(self._wake_write)

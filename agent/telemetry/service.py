@@ -107,9 +107,10 @@ class Telemetry:
         self.collector.start()
         self.server.start()
 
-    def stop(self) -> None:
-        self.server.stop()
-        self.collector.stop()
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving and collecting; each thread is waited for at most ``timeout`` seconds."""
+        self.server.stop(timeout)
+        self.collector.stop(timeout)
 
     def healthy(self) -> tuple[bool, str]:
         """The reconcile loop answers and metrics are collected."""

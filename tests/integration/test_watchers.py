@@ -430,3 +430,30 @@ def test_idle_watchers_use_no_cpu_and_stop_at_once(base: Path, sockets) -> None:
         after = [cpu_ticks(plugin_dir.native_id), cpu_ticks(config_watch.native_id)]
         assert all(b - a <= 1 for a, b in zip(before, after, strict=True)), (before, after)
         posted.nothing(0)
+
+
+def test_a_stop_that_does_not_wait_returns_while_the_thread_is_busy(base: Path, sockets) -> None:
+    """``tessera run`` stops its watchers without waiting for their threads (the process ends right after, and
+    closing an inotify instance can take the kernel ~10 ms): ``stop(timeout=0)`` returns at once even while the
+    thread is in the middle of something, and the thread still ends by itself."""
+    directory = base / "dp"
+    directory.mkdir()
+    busy, release = threading.Event(), threading.Event()
+
+    def post(event: object) -> None:
+        if event == KubeletSocketChanged(True):
+            busy.set()
+            release.wait(DEADLINE)
+
+    watcher = PluginDirWatcher(directory, post)
+    watcher.start()
+    assert watcher.armed.wait(DEADLINE)
+    sockets(directory / "kubelet.sock")
+    assert busy.wait(DEADLINE), "the watcher did not post the kubelet socket"
+    watcher.stop(timeout=0)
+    assert thread_alive(watcher.native_id)  # returned without waiting for it
+    release.set()
+    deadline = time.monotonic() + DEADLINE
+    while thread_alive(watcher.native_id) and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    assert not thread_alive(watcher.native_id), "the stopped thread did not end"

@@ -628,6 +628,24 @@ def test_control_socket_refuses_an_endless_request_without_buffering_it(
     client.call("inject_xid", gpu=0, xid=48)  # the server still serves
 
 
+def test_the_control_socket_sleeps_until_asked_and_stops_at_once(
+    nvml_node: Callable[[object], SimDriver], tmp_path: Path
+) -> None:
+    """An idle simulated node wakes no thread of its control socket (it waits in ``accept``; nothing polls,
+    which the idle agent's CPU figure counts), and ``stop`` ends that wait at once."""
+    server = SimControlServer(nvml_node(gpus("Tesla T4")), tmp_path / "ctl.sock")
+    server.start()
+    try:
+        SimControlClient(tmp_path / "ctl.sock").call("inject_xid", gpu=0, xid=48)
+        status = Path(f"/proc/self/task/{server._thread.native_id}/status")
+        switches = status.read_text().split("voluntary_ctxt_switches:")[1].split()[0]
+        threading.Event().wait(0.3)  # a window to count wake-ups in (a poll every 50 ms would show 6)
+        assert status.read_text().split("voluntary_ctxt_switches:")[1].split()[0] == switches
+    finally:
+        server.stop()
+    assert not server._thread.is_alive() and not (tmp_path / "ctl.sock").exists()
+
+
 def test_control_socket_lists_the_mig_devices(
     nvml_node: Callable[[object], SimDriver], control: Callable[[SimDriver], SimControlClient]
 ) -> None:

@@ -9,10 +9,10 @@ only its named arguments, of their JSON types (an NVML code is its ``Return`` na
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
-import socketserver
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
@@ -24,7 +24,6 @@ from agent.sim.nvml.driver import SimDriver
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 4096
-POLL_SECONDS = 0.05  # how soon ``stop`` returns: the serving loop checks for shutdown this often
 
 _ArgumentTypes = dict[str, type | tuple[type, ...]]
 _Operations = dict[str, tuple[Callable[..., Any], _ArgumentTypes]]
@@ -158,36 +157,53 @@ def _compute_mode(driver: SimDriver, uuid: str) -> int:
 
 
 class SimControlServer:
+    """The control socket: a thread blocked in ``accept`` (no polling: an idle simulated node costs nothing),
+    a thread per connection; ``stop`` shuts the listening socket down, which wakes the ``accept`` at once."""
+
     def __init__(self, driver: SimDriver, path: Path) -> None:
         self.path = path
-        operations = _operations(driver)
-
-        class Handler(socketserver.StreamRequestHandler):
-            def handle(self) -> None:
-                while line := self.rfile.readline(MAX_REQUEST_BYTES + 1):  # never buffers more than a request
-                    if len(line) > MAX_REQUEST_BYTES and not line.endswith(b"\n"):
-                        reply = {"ok": False, "error": f"a request is at most {MAX_REQUEST_BYTES} bytes"}
-                        self.wfile.write(json.dumps(reply).encode() + b"\n")
-                        return  # the rest of an oversized line is not read: the connection ends
-                    reply = _dispatch(operations, line)
-                    self.wfile.write(json.dumps(reply).encode() + b"\n")
-
+        self._operations = _operations(driver)
         path.unlink(missing_ok=True)
-        self._server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
-        self._server.daemon_threads = True
-        path.chmod(0o600)
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, args=(POLL_SECONDS,), name="sim-control", daemon=True
-        )
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._listener.bind(str(path))
+            path.chmod(0o600)
+            self._listener.listen()
+        except BaseException:
+            self._listener.close()
+            raise
+        self._thread = threading.Thread(target=self._accept, name="sim-control", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
         log.info("simulated node control socket=%s", self.path)
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        if self._thread.ident is not None:
+            self._thread.join()
         self.path.unlink(missing_ok=True)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return  # stopped
+            threading.Thread(target=self._serve, args=(connection,), name="sim-control-client", daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with connection, connection.makefile("rb") as requests, contextlib.suppress(OSError):
+            while line := requests.readline(MAX_REQUEST_BYTES + 1):  # never buffers more than a request
+                whole = len(line) <= MAX_REQUEST_BYTES or line.endswith(b"\n")
+                too_long = {"ok": False, "error": f"a request is at most {MAX_REQUEST_BYTES} bytes"}
+                connection.sendall(
+                    json.dumps(_dispatch(self._operations, line) if whole else too_long).encode() + b"\n"
+                )
+                if not whole:
+                    return  # the rest of an oversized line is not read: the connection ends
 
 
 def _dispatch(operations: _Operations, line: bytes) -> dict[str, Any]:
