@@ -171,7 +171,8 @@ def _block_positions(text: str) -> dict[str, tuple[int, int]]:
 
 def _read(path: Path) -> str:
     """The text of one config: a regular file of at most 1 MiB of UTF-8 (a FIFO or a device is refused)."""
-    from agent.config.yaml_limits import decode_text, read_bounded
+    from agent.config.bounded import read_bounded
+    from agent.config.yaml_limits import decode_text
 
     return decode_text(read_bounded(path, str(path), MAX_CONFIG_BYTES), str(path), kind=KIND)
 

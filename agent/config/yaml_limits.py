@@ -1,9 +1,10 @@
 """Reading YAML (or JSON) that comes from outside the agent, within limits.
 
 Everything the agent reads from a file someone else wrote — a sharing config, a MIG layout file, a node
-spec — goes through :func:`read_bounded` (the bytes) and :func:`load_yaml` (the document). Either raises
-``ConfigError(origin, [problem])`` whose problem names the limit that was broken and the fix; nothing else
-escapes, whatever the input: no ``RecursionError``, no ``MemoryError``, no parser exception of another kind.
+spec — goes through ``agent.config.bounded.read_bounded`` (the bytes) and :func:`load_yaml` (the document).
+Either raises ``ConfigError(origin, [problem])`` whose problem names the limit that was broken and the fix;
+nothing else escapes, whatever the input: no ``RecursionError``, no ``MemoryError``, no parser exception of
+another kind.
 
 The limits, far above any real document (the catalogue's deepest config nests 7 levels and holds 35
 values; the shipped layouts file 5 levels and 60 values):
@@ -27,10 +28,7 @@ the offending line and a caret (``excerpt``), never PyYAML's ``in "<unicode stri
 
 from __future__ import annotations
 
-import os
 import re
-import stat
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -40,9 +38,9 @@ from yaml.events import AliasEvent, CollectionEndEvent, CollectionStartEvent, St
 from yaml.nodes import Node, ScalarNode
 from yaml.resolver import Resolver
 
+from agent.config.bounded import MAX_BYTES, too_big
 from agent.config.model import ConfigError
 
-MAX_BYTES = 1 << 20  # 1 MiB: the most a ConfigMap can hold
 MAX_DEPTH = 64
 MAX_NODES = 20_000
 MAX_ALIASES = 1_000
@@ -55,88 +53,6 @@ _NON_PRINTABLE = yaml.reader.Reader.NON_PRINTABLE  # what YAML forbids in a stre
 
 class _LimitBroken(Exception):
     """Raised inside the loader; load_yaml turns it into a ConfigError."""
-
-
-def read_bounded(path: Path | str, origin: str | None = None, max_bytes: int = MAX_BYTES) -> bytes:
-    """The bytes of the regular file at ``path`` (symlinks followed), at most ``max_bytes`` of them.
-
-    A directory, FIFO, socket or device (``/dev/null`` excepted: it reads as nothing) is refused without
-    opening it, so a FIFO cannot block the caller; a file larger than ``max_bytes`` is refused from its
-    size, and a file that grows while it is read is refused after ``max_bytes + 1`` bytes.
-    """
-    path = Path(path)
-    where = str(path) if origin is None else origin
-    try:
-        info = path.stat()
-        if _is_dev_null(info):
-            return b""
-        _require_regular(info, where, max_bytes)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        try:
-            _require_regular(os.fstat(fd), where, max_bytes)  # the file opened is the file checked
-            chunks: list[bytes] = []
-            size = 0
-            while size <= max_bytes:
-                chunk = os.read(fd, max_bytes + 1 - size)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-        finally:
-            os.close(fd)
-    except ConfigError:
-        raise
-    except (OSError, ValueError) as error:  # ValueError: a path with a NUL byte
-        reason = getattr(error, "strerror", None) or str(error)
-        raise ConfigError(where, [f"cannot read: {reason}; check the mount and the path"]) from error
-    if size > max_bytes:
-        raise ConfigError(where, [_too_big(size, max_bytes, grew=True)])
-    return b"".join(chunks)
-
-
-def _is_dev_null(info: os.stat_result) -> bool:
-    if not stat.S_ISCHR(info.st_mode):
-        return False
-    try:
-        null = Path(os.devnull).stat()
-    except OSError:
-        return False
-    return stat.S_ISCHR(null.st_mode) and info.st_rdev == null.st_rdev
-
-
-def _require_regular(info: os.stat_result, where: str, max_bytes: int) -> None:
-    mode = info.st_mode
-    if stat.S_ISDIR(mode):
-        raise ConfigError(where, ["is a directory, not a file; name a file in it"])
-    if not stat.S_ISREG(mode):
-        kind = (
-            "a FIFO (named pipe)"
-            if stat.S_ISFIFO(mode)
-            else "a socket"
-            if stat.S_ISSOCK(mode)
-            else "a device"
-            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "not a regular file"
-        )
-        raise ConfigError(where, [f"is {kind}, not a regular file; give the path of a file"])
-    if info.st_size > max_bytes:
-        raise ConfigError(where, [_too_big(info.st_size, max_bytes)])
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{n} bytes"
-
-
-def _too_big(size: int, max_bytes: int, *, grew: bool = False) -> str:
-    got = f"more than {_size(max_bytes)}" if grew else f"{_size(size)} ({size} bytes)"
-    return (
-        f"larger than the {_size(max_bytes)} limit: {got}; a ConfigMap holds at most 1 MiB, so this is not a "
-        "config or layout: check the path"
-    )
 
 
 def decode_text(data: bytes | str, origin: str, *, kind: str = "a config") -> str:
@@ -167,7 +83,7 @@ def load_yaml(
     and nothing else; ``kind`` ("a sharing config", "a MIG layout file"...) names the document in messages.
     """
     if len(data) > max_bytes:
-        raise ConfigError(origin, [_too_big(len(data), max_bytes)])
+        raise ConfigError(origin, [too_big(len(data), max_bytes)])
     text = decode_text(data, origin, kind=kind)
     bad = _NON_PRINTABLE.search(text)
     if bad:
@@ -181,7 +97,7 @@ def load_yaml(
             ],
         )
     if isinstance(data, str) and len(text.encode("utf-8")) > max_bytes:
-        raise ConfigError(origin, [_too_big(len(text.encode("utf-8")), max_bytes)])
+        raise ConfigError(origin, [too_big(len(text.encode("utf-8")), max_bytes)])
     loader = _BoundedLoader(text, kind=kind, max_depth=max_depth, max_nodes=max_nodes, max_aliases=max_aliases)
     try:
         return loader.load_one()

@@ -47,8 +47,9 @@ from pydantic import (
     field_validator,
 )
 
+from agent.config.bounded import read_bounded
 from agent.config.model import ConfigError, MigLayoutSection
-from agent.config.yaml_limits import load_yaml, read_bounded
+from agent.config.yaml_limits import load_yaml
 from agent.core.inventory import Gpu
 from agent.core.mig_catalog import MigCatalog, mig_catalogs, parse_profile_name
 from agent.core.mig_layout import DesiredLayout, current_layout, validate_layout

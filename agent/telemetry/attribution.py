@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.config.bounded import read_bounded
 from agent.config.model import ConfigError
-from agent.config.yaml_limits import read_bounded
 
 CHECKPOINT = "kubelet_internal_checkpoint"
 MAX_CHECKPOINT_BYTES = 64 << 20

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agent.config.bounded import read_bounded
 from agent.config.model import ConfigError
-from agent.config.yaml_limits import read_bounded
 
 if TYPE_CHECKING:
     from agent.core.dra.checkpoint import Checkpoint

@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.config import yaml_limits
+from agent.config.bounded import MAX_BYTES, read_bounded
 from agent.config.model import ConfigError
-from agent.config.yaml_limits import MAX_ALIASES, MAX_BYTES, MAX_DEPTH, MAX_NODES, load_yaml, read_bounded
+from agent.config.yaml_limits import MAX_ALIASES, MAX_DEPTH, MAX_NODES, load_yaml
 from agent.mig.layout_file import LayoutFileError, parse_layout_file, parse_layout_text, read_layout_file
 from agent.sim.nvml.spec import SimSpecError, load_node_spec
 

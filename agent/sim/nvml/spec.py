@@ -26,8 +26,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from agent.config.bounded import read_bounded
 from agent.config.model import ConfigError
-from agent.config.yaml_limits import load_yaml, read_bounded
+from agent.config.yaml_limits import load_yaml
 from agent.sim.nvml.driver import NvmlFault, SimDriver, SimGpu, SimGpuInstance, gpu_uuid
 from agent.sim.nvml.hardware import GpuModel, find_model, hardware_table
 
