@@ -361,6 +361,20 @@ def test_list_and_watch_updates_replace_device_set(env):
     assert kubelet.devices(RES) == {"gpu-0": "Healthy"}
 
 
+def test_a_device_update_written_late_never_takes_the_checkpoint_back_in_time(env, sock_dir):
+    """A device update writes the checkpoint after the lock is let go (the kubelet's order: the state is
+    visible first); one that lands after a pod's newer checkpoint is dropped, so the file never goes back."""
+    make_kubelet, make_plugin = env
+    kubelet = make_kubelet()
+    registered(kubelet, make_plugin())
+    with kubelet._cond:
+        late = kubelet._checkpoint_locked()  # a device update's, taken before the pod came
+    kubelet.create_pod("p", {"main": {RES: 1}})
+    kubelet._write_checkpoint(late)
+    checkpoint = json.loads((sock_dir / "dp" / "kubelet_internal_checkpoint").read_text())
+    assert [e["PodUID"] for e in checkpoint["Data"]["PodDeviceEntries"]] == [kubelet.pod("p").uid]
+
+
 def test_plugin_stop_marks_unhealthy_and_never_redials(env):
     make_kubelet, make_plugin = env
     kubelet = make_kubelet()

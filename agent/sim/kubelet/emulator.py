@@ -124,8 +124,9 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
 
         self._cond = threading.Condition(threading.RLock())
         self._version = 0
+        self._checkpoint_taken = 0  # checkpoints taken (under _cond): a later one holds a newer state
         self._checkpoint_written_lock = threading.Lock()  # taken after _cond, never before it
-        self._checkpoint_written = -1  # the state version of the checkpoint on disk
+        self._checkpoint_written = 0  # which of them is on disk
         self._running = False
         self._stopping = threading.Event()
         self._servers: list[tuple[grpc.Server, futures.ThreadPoolExecutor]] = []
@@ -350,7 +351,8 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
         if not self.checkpoint_enabled or not self.device_plugin_dir.is_dir():
             return None
         registered = {r: [d for d in self._all.get(r, {}) if d in ids] for r, ids in self._healthy.items()}
-        return self._version, json.dumps(checkpoint_document(self._pods.values(), registered))
+        self._checkpoint_taken += 1
+        return self._checkpoint_taken, json.dumps(checkpoint_document(self._pods.values(), registered))
 
     def _write_checkpoint(self, checkpoint: tuple[int, str] | None) -> None:
         """Write a checkpoint taken under the lock. Device updates write theirs after the lock is let go, as
@@ -358,16 +360,16 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
         checkpoint older than one already written is dropped."""
         if checkpoint is None:
             return
-        version, text = checkpoint
+        taken, text = checkpoint
         with self._checkpoint_written_lock:
-            if version < self._checkpoint_written:
+            if taken < self._checkpoint_written:
                 return
             try:
                 write_file_atomically(self.checkpoint_path, text)
             except OSError as exc:
                 log.error("Failed to write checkpoint file: path=%s err=%s", self.checkpoint_path, exc)
                 return
-            self._checkpoint_written = version
+            self._checkpoint_written = taken
 
     # ------------------------------------------------------------------------------------------ registration view
 
