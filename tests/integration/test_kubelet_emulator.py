@@ -367,12 +367,13 @@ def test_a_device_update_written_late_never_takes_the_checkpoint_back_in_time(en
     make_kubelet, make_plugin = env
     kubelet = make_kubelet()
     registered(kubelet, make_plugin())
-    with kubelet._cond:
-        late = kubelet._checkpoint_locked()  # a device update's, taken before the pod came
     kubelet.create_pod("p", {"main": {RES: 1}})
+    with kubelet._cond:
+        late = kubelet._checkpoint_locked()  # a device update's, taken while the pod still held its device
+    kubelet.delete_pod("p")  # nothing else changed in between: the same state version, a newer checkpoint
     kubelet._write_checkpoint(late)
     checkpoint = json.loads((sock_dir / "dp" / "kubelet_internal_checkpoint").read_text())
-    assert [e["PodUID"] for e in checkpoint["Data"]["PodDeviceEntries"]] == [kubelet.pod("p").uid]
+    assert checkpoint["Data"]["PodDeviceEntries"] == []  # the deleted pod does not come back
 
 
 def test_plugin_stop_marks_unhealthy_and_never_redials(env):
