@@ -646,6 +646,38 @@ def test_the_control_socket_sleeps_until_asked_and_stops_at_once(
     assert not server._thread.is_alive() and not (tmp_path / "ctl.sock").exists()
 
 
+def test_the_control_socket_keeps_serving_after_an_accept_fails(
+    nvml_node: Callable[[object], SimDriver], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Out of file descriptors, ``accept`` fails (EMFILE): the socket says so and tries again, and serves the
+    waiting client once descriptors are free; only ``stop`` ends it."""
+    import json
+    import os
+    import resource
+    import socket
+
+    server = SimControlServer(nvml_node(gpus("Tesla T4")), tmp_path / "ctl.sock")
+    server.start()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        client.settimeout(5)
+        lowest_free = os.dup(0)
+        os.close(lowest_free)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # no new descriptor from here on
+        try:
+            client.connect(str(tmp_path / "ctl.sock"))  # queued; the server has no descriptor to accept it with
+            wait_until(lambda: "cannot accept" in caplog.text)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        client.sendall(b'{"op": "inject_xid", "gpu": 0, "xid": 48}\n')
+        assert json.loads(client.makefile("rb").readline())["ok"] is True
+    finally:
+        client.close()
+        server.stop()
+    assert not server._thread.is_alive()
+
+
 def test_control_socket_lists_the_mig_devices(
     nvml_node: Callable[[object], SimDriver], control: Callable[[SimDriver], SimControlClient]
 ) -> None:

@@ -172,6 +172,7 @@ class SimControlServer:
         except BaseException:
             self._listener.close()
             raise
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="sim-control", daemon=True)
 
     def start(self) -> None:
@@ -179,6 +180,7 @@ class SimControlServer:
         log.info("simulated node control socket=%s", self.path)
 
     def stop(self) -> None:
+        self._stopping.set()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
@@ -190,8 +192,12 @@ class SimControlServer:
         while True:
             try:
                 connection, _ = self._listener.accept()
-            except OSError:
-                return  # stopped
+            except OSError as error:
+                if self._stopping.is_set():
+                    return
+                log.warning("simulated node control socket cannot accept error=%r; retrying", str(error))
+                self._stopping.wait(0.1)  # out of descriptors and the like: a moment, then again
+                continue
             threading.Thread(target=self._serve, args=(connection,), name="sim-control-client", daemon=True).start()
 
     def _serve(self, connection: socket.socket) -> None:
