@@ -45,6 +45,9 @@ MAX_DEPTH = 64
 MAX_NODES = 20_000
 MAX_ALIASES = 1_000
 _EXCERPT_WIDTH = 100  # characters of the offending line shown under a syntax error
+# libyaml 0.2.6 (in PyYAML's wheels from 6.0.4) refuses more than 1,000 nested levels while it scans ahead, before
+# a collection reaches the composer: "exceeded maximum nesting depth" (yaml_set_max_nest_level's default)
+LIBYAML_MAX_NESTING = 1000
 _DEPTH_SCAN_EVENTS = 10_000  # after the depth limit, how far to read on to say how deep it really goes
 
 _NULL_TAG = "tag:yaml.org,2002:null"
@@ -104,6 +107,15 @@ def load_yaml(
     except _LimitBroken as error:
         raise ConfigError(origin, [str(error)]) from None
     except yaml.MarkedYAMLError as error:
+        if "maximum nesting depth" in str(error.problem):  # libyaml's own limit, met while it scans ahead
+            raise ConfigError(
+                origin,
+                [
+                    f"nested at least {LIBYAML_MAX_NESTING + 1:,} levels deep (YAML's parser stops at "
+                    f"{LIBYAML_MAX_NESTING:,}, at {_where(error.problem_mark)}); {kind} nests at most {max_depth} "
+                    "levels: flatten it"
+                ],
+            ) from None
         raise _syntax_error(origin, text, error) from None
     except yaml.YAMLError as error:
         raise ConfigError(origin, [f"not valid YAML or JSON: {_without_stream_name(str(error))}"]) from None
