@@ -221,7 +221,9 @@ class Agent:
         self._kubelet_watcher: PluginDirWatcher | None = None  # kubelet.sock, plugin sockets, the directory
         self._config_errors = 0
         self._xid_counts: dict[tuple[str, str, str], int] = {}
-        self._telemetry: Telemetry | None = None
+        self._telemetry: Telemetry | None = None  # set by the metrics-start thread, under _telemetry_lock
+        self._telemetry_lock = threading.Lock()
+        self._telemetry_closed = False  # the agent stopped: metrics still loading never start
         # Allocate / GetPreferredAllocation / Prepare / Unprepare times, recorded only when metrics are served
         self._latency: OperationLatency | None = None
         if options.telemetry is not None:
@@ -371,18 +373,19 @@ class Agent:
     def _settle(self) -> None:
         """The kubelet is served (or waited for long enough): what comes second starts."""
         self._settling = False
-        try:
-            if self.options.telemetry is not None:
-                self._start_telemetry()
-        finally:  # whatever metrics do, the kubelet is served: what waits for that (the collector) goes on
-            self.served.set()
+        self.served.set()  # what waits for the kubelet to be served (the collector, metrics) goes on
+        if self.options.telemetry is not None:
+            threading.Thread(target=self._start_telemetry, name="metrics-start", daemon=True).start()
 
     def _start_telemetry(self) -> None:
-        """Metrics come second: started once every resource was offered to the kubelet (or there is none)."""
+        """Metrics come second, on a thread of their own: loading and starting them (~40 ms on two cores) would
+        hold the reconcile loop just after the node is served, and an XID or a SIGTERM would wait behind them.
+        Telemetry reads the published status only, never the loop's state; a failure it did not foresee comes
+        back to the loop as ``WorkerCrashed`` (counted like the loop's own)."""
         settings = self.options.telemetry
         assert settings is not None
         try:
-            self._telemetry = Telemetry(
+            telemetry = Telemetry(
                 settings,
                 self,
                 self.options.device_plugin_dir,
@@ -393,8 +396,16 @@ class Agent:
             )
         except (OSError, ValueError) as error:  # metrics are not worth failing the node's GPUs for
             log.error("no metrics endpoint address=%s error=%r", settings.metrics_address, str(error))
-        else:
-            self._telemetry.start()
+            return
+        except Exception as error:
+            self.post(WorkerCrashed("metrics", "start", f"{type(error).__name__}: {error}"))
+            return
+        with self._telemetry_lock:
+            if self._telemetry_closed:
+                telemetry.stop(timeout=0)  # the agent stopped while metrics loaded: they never start (port freed)
+                return
+            telemetry.start()
+            self._telemetry = telemetry
 
     def _shutdown(self) -> None:
         """What the kubelet sees goes first (every socket removed, ListAndWatch streams ended), then the
@@ -408,8 +419,11 @@ class Agent:
         join = self.options.thread_join_seconds
         if self._event_watcher is not None:
             self._event_watcher.stop(timeout=join)
+        with self._telemetry_lock:
+            self._telemetry_closed = True
+            telemetry = self._telemetry
         for watcher in (
-            self._telemetry,
+            telemetry,
             self._kubelet_watcher,
             self._config_watcher,
             self._label_watcher,

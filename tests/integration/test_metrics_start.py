@@ -100,3 +100,25 @@ def test_metrics_start_when_the_kubelet_registers_but_never_watches(sim_node, ba
         assert kubelet.registered.wait(20)
         wait_until(lambda: agent.metrics_port is not None, TELEMETRY_WAIT_SECONDS + 10, "the metrics endpoint")
         assert agent.status.registered == {"nvidia.com/gpu"}
+
+
+def metrics_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name in ("metrics-start", "metrics-http", "telemetry")]
+
+
+def test_an_agent_stopped_while_its_metrics_load_never_starts_them(sim_node, base: Path):
+    """Metrics load on a thread of their own, so the reconcile loop stays free for an XID or a SIGTERM right
+    after the node is served. No thread of theirs outlives the agent, whether they had started when it stopped
+    or were still loading: a load that finishes after the stop does not start them."""
+    sim_node("dgx-a100")
+    kubelet = KubeletEmulator(base / "dp", None)
+    kubelet.start()
+    try:
+        for _ in range(3):
+            with agent_with_metrics(base) as agent:
+                assert agent.served.wait(20)  # the metrics start now; the agent stops at once
+            wait_until(lambda: not metrics_threads(), 10, "no thread of the metrics left")
+        agent._start_telemetry()  # what the metrics-start thread does when its load ends after the stop
+        assert not metrics_threads()
+    finally:
+        kubelet.stop()
