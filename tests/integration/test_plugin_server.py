@@ -365,3 +365,24 @@ def test_send_updates_has_nothing_to_wait_for_without_a_running_server(plugin_di
     server = ResourceServer(snapshot(), plugin_dir)  # never started
     assert not server.update(snapshot(unhealthy=(1,)))
     send_updates([server])
+
+
+def test_send_updates_gives_up_when_the_grpc_loop_is_held(serve):
+    """The reconcile thread lets the gRPC loop send first, but never waits on a loop that is held (a handler
+    that blocked, a bug): after its timeout it goes on, without an error, and the update is still sent later."""
+    server = serve(snapshot())
+    reader = Reader(server.socket_path)
+    released = threading.Event()
+    let_go: list[bool] = []  # True: the test let the loop go; False: its own 10 s ran out first
+    try:
+        assert len(reader.wait_for(1)) == 1
+        server._loop.call_soon(lambda: let_go.append(released.wait(10)))  # the loop's thread is held
+        assert server.update(snapshot(unhealthy=(2,)))
+        send_updates([server], timeout=0.05)
+        released.set()  # only now: send_updates returned while the loop was held
+        reader.wait_for(2)
+        assert reader.health()[uuid(2)] == "Unhealthy"
+        assert let_go == [True]
+    finally:
+        released.set()
+        reader.close()
