@@ -8,7 +8,9 @@ with NVIDIA's DeviceClass and a CEL selector, then prepared by the DRA kubelet f
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -161,7 +163,20 @@ def world(request: pytest.FixtureRequest, sim_node: Callable[[object], SimDriver
         world.dra.stop()  # the one in use (a test may have started another)
         kubelet.stop()
         api.stop()
+        end_mps_daemons(base)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def end_mps_daemons(base: Path) -> None:
+    """MPS daemons outlive the agent on purpose (a node keeps serving its clients); a test's own end them."""
+    for pid_file in base.glob("**/pipe/nvidia-cuda-mps-control.pid"):
+        try:
+            pid = int(pid_file.read_text())
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue  # gone already
+        if f"CUDA_MPS_PIPE_DIRECTORY={pid_file.parent}".encode() in environ:  # this daemon, not a reused PID
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_two_gpus_go_to_dra_and_the_device_plugin_keeps_six(world: World) -> None:
