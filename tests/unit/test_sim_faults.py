@@ -678,6 +678,17 @@ def test_the_control_socket_keeps_serving_after_an_accept_fails(
     assert not server._thread.is_alive()
 
 
+def test_inject_xid_answers_when_the_driver_queued_it(
+    nvml_node: Callable[[object], SimDriver], control: Callable[[SimDriver], SimControlClient]
+) -> None:
+    """The answer is the ``time.monotonic()`` at which the XID entered the driver (a clock all processes share),
+    which benchmarks time from."""
+    client = control(nvml_node(gpus("Tesla T4")))
+    before = time.monotonic()
+    queued = client.call("inject_xid", gpu=0, xid=48)
+    assert before <= queued <= time.monotonic()
+
+
 def test_control_socket_lists_the_mig_devices(
     nvml_node: Callable[[object], SimDriver], control: Callable[[SimDriver], SimControlClient]
 ) -> None:
