@@ -146,13 +146,20 @@ class TelemetryNode:
         return agent
 
     def wait_registered(self, timeout: float = 15, resources: tuple[str, ...] = (GPU, SMALL, LARGE)) -> None:
-        """Until ``resources`` are advertised, and everything advertised is registered with the kubelet."""
-        agent = self.agent
+        """Until ``resources`` are advertised, everything advertised is registered, and the kubelet has its devices.
+
+        The Register call returns before the plugin's first ListAndWatch message reaches the kubelet; a pod created
+        in between is refused (capacity 0), as a real kubelet would refuse it."""
+        agent, kubelet = self.agent, self.kubelet
         assert agent is not None
 
         def done() -> bool:
             status = agent.status
-            return set(resources) <= status.registered and status.registered == set(status.resources)
+            return (
+                set(resources) <= status.registered
+                and status.registered == set(status.resources)
+                and status.registered <= set(kubelet.resources())
+            )
 
         wait_until(done, timeout, f"{', '.join(resources)} registered")
 
