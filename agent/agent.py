@@ -53,10 +53,12 @@ from agent.gpu.discovery import discover
 from agent.gpu.health import (
     Evidence,
     GpuLost,
+    MigNow,
     NvmlEventWatcher,
     WatchFailed,
     WatchRestored,
     XidEvent,
+    mig_now,
     probe,
     read_ecc_uncorrected,
     recovery_evidence,
@@ -214,6 +216,8 @@ class Agent:
         self._snapshots: dict[str, ResourceSnapshot] = {}
         self._kubelet_present = False
         self._next_liveness = 0.0
+        # per MIG-capable GPU, the inventory's MIG and the driver's, as the last liveness re-check compared them
+        self._mig_read: dict[str, tuple[MigNow, MigNow]] = {}
         self._plugin_dir_present: bool | None = None
         self._serve_errors: dict[str, str] = {}  # resource -> why its socket could not be served
         self._serve_retry_at: dict[str, float] = {}
@@ -1018,12 +1022,36 @@ class Agent:
         return None
 
     def _check_liveness(self, now: float) -> None:
-        """Catch a GPU that fell off the bus without an event reaching us."""
+        """Catch what no event reaches us for: a GPU that fell off the bus, MIG devices a reset or a hand changed."""
         lost = [g.uuid for g in self._gpus() if g.uuid not in self._health.faults and _probe(g.uuid) == "GPU_IS_LOST"]
         if lost:
             log.warning("GPU lost gpus=%s", ",".join(lost))
             self._health = record_fault(self._health, lost, GPU_LOST_REASON, now, lost=True)
             self._publish()
+        self._check_mig_devices()
+
+    def _check_mig_devices(self) -> None:
+        """Read the node again when a GPU's MIG mode or MIG devices are not what the inventory says (``nvidia-smi
+        -r`` destroys them, ``nvidia-smi mig`` makes them): vanished devices leave ListAndWatch, a layout the
+        config wants is made again once nothing runs there, a DRA claim whose MIG device is gone is reported.
+        A difference that stays after a read (a device the inventory leaves out) is not read again; one caught
+        while the agent's own MIG change is under way costs a read the change makes anyway."""
+        gpus = [g for g in self._gpus() if g.mig_capable]
+        read = mig_now([g.uuid for g in gpus]) if gpus else {}  # a lost GPU does not answer: left out
+        differ = []
+        for gpu in gpus:
+            if gpu.uuid not in read:
+                continue  # keeps its last reading
+            compared = (MigNow(gpu.mig_enabled, frozenset(m.uuid for m in gpu.mig_devices)), read[gpu.uuid])
+            if compared[0] != compared[1] and compared != self._mig_read.get(gpu.uuid):
+                differ.append(gpu.uuid)
+            self._mig_read[gpu.uuid] = compared
+        if differ:
+            log.info(
+                "MIG devices differ from the inventory gpus=%s (a GPU reset or a change by hand); reading them again",
+                ",".join(differ),
+            )
+            self._rediscover("MIG devices changed", stale=frozenset(differ))
 
     def _gpus(self) -> tuple:
         return self._inventory.gpus if self._inventory else ()

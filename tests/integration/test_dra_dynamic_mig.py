@@ -445,3 +445,18 @@ def test_a_mig_device_made_by_hand_at_the_allocated_placement_is_named_and_left_
     with pytest.raises(PodStartError, match=f"GPU instance {foreign.id} is already there and Tessera did not create"):
         world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
     assert instances(world) == before
+
+
+@pytest.mark.parametrize("world", [{**MIG_READY, "liveness_seconds": 0.1}], indirect=True)
+def test_a_claims_mig_device_destroyed_by_a_gpu_reset_by_hand_is_reported_unhealthy(world: World) -> None:
+    """``nvidia-smi -r`` sends no event: the slow re-check finds the claim's MIG device gone, and says so."""
+    dynamic_world(world)
+    claim = mig_claim(world, "small", "2g.20gb")
+    device = claim["status"]["allocation"]["devices"]["results"][0]["device"]
+    world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
+    world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, device) == "Healthy", DEADLINE, "Healthy")
+    world.driver.reset_gpu(0)  # by hand, while no process runs there
+    world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, device) == "Unhealthy", DEADLINE, "gone")
+    assert world.dra.device_health(DRIVER, NODE, "gpu-1") == "Healthy"  # the other GPU was not touched
+    world.dra.stop_pod("pod-1")  # nothing left to destroy: Unprepare succeeds
+    assert instances(world) == {}

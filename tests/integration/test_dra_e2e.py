@@ -50,10 +50,16 @@ def poll(predicate: Callable[[], object], what: str, timeout: float = DEADLINE) 
 
 
 def start_agent(
-    base: Path, api: ApiServer, telemetry: TelemetrySettings | None = None, health: HealthPolicy | None = None
+    base: Path,
+    api: ApiServer,
+    telemetry: TelemetrySettings | None = None,
+    health: HealthPolicy | None = None,
+    liveness_seconds: float | None = None,
 ) -> tuple[Agent, threading.Thread]:
+    more = {} if liveness_seconds is None else {"liveness_probe_seconds": liveness_seconds}
     agent = Agent(
         AgentOptions(
+            **more,  # type: ignore[arg-type]
             telemetry=telemetry,
             health=health or HealthPolicy(),
             device_plugin_dir=base / "dp",
@@ -133,10 +139,11 @@ def fake_sysfs(root: Path, links: dict[str, str]) -> None:
 @pytest.fixture
 def world(request: pytest.FixtureRequest, sim_node: Callable[[object], SimDriver]) -> Iterator[World]:
     """A dgx-a100, or the node spec a test gives (``parametrize("world", [spec], indirect=True)``; a spec with
-    ``"recovery_seconds"`` gives the agent that health quiet period, one with ``"gates_off"`` an API server with
-    those feature gates off)."""
+    ``"recovery_seconds"`` gives the agent that health quiet period, one with ``"liveness_seconds"`` that slow
+    re-check period, one with ``"gates_off"`` an API server with those feature gates off)."""
     spec = getattr(request, "param", "dgx-a100")
     recovery = spec.pop("recovery_seconds", None) if isinstance(spec, dict) else None
+    liveness = spec.pop("liveness_seconds", None) if isinstance(spec, dict) else None
     gates_off = spec.pop("gates_off", ()) if isinstance(spec, dict) else ()
     driver = sim_node(spec)
     base = Path(tempfile.mkdtemp(prefix="e", dir="/tmp"))  # unix socket paths stay short
@@ -153,7 +160,7 @@ def world(request: pytest.FixtureRequest, sim_node: Callable[[object], SimDriver
     dra = DraKubeletEmulator(base / "registry", NODE, api.api_client(), wipe_delay=1.0)
     dra.start()
     health = HealthPolicy(quiet_seconds=recovery) if recovery is not None else None
-    world = World(driver, api, kubelet, dra, *start_agent(base, api, health=health), base)
+    world = World(driver, api, kubelet, dra, *start_agent(base, api, health=health, liveness_seconds=liveness), base)
     try:
         yield world
         assert world.thread.is_alive(), "the agent's reconcile loop ended by itself"

@@ -6,9 +6,11 @@ layout comes from the sharing config (Tessera's ``migLayout`` extension) and the
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,10 +53,10 @@ class Node:
 
 
 @contextmanager
-def running_node(driver: SimDriver) -> Iterator[Node]:
+def running_node(driver: SimDriver, config: str = CONFIG, **options: object) -> Iterator[Node]:
     """The agent (in a thread) and the kubelet emulator on the simulated node, with the layouts config."""
     base = Path(tempfile.mkdtemp(prefix="g", dir="/tmp"))
-    (base / "config.yaml").write_text(CONFIG)
+    (base / "config.yaml").write_text(config)
     kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock")
     kubelet.start()
     agent = Agent(
@@ -62,6 +64,7 @@ def running_node(driver: SimDriver) -> Iterator[Node]:
             device_plugin_dir=base / "dp",
             pod_resources_socket=base / "pr" / "kubelet.sock",
             config_path=base / "config.yaml",
+            **options,  # type: ignore[arg-type]
         )
     )
     thread = threading.Thread(target=agent.run, name="agent-under-test")
@@ -141,3 +144,85 @@ def test_a_mode_change_waits_for_a_reset_then_completes(sim_node) -> None:
         driver.reset_gpu(0)  # what an operator (or an allowed reset) does
         kubelet.wait_for(lambda: agent.status.mig_state == "success", 15, "applied after the reset")
         kubelet.wait_for(lambda: kubelet.allocatable(SMALL) == 7 if SMALL in kubelet.resources() else False, 10, "1g")
+
+
+# ----- MIG changes no event announces ----------------------------------------------------------------------------
+
+
+def test_a_gpu_reset_by_hand_is_noticed_and_the_layout_is_made_again(sim_node) -> None:
+    """``nvidia-smi -r`` destroys every MIG device and sends no event: the slow re-check notices, the vanished
+    devices leave the kubelet and the layout the config wants is made again (nothing runs there)."""
+    driver = sim_node("a100-mig")
+    with running_node(driver, liveness_probe_seconds=0.1) as running:
+        kubelet, agent = running.kubelet, running.agent
+        kubelet.wait_for(lambda: SMALL in kubelet.resources() and kubelet.allocatable(SMALL) == 7, 10, "1g")
+        before = _mig_uuids(driver)
+        assert set(kubelet.devices(SMALL)) == before
+        driver.reset_gpu(0)  # by hand, behind the agent's back
+        assert not _mig_uuids(driver)
+        kubelet.wait_for(
+            lambda: len(made := _mig_uuids(driver)) == 7 and set(kubelet.devices(SMALL)) == made,
+            10,
+            "the layout made again and its new devices advertised",
+        )
+        assert not _mig_uuids(driver) & before  # new MIG devices, new UUIDs
+        assert agent.status.mig_state == "success"
+
+
+def test_a_gpu_reset_by_hand_while_a_change_waits_for_a_pod_lets_the_change_go_on(sim_node) -> None:
+    """The pod's MIG device went with the reset: nothing is left to wait for, the new layout is made at once
+    (making instances on an empty GPU destroys nothing), not when the pod ends."""
+    driver = sim_node("a100-mig")
+    with running_node(driver, liveness_probe_seconds=0.1) as running:
+        kubelet, agent = running.kubelet, running.agent
+        kubelet.wait_for(lambda: SMALL in kubelet.resources() and kubelet.allocatable(SMALL) == 7, 10, "1g")
+        pod = kubelet.create_pod("holder", {"main": {SMALL: 1}})
+        (held,) = pod.containers["main"][SMALL].device_ids
+        agent.post(NodeLabelChanged(MIG_CONFIG_LABEL, "all-3g.40gb"))
+        held_by = f"{held} held by default/holder"
+        kubelet.wait_for(lambda: any(held_by in r for r in agent.status.waiting_for.get("mig", ())), 10, "pod found")
+        driver.reset_gpu(0)  # by hand: the held device is gone with the others
+        kubelet.wait_for(lambda: agent.status.mig_state == "success", 10, "applied without waiting for the pod")
+        kubelet.wait_for(lambda: LARGE in kubelet.resources() and kubelet.allocatable(LARGE) == 2, 10, "3g")
+        assert sorted(gi.profile.name for gi in driver.gpus[0].gis.values()) == ["3g.40gb", "3g.40gb"]
+        assert "holder" in [p.name for p in kubelet.pods()]  # the pod was never the agent's to end
+
+
+def test_a_mig_device_the_inventory_leaves_out_is_not_read_again_and_again(
+    sim_node, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A MIG device of a profile the installed nvidia-ml-py cannot describe is never in the inventory: the re-check
+    reads the node once for it, not at every pass."""
+    driver = sim_node({"gpus": [{"model": "A100-SXM4-80GB", "mig": {"instances": ["1g.10gb", "3g.40gb"]}}]})
+    large = next(gi for gi, _ in driver.gpus[0].mig_devices() if gi.profile.name == "3g.40gb")
+    # Not 1g's: discovery says each warning once per process, and test_workload_safety waits for the 1g one.
+    driver.hide_gi_profile(large.profile.index)
+    caplog.set_level(logging.INFO, logger="agent.agent")
+    changed = "MIG devices differ from the inventory"
+    with running_node(driver, "version: v1\nflags: {migStrategy: mixed}\n", liveness_probe_seconds=0.02) as running:
+        kubelet = running.kubelet
+        kubelet.wait_for(lambda: SMALL in kubelet.resources() and kubelet.allocatable(SMALL) == 1, 10, "1g")
+        kubelet.wait_for(lambda: _said(caplog, changed), 5, "the first re-check read the node again")
+        deadline = time.monotonic() + 1.0  # some 50 re-checks
+        while time.monotonic() < deadline:
+            assert len(_said(caplog, changed)) == 1, _said(caplog, changed)
+            threading.Event().wait(0.02)
+        assert LARGE not in kubelet.resources()
+
+
+def _said(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "agent.agent" and text in r.getMessage()]
+
+
+def test_a_mig_device_made_by_hand_is_advertised_by_the_next_re_check(sim_node) -> None:
+    """``nvidia-smi mig -cgi 19 -C`` on a node with no layout configured: the device is offered without a restart."""
+    driver = sim_node({"gpus": [{"model": "A100-SXM4-80GB", "mig": {"instances": ["3g.40gb"]}}]})
+    with running_node(driver, "version: v1\nflags: {migStrategy: mixed}\n", liveness_probe_seconds=0.1) as running:
+        kubelet = running.kubelet
+        kubelet.wait_for(lambda: LARGE in kubelet.resources() and kubelet.allocatable(LARGE) == 1, 10, "3g")
+        assert SMALL not in kubelet.resources()
+        instance = driver.create_gpu_instance(0, 19, (0, 1))  # by hand, in the free half
+        driver.create_compute_instance(0, instance, 0)
+        made = {ci.uuid for gi, ci in driver.gpus[0].mig_devices() if gi.id == instance.id}
+        kubelet.wait_for(lambda: SMALL in kubelet.resources() and set(kubelet.devices(SMALL)) == made, 10, "1g")
+        assert kubelet.allocatable(LARGE) == 1
