@@ -79,6 +79,9 @@ class PhysicalClaim:
 def resolve(claims: Iterable[ClaimDevice], inventory: Inventory | None) -> list[PhysicalClaim]:
     """Each claim device's physical UUID, by its device name on this node's inventory; a device not found (a MIG
     device being made, a GPU gone) is left out."""
+    claims = tuple(claims)
+    if not claims:
+        return []  # the usual node without DRA: DRA's device naming is not even loaded
     from agent.core.dra.devices import gpu_device_name, mig_device_name
 
     names: dict[str, tuple[str, str, str]] = {}  # device name or MIG UUID -> (uuid, gpu uuid, profile)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import selectors
+import socketserver
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -62,7 +63,14 @@ class TelemetryServer:
             def log_message(self, format: str, *args: object) -> None:
                 return  # scrapes are not log events
 
-        self._server = ThreadingHTTPServer(parse_address(address), Handler)
+        class Server(ThreadingHTTPServer):
+            def server_bind(self) -> None:
+                """HTTPServer's own asks the resolver for the host's FQDN (a reverse DNS lookup of the node's
+                hostname for 0.0.0.0), which nothing here uses and which can hang for as long as DNS does."""
+                socketserver.TCPServer.server_bind(self)
+                self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+
+        self._server = Server(parse_address(address), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC)

@@ -5,6 +5,8 @@ a fake /proc)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import MappingProxyType
@@ -255,3 +257,15 @@ def test_a_podresources_answer_with_an_overlong_claim_name_is_refused() -> None:
     assert _claim_users(answer("train")) == {("ml", "train", "p", "gpu-0"): frozenset({("ml", "t")})}
     with pytest.raises(PodResourcesError, match="longer than"):
         _claim_users(answer("x" * (MAX_NAME_CHARS + 1)))
+
+
+def test_a_node_without_claims_never_loads_dra_device_naming() -> None:
+    """Metrics resolve the prepared claims at every collection; on the usual node there are none, and DRA's device
+    naming (and the MIG catalog under it) stays out of the process."""
+    script = (
+        "import sys\nfrom agent.telemetry.dra_claims import resolve\nassert resolve(iter(()), None) == []\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('agent.core.dra', 'agent.core.mig_catalog'))))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
