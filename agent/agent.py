@@ -44,7 +44,7 @@ from agent.core.health import (
     units_for_event,
     with_ecc_baseline,
 )
-from agent.core.inventory import Inventory
+from agent.core.inventory import Inventory, keep_unanswered
 from agent.core.mps import MpsDaemonSpec, mps_daemons
 from agent.core.plan import plan
 from agent.core.resources import MigStrategy, PlanError, ResourcePlan, Sharing
@@ -905,8 +905,11 @@ class Agent:
             self._discovery_error = message
             self._refresh_status()
             return False
+        inventory, unanswered = keep_unanswered(inventory, self._inventory)
         before = {g.uuid for g in self._gpus()}
-        self._inventory, self._stale_gpus, self._discovery_error = inventory, frozenset(), None
+        lost = [uuid for uuid, failure in unanswered.items() if failure.error == "GPU_IS_LOST"]
+        unreadable = frozenset(unanswered) - set(lost)  # withdrawn until a read succeeds
+        self._inventory, self._stale_gpus, self._discovery_error = inventory, unreadable, None
         after = {g.uuid for g in inventory.gpus}
         if after != before or reason == "start":
             log.info(
@@ -915,6 +918,7 @@ class Agent:
                 len(inventory.failures), inventory.driver_version,
             )  # fmt: skip
         self._health = _without_vanished_mig_faults(self._health, inventory)
+        self._record_lost([uuid for uuid in lost if uuid not in self._health.faults])  # before its XID 79 arrives
         self._update_cordon()  # indices and MIG UUIDs may name other devices now
         if inventory.failures:
             delay = self._rediscover_backoff.next_delay()
@@ -1025,10 +1029,14 @@ class Agent:
         """Catch what no event reaches us for: a GPU that fell off the bus, MIG devices a reset or a hand changed."""
         lost = [g.uuid for g in self._gpus() if g.uuid not in self._health.faults and _probe(g.uuid) == "GPU_IS_LOST"]
         if lost:
-            log.warning("GPU lost gpus=%s", ",".join(lost))
-            self._health = record_fault(self._health, lost, GPU_LOST_REASON, now, lost=True)
+            self._record_lost(lost)
             self._publish()
         self._check_mig_devices()
+
+    def _record_lost(self, uuids: list[str]) -> None:
+        if uuids:
+            log.warning("GPU lost gpus=%s", ",".join(uuids))
+            self._health = record_fault(self._health, uuids, GPU_LOST_REASON, self._clock(), lost=True)
 
     def _check_mig_devices(self) -> None:
         """Read the node again when a GPU's MIG mode or MIG devices are not what the inventory says (``nvidia-smi

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +104,25 @@ class Inventory:
 
     def gpu_by_uuid(self, uuid: str) -> Gpu | None:
         return next((g for g in self.gpus if g.uuid == uuid), None)
+
+
+def keep_unanswered(inventory: Inventory, previous: Inventory | None) -> tuple[Inventory, dict[str, GpuFailure]]:
+    """``inventory`` with the last description of each known GPU that failed to answer this time, and what each of
+    them failed with, by UUID.
+
+    A GPU that fell off the bus, or errs for a moment, is still in the node (``nvmlDeviceGetCount`` counts it, at
+    its index): its devices are to be reported Unhealthy or withdrawn, not dropped as though it had left."""
+    if previous is None or not inventory.failures:
+        return inventory, {}
+    read = {g.uuid for g in inventory.gpus}
+    by_uuid = {g.uuid: g for g in previous.gpus}
+    by_index = {g.index: g for g in previous.gpus}
+    kept: dict[str, tuple[Gpu, GpuFailure]] = {}
+    for failure in inventory.failures:
+        gpu = by_uuid.get(failure.uuid) if failure.uuid else by_index.get(failure.index)
+        if gpu is not None and gpu.index == failure.index and gpu.uuid not in read:
+            kept[gpu.uuid] = (gpu, failure)
+    if not kept:
+        return inventory, {}
+    gpus = sorted((*inventory.gpus, *(gpu for gpu, _ in kept.values())), key=lambda g: g.index)
+    return replace(inventory, gpus=tuple(gpus)), {uuid: failure for uuid, (_, failure) in kept.items()}

@@ -26,6 +26,7 @@ gpu-health.md §2.3):
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -258,7 +259,7 @@ class NvmlEventWatcher:
         while not self._stop.is_set():
             self._sync(event_set)
             try:
-                data = pynvml.nvmlEventSetWait_v2(event_set, self._wait_ms)
+                data = pynvml.nvmlEventSetWait_v2(event_set, self._wait_timeout_ms())
             except pynvml.NVMLError as error:
                 name = error_name(error)
                 if name == "TIMEOUT":
@@ -273,6 +274,15 @@ class NvmlEventWatcher:
                 raise _Rebuild(f"NVML_ERROR_{name}") from None
             self._wait_worked()
             self._deliver(data)
+
+    def _wait_timeout_ms(self) -> int:
+        """``wait_ms``, or less when a GPU's registration retry is due sooner: a GPU that was lost for a moment is
+        watched again on its backoff (0.1 s, 0.2 s, ...), not at the end of a long wait, whose events would
+        otherwise never reach us."""
+        due = min((retry.due for retry in self._retry.values()), default=None)
+        if due is None:
+            return self._wait_ms
+        return max(1, min(self._wait_ms, math.ceil((due - time.monotonic()) * 1000)))
 
     def _sync(self, event_set: object) -> None:
         """Apply ``set_gpus`` and ``gpu_back``, and register GPUs whose retry is due into the current set."""

@@ -182,6 +182,20 @@ def test_a_lost_gpu_rejoins_the_watch_when_it_answers_again(sim_node, watch) -> 
     assert events.of(GpuLost) == [GpuLost(gpu1)]  # reported once, not once per retry
 
 
+def test_a_gpu_lost_for_a_moment_is_watched_again_on_its_backoff_not_after_a_long_wait(sim_node, watch) -> None:
+    """``tessera run`` waits for events up to 5 s at a time; a GPU back from the bus is registered again when its
+    retry is due (here within 0.2 s), so an XID it raises then, or a second fall, is seen at once."""
+    driver = sim_node(NODE)
+    watcher, events = watch(driver, wait_ms=3000)
+    gpu1 = driver.gpus[1].uuid
+    driver.lose_gpu(1)
+    events.next(lambda e: isinstance(e, GpuLost), "GpuLost")
+    driver.recover_gpu(1)
+    poll(lambda: gpu1 in watcher.watched(), "watched again", timeout=1.5)  # the wait alone would take 3 s
+    driver.lose_gpu(1)  # falls again: its XID 79 arrives through the set
+    events.xid(gpu1, 79)
+
+
 # ------------------------------------------------------------------------------------- broken event sets
 
 

@@ -226,3 +226,38 @@ def test_a_mig_device_made_by_hand_is_advertised_by_the_next_re_check(sim_node) 
         made = {ci.uuid for gi, ci in driver.gpus[0].mig_devices() if gi.id == instance.id}
         kubelet.wait_for(lambda: SMALL in kubelet.resources() and set(kubelet.devices(SMALL)) == made, 10, "1g")
         assert kubelet.allocatable(LARGE) == 1
+
+
+def test_a_lost_gpu_stays_at_the_kubelet_unhealthy_when_the_node_is_read_again(sim_node) -> None:
+    """A GPU off the bus still counts in NVML. A read of the node while it is gone (here for a MIG device made by
+    hand on the other GPU) keeps its devices at the kubelet, Unhealthy, instead of dropping them as if it had left."""
+    driver = sim_node({"gpus": [{"model": "A100-SXM4-80GB", "count": 2, "mig": {"instances": ["3g.40gb"]}}]})
+    with running_node(driver, "version: v1\nflags: {migStrategy: mixed}\n", liveness_probe_seconds=0.1) as running:
+        kubelet = running.kubelet
+        kubelet.wait_for(lambda: LARGE in kubelet.resources() and kubelet.allocatable(LARGE) == 2, 10, "2x 3g")
+        (lost,) = {ci.uuid for _, ci in driver.gpus[0].mig_devices()}
+        (other,) = {ci.uuid for _, ci in driver.gpus[1].mig_devices()}
+        driver.lose_gpu(0)
+        kubelet.wait_for(lambda: kubelet.devices(LARGE).get(lost) == "Unhealthy", 10, "the lost GPU's device")
+        instance = driver.create_gpu_instance(1, 19, (0, 1))  # by hand, on the GPU that answers
+        driver.create_compute_instance(1, instance, 0)
+        kubelet.wait_for(lambda: SMALL in kubelet.resources(), 10, "the node read again, the new device offered")
+        assert kubelet.devices(LARGE) == {lost: "Unhealthy", other: "Healthy"}
+        assert running.agent.status.faults[driver.gpus[0].uuid].lost
+
+
+def test_a_gpu_that_errs_while_the_node_is_read_again_is_withdrawn_until_it_answers(sim_node) -> None:
+    """Its last description is kept, but nothing is advertised from it while NVML cannot confirm it."""
+    driver = sim_node({"gpus": [{"model": "A100-SXM4-80GB", "count": 2, "mig": {"instances": ["3g.40gb"]}}]})
+    with running_node(driver, "version: v1\nflags: {migStrategy: mixed}\n", liveness_probe_seconds=0.1) as running:
+        kubelet = running.kubelet
+        kubelet.wait_for(lambda: LARGE in kubelet.resources() and kubelet.allocatable(LARGE) == 2, 10, "2x 3g")
+        (erring,) = {ci.uuid for _, ci in driver.gpus[0].mig_devices()}
+        (other,) = {ci.uuid for _, ci in driver.gpus[1].mig_devices()}
+        driver.inject_error("nvmlDeviceGetCudaComputeCapability", Return.ERROR_UNKNOWN, times=None, gpu_index=0)
+        instance = driver.create_gpu_instance(1, 19, (0, 1))  # by hand: the node is read again
+        driver.create_compute_instance(1, instance, 0)
+        kubelet.wait_for(lambda: SMALL in kubelet.resources(), 10, "the node read again, the new device offered")
+        assert kubelet.devices(LARGE) == {other: "Healthy"}
+        driver.clear_injected_errors()
+        kubelet.wait_for(lambda: kubelet.devices(LARGE) == {erring: "Healthy", other: "Healthy"}, 10, "back")
