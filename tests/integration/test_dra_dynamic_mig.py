@@ -415,13 +415,19 @@ def test_mps_on_a_mig_device_made_for_the_claim(world: World, mps_bin, monkeypat
     test_dra_e2e.poll(lambda: instances(world) == {}, "the MIG device destroyed once its daemon is gone")
 
 
-@pytest.mark.parametrize("world", [{**MIG_READY, "recovery_seconds": 0.2}], indirect=True)
-def test_a_claims_mig_device_gone_after_a_gpu_recovery_is_reported_unhealthy(world: World) -> None:
+def running_2g_claim(world: World) -> str:
+    """Dynamic MIG on, a 2g.20gb claim prepared for a running pod (``pod-1``); its device's name, Healthy."""
     dynamic_world(world)
     claim = mig_claim(world, "small", "2g.20gb")
     device = claim["status"]["allocation"]["devices"]["results"][0]["device"]
     world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
     world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, device) == "Healthy", DEADLINE, "Healthy")
+    return device
+
+
+@pytest.mark.parametrize("world", [{**MIG_READY, "recovery_seconds": 0.2}], indirect=True)
+def test_a_claims_mig_device_gone_after_a_gpu_recovery_is_reported_unhealthy(world: World) -> None:
+    device = running_2g_claim(world)
     world.driver.lose_gpu(0)  # Xid 79: off the bus
     world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, device) == "Unhealthy", DEADLINE, "lost")
     world.driver.recover_gpu(0)  # back, as after a node-level recovery, without its MIG devices
@@ -450,11 +456,7 @@ def test_a_mig_device_made_by_hand_at_the_allocated_placement_is_named_and_left_
 @pytest.mark.parametrize("world", [{**MIG_READY, "liveness_seconds": 0.1}], indirect=True)
 def test_a_claims_mig_device_destroyed_by_a_gpu_reset_by_hand_is_reported_unhealthy(world: World) -> None:
     """``nvidia-smi -r`` sends no event: the slow re-check finds the claim's MIG device gone, and says so."""
-    dynamic_world(world)
-    claim = mig_claim(world, "small", "2g.20gb")
-    device = claim["status"]["allocation"]["devices"]["results"][0]["device"]
-    world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
-    world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, device) == "Healthy", DEADLINE, "Healthy")
+    device = running_2g_claim(world)
     world.driver.reset_gpu(0)  # by hand, while no process runs there
     world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, device) == "Unhealthy", DEADLINE, "gone")
     assert world.dra.device_health(DRIVER, NODE, "gpu-1") == "Healthy"  # the other GPU was not touched

@@ -25,6 +25,7 @@ from agent.sim.nvml.codes import Return
 from agent.sim.nvml.driver import SimDriver
 
 SMALL = "nvidia.com/mig-1g.10gb"
+MIXED = "version: v1\nflags: {migStrategy: mixed}\n"  # no layout: MIG is left as it is
 LARGE = "nvidia.com/mig-3g.40gb"
 CONFIG = """
 version: v1
@@ -199,7 +200,7 @@ def test_a_mig_device_the_inventory_leaves_out_is_not_read_again_and_again(
     driver.hide_gi_profile(large.profile.index)
     caplog.set_level(logging.INFO, logger="agent.agent")
     changed = "MIG devices differ from the inventory"
-    with running_node(driver, "version: v1\nflags: {migStrategy: mixed}\n", liveness_probe_seconds=0.02) as running:
+    with running_node(driver, MIXED, liveness_probe_seconds=0.02) as running:
         kubelet = running.kubelet
         kubelet.wait_for(lambda: SMALL in kubelet.resources() and kubelet.allocatable(SMALL) == 1, 10, "1g")
         kubelet.wait_for(lambda: _said(caplog, changed), 5, "the first re-check read the node again")
@@ -217,7 +218,7 @@ def _said(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 def test_a_mig_device_made_by_hand_is_advertised_by_the_next_re_check(sim_node) -> None:
     """``nvidia-smi mig -cgi 19 -C`` on a node with no layout configured: the device is offered without a restart."""
     driver = sim_node({"gpus": [{"model": "A100-SXM4-80GB", "mig": {"instances": ["3g.40gb"]}}]})
-    with running_node(driver, "version: v1\nflags: {migStrategy: mixed}\n", liveness_probe_seconds=0.1) as running:
+    with running_node(driver, MIXED, liveness_probe_seconds=0.1) as running:
         kubelet = running.kubelet
         kubelet.wait_for(lambda: LARGE in kubelet.resources() and kubelet.allocatable(LARGE) == 1, 10, "3g")
         assert SMALL not in kubelet.resources()
@@ -228,36 +229,48 @@ def test_a_mig_device_made_by_hand_is_advertised_by_the_next_re_check(sim_node) 
         assert kubelet.allocatable(LARGE) == 1
 
 
-def test_a_lost_gpu_stays_at_the_kubelet_unhealthy_when_the_node_is_read_again(sim_node) -> None:
+TWO_3G = {"gpus": [{"model": "A100-SXM4-80GB", "count": 2, "mig": {"instances": ["3g.40gb"]}}]}
+
+
+@pytest.fixture
+def two_3g(sim_node) -> Iterator[Node]:
+    """Two A100s with a 3g.40gb each, the mixed strategy and no layout; the slow re-check every 0.1 s."""
+    with running_node(sim_node(TWO_3G), MIXED, liveness_probe_seconds=0.1) as running:
+        kubelet = running.kubelet
+        kubelet.wait_for(lambda: LARGE in kubelet.resources() and kubelet.allocatable(LARGE) == 2, 10, "2x 3g")
+        yield running
+
+
+def _read_again_for_a_device_made_by_hand(node: Node) -> None:
+    """A 1g.10gb made by hand on GPU 1; returns once the re-check read the node again and offers it."""
+    instance = node.driver.create_gpu_instance(1, 19, (0, 1))
+    node.driver.create_compute_instance(1, instance, 0)
+    node.kubelet.wait_for(lambda: SMALL in node.kubelet.resources(), 10, "the node read again, the new device offered")
+
+
+def _only_mig_device(driver: SimDriver, gpu: int) -> str:
+    (uuid,) = {ci.uuid for _, ci in driver.gpus[gpu].mig_devices()}
+    return uuid
+
+
+def test_a_lost_gpu_stays_at_the_kubelet_unhealthy_when_the_node_is_read_again(two_3g: Node) -> None:
     """A GPU off the bus still counts in NVML. A read of the node while it is gone (here for a MIG device made by
     hand on the other GPU) keeps its devices at the kubelet, Unhealthy, instead of dropping them as if it had left."""
-    driver = sim_node({"gpus": [{"model": "A100-SXM4-80GB", "count": 2, "mig": {"instances": ["3g.40gb"]}}]})
-    with running_node(driver, "version: v1\nflags: {migStrategy: mixed}\n", liveness_probe_seconds=0.1) as running:
-        kubelet = running.kubelet
-        kubelet.wait_for(lambda: LARGE in kubelet.resources() and kubelet.allocatable(LARGE) == 2, 10, "2x 3g")
-        (lost,) = {ci.uuid for _, ci in driver.gpus[0].mig_devices()}
-        (other,) = {ci.uuid for _, ci in driver.gpus[1].mig_devices()}
-        driver.lose_gpu(0)
-        kubelet.wait_for(lambda: kubelet.devices(LARGE).get(lost) == "Unhealthy", 10, "the lost GPU's device")
-        instance = driver.create_gpu_instance(1, 19, (0, 1))  # by hand, on the GPU that answers
-        driver.create_compute_instance(1, instance, 0)
-        kubelet.wait_for(lambda: SMALL in kubelet.resources(), 10, "the node read again, the new device offered")
-        assert kubelet.devices(LARGE) == {lost: "Unhealthy", other: "Healthy"}
-        assert running.agent.status.faults[driver.gpus[0].uuid].lost
+    driver, kubelet = two_3g.driver, two_3g.kubelet
+    lost, other = _only_mig_device(driver, 0), _only_mig_device(driver, 1)
+    driver.lose_gpu(0)
+    kubelet.wait_for(lambda: kubelet.devices(LARGE).get(lost) == "Unhealthy", 10, "the lost GPU's device")
+    _read_again_for_a_device_made_by_hand(two_3g)
+    assert kubelet.devices(LARGE) == {lost: "Unhealthy", other: "Healthy"}
+    assert two_3g.agent.status.faults[driver.gpus[0].uuid].lost
 
 
-def test_a_gpu_that_errs_while_the_node_is_read_again_is_withdrawn_until_it_answers(sim_node) -> None:
+def test_a_gpu_that_errs_while_the_node_is_read_again_is_withdrawn_until_it_answers(two_3g: Node) -> None:
     """Its last description is kept, but nothing is advertised from it while NVML cannot confirm it."""
-    driver = sim_node({"gpus": [{"model": "A100-SXM4-80GB", "count": 2, "mig": {"instances": ["3g.40gb"]}}]})
-    with running_node(driver, "version: v1\nflags: {migStrategy: mixed}\n", liveness_probe_seconds=0.1) as running:
-        kubelet = running.kubelet
-        kubelet.wait_for(lambda: LARGE in kubelet.resources() and kubelet.allocatable(LARGE) == 2, 10, "2x 3g")
-        (erring,) = {ci.uuid for _, ci in driver.gpus[0].mig_devices()}
-        (other,) = {ci.uuid for _, ci in driver.gpus[1].mig_devices()}
-        driver.inject_error("nvmlDeviceGetCudaComputeCapability", Return.ERROR_UNKNOWN, times=None, gpu_index=0)
-        instance = driver.create_gpu_instance(1, 19, (0, 1))  # by hand: the node is read again
-        driver.create_compute_instance(1, instance, 0)
-        kubelet.wait_for(lambda: SMALL in kubelet.resources(), 10, "the node read again, the new device offered")
-        assert kubelet.devices(LARGE) == {other: "Healthy"}
-        driver.clear_injected_errors()
-        kubelet.wait_for(lambda: kubelet.devices(LARGE) == {erring: "Healthy", other: "Healthy"}, 10, "back")
+    driver, kubelet = two_3g.driver, two_3g.kubelet
+    erring, other = _only_mig_device(driver, 0), _only_mig_device(driver, 1)
+    driver.inject_error("nvmlDeviceGetCudaComputeCapability", Return.ERROR_UNKNOWN, times=None, gpu_index=0)
+    _read_again_for_a_device_made_by_hand(two_3g)
+    assert kubelet.devices(LARGE) == {other: "Healthy"}
+    driver.clear_injected_errors()
+    kubelet.wait_for(lambda: kubelet.devices(LARGE) == {erring: "Healthy", other: "Healthy"}, 10, "back")
