@@ -49,16 +49,14 @@ from agent.core.mps import MpsDaemonSpec, mps_daemons
 from agent.core.plan import plan
 from agent.core.resources import MigStrategy, PlanError, ResourcePlan, Sharing
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
-from agent.gpu.discovery import discover
+from agent.gpu.discovery import MigNow, discover, mig_now
 from agent.gpu.health import (
     Evidence,
     GpuLost,
-    MigNow,
     NvmlEventWatcher,
     WatchFailed,
     WatchRestored,
     XidEvent,
-    mig_now,
     probe,
     read_ecc_uncorrected,
     recovery_evidence,

@@ -8,7 +8,8 @@ NUMA on old drivers) give ``None``/empty values, not failures.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -16,7 +17,7 @@ import pynvml
 
 from agent.core.inventory import Gpu, GpuFailure, Inventory, MigDevice, Placement
 from agent.core.mig_naming import mig_profile_name
-from agent.gpu.nvml import error_name, is_error, nvml_session
+from agent.gpu.nvml import NvmlUnavailable, error_name, is_error, nvml_session
 
 _GI_PROFILE_INDICES = range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT)
 _CI_PROFILE_INDICES = range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)
@@ -132,6 +133,35 @@ def _discover() -> Inventory:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class MigNow:
+    """A MIG-capable GPU's MIG mode and MIG device UUIDs as the driver has them now."""
+
+    enabled: bool
+    devices: frozenset[str] = frozenset()
+
+
+def mig_now(gpu_uuids: Iterable[str]) -> dict[str, MigNow]:
+    """What each MIG-capable GPU has now, a few calls per GPU; a GPU NVML cannot answer for is left out (the
+    liveness probe and the event watcher speak for it).
+
+    No NVML event announces every MIG change: ``nvidia-smi -r`` destroys a GPU's MIG devices and applies a
+    pending MIG mode, ``nvidia-smi mig`` makes and destroys them by hand. The reconcile loop's slow re-check
+    compares this with the inventory."""
+    found: dict[str, MigNow] = {}
+    try:
+        with nvml_session():
+            for uuid in gpu_uuids:
+                with suppress(pynvml.NVMLError, _GpuStepFailed):
+                    handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                    current, _ = pynvml.nvmlDeviceGetMigMode(handle)
+                    migs = _mig_handles(handle) if current else ()
+                    found[uuid] = MigNow(bool(current), frozenset(_text(pynvml.nvmlDeviceGetUUID(m)) for _, m in migs))
+    except NvmlUnavailable:
+        pass  # the liveness probe says so
+    return found
+
+
 def _step(operation: str, call: Callable[..., T], *args: object) -> T:
     try:
         return call(*args)
@@ -213,17 +243,21 @@ def _ci_slices(gpu_instance: object, ci_profile_id: int) -> int:
     raise _GpuStepFailed("nvmlGpuInstanceGetComputeInstanceProfileInfo", pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND))
 
 
-def _mig_devices(gpu_index: int, gpu_uuid: str, handle: object, total_bytes: int) -> list[MigDevice]:
-    gi_profiles = _gi_profiles(handle)
-    devices = []
+def _mig_handles(handle: object) -> Iterator[tuple[int, object]]:
+    """(MIG index, handle) of each MIG device of a GPU in MIG mode; empty slots are skipped."""
     count = _step("nvmlDeviceGetMaxMigDeviceCount", pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)
     for mig_index in range(count):
         try:
-            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, mig_index)
+            yield mig_index, pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, mig_index)
         except pynvml.NVMLError as error:
-            if is_error(error, "NOT_FOUND", "INVALID_ARGUMENT"):
-                continue  # an empty slot
-            raise _GpuStepFailed("nvmlDeviceGetMigDeviceHandleByIndex", error) from error
+            if not is_error(error, "NOT_FOUND", "INVALID_ARGUMENT"):
+                raise _GpuStepFailed("nvmlDeviceGetMigDeviceHandleByIndex", error) from error
+
+
+def _mig_devices(gpu_index: int, gpu_uuid: str, handle: object, total_bytes: int) -> list[MigDevice]:
+    gi_profiles = _gi_profiles(handle)
+    devices = []
+    for mig_index, mig in _mig_handles(handle):
         gi_id = _step("nvmlDeviceGetGpuInstanceId", pynvml.nvmlDeviceGetGpuInstanceId, mig)
         ci_id = _step("nvmlDeviceGetComputeInstanceId", pynvml.nvmlDeviceGetComputeInstanceId, mig)
         gpu_instance = _step("nvmlDeviceGetGpuInstanceById", pynvml.nvmlDeviceGetGpuInstanceById, handle, gi_id)

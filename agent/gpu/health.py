@@ -469,49 +469,6 @@ def probe(gpu_uuid: str, mig_uuid: str | None = None) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class MigNow:
-    """A MIG-capable GPU's MIG mode and MIG device UUIDs as the driver has them now."""
-
-    enabled: bool
-    devices: frozenset[str] = frozenset()
-
-
-def mig_now(gpu_uuids: Iterable[str]) -> dict[str, MigNow]:
-    """What each MIG-capable GPU has now; a GPU NVML cannot answer for is left out (the liveness probe and the
-    event watcher speak for it).
-
-    No NVML event announces every MIG change: ``nvidia-smi -r`` destroys a GPU's MIG devices and applies a
-    pending MIG mode, ``nvidia-smi mig`` makes and destroys them by hand. The reconcile loop's slow re-check
-    compares this with the inventory."""
-    found: dict[str, MigNow] = {}
-    try:
-        with nvml_session():
-            for uuid in gpu_uuids:
-                with suppress(pynvml.NVMLError):
-                    found[uuid] = _mig_now(pynvml.nvmlDeviceGetHandleByUUID(uuid))
-    except NvmlUnavailable:
-        pass
-    return found
-
-
-def _mig_now(handle: object) -> MigNow:
-    current, _ = pynvml.nvmlDeviceGetMigMode(handle)
-    if not current:
-        return MigNow(False)
-    devices = set()
-    for index in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
-        try:
-            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
-        except pynvml.NVMLError as error:
-            if error_name(error) in ("NOT_FOUND", "INVALID_ARGUMENT"):
-                continue  # an empty slot
-            raise
-        uuid = pynvml.nvmlDeviceGetUUID(mig)
-        devices.add(uuid.decode() if isinstance(uuid, bytes) else uuid)
-    return MigNow(True, frozenset(devices))
-
-
-@dataclass(frozen=True, slots=True)
 class Evidence:
     """Whether a faulty unit may be trusted again, and if not, what still blocks it."""
 

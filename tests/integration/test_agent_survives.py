@@ -64,6 +64,7 @@ def test_nvml_failing_to_initialise_never_stops_the_loop(sim_node) -> None:
         kubelet.wait_for(lambda: agent.heartbeat > beat + 0.2, 10, "the loop keeps turning with NVML down")
         assert agent.responsive(5), "the loop does not answer"
         assert node.thread.is_alive()
+        assert not agent.status.internal_errors, "a re-check that cannot reach NVML is not an internal error"
         driver.fail_init(None)
         driver.inject_xid(0, 48)  # the loop still reacts to the driver
         kubelet.wait_for(lambda: _healthy(node) == 1, 10, "the XID seen after NVML came back")

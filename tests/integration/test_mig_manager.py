@@ -241,10 +241,10 @@ def two_3g(sim_node) -> Iterator[Node]:
         yield running
 
 
-def _read_again_for_a_device_made_by_hand(node: Node) -> None:
-    """A 1g.10gb made by hand on GPU 1; returns once the re-check read the node again and offers it."""
-    instance = node.driver.create_gpu_instance(1, 19, (0, 1))
-    node.driver.create_compute_instance(1, instance, 0)
+def _read_again_for_a_device_made_by_hand(node: Node, gpu: int = 1) -> None:
+    """A 1g.10gb made by hand on ``gpu``; returns once the re-check read the node again and offers it."""
+    instance = node.driver.create_gpu_instance(gpu, 19, (0, 1))
+    node.driver.create_compute_instance(gpu, instance, 0)
     node.kubelet.wait_for(lambda: SMALL in node.kubelet.resources(), 10, "the node read again, the new device offered")
 
 
@@ -274,3 +274,9 @@ def test_a_gpu_that_errs_while_the_node_is_read_again_is_withdrawn_until_it_answ
     assert kubelet.devices(LARGE) == {other: "Healthy"}
     driver.clear_injected_errors()
     kubelet.wait_for(lambda: kubelet.devices(LARGE) == {erring: "Healthy", other: "Healthy"}, 10, "back")
+
+
+def test_a_gpu_whose_mig_devices_cannot_be_listed_does_not_stop_the_re_check_of_the_others(two_3g: Node) -> None:
+    two_3g.driver.inject_error("nvmlDeviceGetMigDeviceHandleByIndex", Return.ERROR_UNKNOWN, times=None, gpu_index=1)
+    _read_again_for_a_device_made_by_hand(two_3g, gpu=0)
+    assert not two_3g.agent.status.internal_errors
