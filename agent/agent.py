@@ -61,6 +61,7 @@ from agent.gpu.health import (
     read_ecc_uncorrected,
     recovery_evidence,
 )
+from agent.ledger import DeviceLedger
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
 from agent.plugin.registration import KUBELET_SOCKET, register_soon
 from agent.plugin.server import ResourceServer, send_updates, stop_servers
@@ -206,6 +207,9 @@ class Agent:
         self._mig: MigManager | None = None
         self._dra: DraManager | None = None
         self._routes: dict[str, Callable[[object], None]] = {}  # event module -> the feature that handles it
+        # Who holds each device, and which GPUs DRA serves: every destructive step and hand-over asks it, in its
+        # critical section (the features above act on their workers; the loop itself never waits for it).
+        self._ledger = DeviceLedger(options.pod_resources_socket)
         self._mig_label: str | None = None
         self._cordon_values: dict[str, str | None] = {}  # cordon annotation key -> value (None: absent)
         self._cordon: Cordon = NO_CORDON
@@ -797,7 +801,7 @@ class Agent:
                 return  # no layout was ever configured: MIG is left as it is, its manager not even loaded
             from agent.mig.manager import MigManager
 
-            self._mig = MigManager(self.post, self.options.pod_resources_socket)
+            self._mig = MigManager(self.post, self._ledger)
             self._routes["agent.mig.manager"] = self._mig_event
         from agent.core.mig_layout import LayoutError
 
@@ -807,20 +811,31 @@ class Agent:
         except LayoutError as error:  # a LayoutFileError too (see _desired_layouts)
             self._mig.fail(str(error))
         else:
-            owned = self._dra.dynamic_mig_indices(self._inventory) if self._dra is not None else frozenset()
-            if layouts and owned & layouts.keys():
-                skipped = sorted(owned & layouts.keys())
-                gpus = ", ".join(map(str, skipped))
-                said = f"the MIG layout leaves GPUs {gpus} alone: dra.dynamicMig makes their MIG devices per claim"
-                if said not in self._said:
-                    self._said.add(said)
-                    log.warning("%s", said)
-                layouts = {index: layout for index, layout in layouts.items() if index not in owned}
+            if layouts and self._dra is not None:
+                layouts = self._without_dra_gpus(layouts)
             self._mig.desire(layouts, self._inventory, self._clock())
         if publish and self._mig.withdrawn != before:
             self._publish()
         else:
             self._refresh_status()
+
+    def _without_dra_gpus(self, layouts: dict[int, DesiredLayout]) -> dict[int, DesiredLayout]:
+        """A static layout leaves alone every GPU DRA serves (or is taking, or a claim holds): its MIG devices are
+        claims' devices, made per claim with dra.dynamicMig or laid out while the device plugin served it."""
+        assert self._dra is not None and self._inventory is not None
+        dynamic = self._dra.dynamic_mig_indices(self._inventory)
+        owned = self._dra.dra_indices(self._inventory) | dynamic
+        for skipped, why in (
+            (dynamic, "dra.dynamicMig makes their MIG devices per claim"),
+            (owned - dynamic, "DRA serves them (give a GPU back to the device plugin to change its layout)"),
+        ):
+            if skipped & layouts.keys():
+                gpus = ", ".join(map(str, sorted(skipped & layouts.keys())))
+                said = f"the MIG layout leaves GPUs {gpus} alone: {why}"
+                if said not in self._said:
+                    self._said.add(said)
+                    log.warning("%s", said)
+        return {index: layout for index, layout in layouts.items() if index not in owned}
 
     def _rediscover(self, reason: str, *, stale: frozenset[str] = frozenset()) -> None:
         """The node's devices may be different (a MIG change, a reset, a GPU back, a retry): read them again,
@@ -854,6 +869,7 @@ class Agent:
                 lambda: self._kube_api.api_client if self._kube_api is not None else None,
                 self.post,
                 self.options.pod_resources_socket,
+                self._ledger,
             )
             self._routes["agent.dra.types"] = self._dra_event
         driver = section.driver_name if section is not None else "gpu.nvidia.com"
@@ -904,6 +920,7 @@ class Agent:
             self._refresh_status()
             return False
         inventory, unanswered = keep_unanswered(inventory, self._inventory)
+        self._ledger.inventory = inventory
         before = {g.uuid for g in self._gpus()}
         lost = [uuid for uuid, failure in unanswered.items() if failure.error == "GPU_IS_LOST"]
         unreadable = frozenset(unanswered) - set(lost)  # withdrawn until a read succeeds
@@ -1293,7 +1310,7 @@ class Agent:
             from agent.mps.manager import MpsManager
 
             options = self.options
-            self._mps = MpsManager(options.mps_control, self.post, options.pod_resources_socket, options.mps_keeper)
+            self._mps = MpsManager(options.mps_control, self.post, self._ledger, options.mps_keeper)
             self._routes["agent.mps.manager"] = self._routes["agent.mps.exits"] = self._mps_event
         if self._mps is not None:
             self._mps.reconcile(specs, root, self._clock())

@@ -12,34 +12,10 @@ which NVML must list no compute process and no MPS client.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 from agent.core.inventory import Inventory
+from agent.core.ledger import Drain, Holder
 from agent.core.mig_layout import DestroyInstance, Operation, SetMigMode
-
-
-@dataclass(frozen=True, slots=True)
-class Drain:
-    withdrawn: frozenset[str] = frozenset()
-    scopes: frozenset[str] = frozenset()
-
-    def __bool__(self) -> bool:
-        return bool(self.withdrawn or self.scopes)
-
-    def __or__(self, other: Drain) -> Drain:
-        return Drain(self.withdrawn | other.withdrawn, self.scopes | other.scopes)
-
-
-class Holder(Protocol):
-    """A pod's container holding a device, as the kubelet's PodResources API reports it."""
-
-    @property
-    def namespace(self) -> str: ...
-    @property
-    def pod(self) -> str: ...
-    @property
-    def container(self) -> str: ...
 
 
 def mig_drain(operations: Mapping[int, Sequence[Operation]], inventory: Inventory) -> Drain:

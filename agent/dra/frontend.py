@@ -10,18 +10,24 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.core.dra.devices import DraDevice
 from agent.core.dra.taints import DeviceTaint
 from agent.dra.types import DraClaimsChanged, DraRegistration, DraSettings
 
+if TYPE_CHECKING:
+    from agent.ledger import DeviceLedger
+
 log = logging.getLogger(__name__)
 
 
 class DraFrontEnd:
-    def __init__(self, settings: DraSettings, api_client: Any, post: Callable[[object], None]) -> None:
+    def __init__(
+        self, settings: DraSettings, api_client: Any, post: Callable[[object], None], ledger: DeviceLedger | None = None
+    ) -> None:
         self.settings = settings
+        self._ledger = ledger  # the claim worker's Prepare reserves, and its time-slice changes act, in its section
         self._api_client = api_client
         self._post = post
         self._service: Any = None
@@ -137,7 +143,10 @@ class DraFrontEnd:
             claims_changed=lambda: self._post(DraClaimsChanged()),
             mps_ready=self._wait_mps,
             mps_root=lambda: self._mps_root,
+            ledger=self._ledger,
         )
+        if self._ledger is not None:
+            self._ledger.attach_claims(self._service.checkpoint, s.node_name)
         self._service.start()
         if s.pod_uid is None:  # one instance per node: a spec no recorded claim owns is a leftover (a crash)
             swept = self._service.sweep_stale_specs()

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.core.dra.ownership import dra_gpus, dynamic_mig_gpus, shared_gpus
-from agent.core.drain import Drain
 from agent.core.health import HealthState
 from agent.core.inventory import Gpu, Inventory
+from agent.core.ledger import Drain
 from agent.dra.types import DraHandoverChecked, DraSettings
 from agent.supervise import submit
 
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from agent.core.dra.taints import DeviceTaint
     from agent.core.mps import MpsDaemonSpec
     from agent.dra.frontend import DraFrontEnd
+    from agent.ledger import DeviceLedger
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class DraManager:
         api_client: Callable[[], Any],  # the Kubernetes API client, or None when there is none
         post: Callable[[object], None],
         pod_resources_socket: Path,
+        ledger: DeviceLedger,
         *,
         clock_now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
@@ -67,7 +69,8 @@ class DraManager:
         self._front: DraFrontEnd | None = None
         self._driver: str | None = None
         self._wanted: frozenset[str] = frozenset()
-        self._served: set[str] = set()  # GPU UUIDs DRA serves (offered in the slices unless leaving)
+        self._ledger = ledger  # who holds each device, and which GPUs DRA serves (offered in the slices unless leaving)
+        self._adopting: set[str] = set()  # held by recorded claims: DRA's as soon as the ledger's lock is free
         self._arriving: dict[str, _Waiting] = {}  # withdrawn from the device plugin, waiting to be free
         self._taints: dict[str, tuple[DeviceTaint, ...]] = {}
         self._cordon_taints: dict[str, tuple[DeviceTaint, ...]] = {}
@@ -82,6 +85,11 @@ class DraManager:
         self._leaving_check = 0.0
         self.error: str | None = None  # why DRA cannot run (no API), said in the status
         self.registered: bool | None = None  # the kubelet's last word on the driver's registration
+
+    @property
+    def _served(self) -> frozenset[str]:
+        """The GPUs DRA serves: the ledger's word, which only it changes (under its lock)."""
+        return self._ledger.dra_gpus()
 
     # ----- the loop's view ------------------------------------------------------------------------
 
@@ -119,13 +127,13 @@ class DraManager:
                 self._driver, self.error = driver, None
                 settings = self._settings(driver)
                 self._sys_root = settings.sys_root
-                self._front = DraFrontEnd(settings, client, self._post)
+                self._front = DraFrontEnd(settings, client, self._post, self._ledger)
                 self._front.start()
         held = self._held_gpus(inventory)
-        for uuid in wanted - self._served:
-            if uuid in held:  # a claim recorded before an agent restart: DRA's already
-                self._served.add(uuid)
-            elif uuid not in self._arriving:
+        self._adopting |= (wanted - self._served) & held  # a claim recorded before an agent restart: DRA's already
+        self._adopt()
+        for uuid in wanted - self._served - self._adopting:
+            if uuid not in self._arriving:
                 self._arriving[uuid] = _Waiting(next_check=now)
                 log.info("GPU moves to DRA gpu=%s; withdrawn from the device plugin until it is free", uuid)
         for uuid in list(self._arriving):
@@ -160,6 +168,12 @@ class DraManager:
         gpus = self._served | set(self._arriving)
         named = self._named_dynamic(inventory, frozenset(gpus))
         return frozenset(g.index for g in inventory.gpus if g.uuid in named)
+
+    def dra_indices(self, inventory: Inventory) -> frozenset[int]:
+        """The indices of the GPUs DRA serves, is taking, or a recorded claim holds: no static MIG layout touches
+        them."""
+        gpus = self._served | set(self._arriving) | self._adopting | self._ledger.recorded().claimed_gpus()
+        return frozenset(g.index for g in inventory.gpus if g.uuid in gpus)
 
     def _named_dynamic(self, inventory: Inventory, served: frozenset[str]) -> frozenset[str]:
         from agent.core.dra.ownership import OwnershipError
@@ -203,21 +217,27 @@ class DraManager:
             self._pcie_roots.update({bus_id: found.get(bus_id) for bus_id in bus_ids})
         return {bus_id: root for bus_id, root in self._pcie_roots.items() if root is not None}
 
+    def _adopt(self) -> bool:
+        """GPUs recorded claims hold become DRA's; True once none waits (the ledger's lock was free)."""
+        if self._adopting and self._ledger.adopt_for_dra(self._adopting):
+            self._adopting.clear()
+        return not self._adopting
+
     def withdrawn(self, inventory: Inventory) -> frozenset[str]:
-        """Device IDs (GPU and MIG UUIDs) the device plugin must not offer: DRA's GPUs and those arriving."""
-        gone = self._served | set(self._arriving)
+        """Device IDs (GPU and MIG UUIDs) the device plugin must not offer: DRA's GPUs, those arriving and those
+        a recorded claim holds."""
+        gone = self._served | set(self._arriving) | self._adopting
         return frozenset(uid for gpu in inventory.gpus if gpu.uuid in gone for uid in _device_ids(gpu))
 
     def settle(self, inventory: Inventory) -> None:
         """Before the device plugin's side is worked out: a leaving GPU no claim holds any more goes back to it."""
         if self._front is None:
             return
+        self._adopt()
         leaving = self._served - self._wanted
-        if leaving:
-            for uuid in leaving - self._held_gpus(inventory):
-                self._served.discard(uuid)
+        if leaving:  # the ledger lets a GPU go only when no claim holds it or is being prepared on it
+            for uuid in sorted(self._ledger.release_from_dra(leaving)):
                 log.info("GPU returns to the device plugin gpu=%s; no claim holds it", uuid)
-        self._served &= {g.uuid for g in inventory.gpus}
 
     def publish(self, inventory: Inventory, health: HealthState, cordoned: frozenset[str]) -> None:
         """Hand DRA's devices, their health and taints to the front end (after ``settle``)."""
@@ -265,7 +285,7 @@ class DraManager:
 
     def next_deadline(self) -> float | None:
         due = [w.next_check for w in self._arriving.values() if not w.in_flight]
-        if self._served - self._wanted:
+        if self._served - self._wanted or self._adopting:
             due.append(self._leaving_check)
         return min(due, default=None)
 
@@ -283,9 +303,9 @@ class DraManager:
                 for waiting in due.values():
                     waiting.in_flight = False
         leaving = self._served - self._wanted
-        if leaving and now >= self._leaving_check:
+        if (leaving or self._adopting) and now >= self._leaving_check:
             self._leaving_check = now + CHECK_INTERVAL
-            return bool(leaving - self._held_gpus(inventory))
+            return bool(leaving - self._held_gpus(inventory)) or bool(self._adopting and self._adopt())
         return False
 
     def on_checked(self, event: DraHandoverChecked, now: float) -> bool:
@@ -301,8 +321,7 @@ class DraManager:
                 waiting.in_flight, waiting.why, waiting.next_check = False, busy, now + CHECK_INTERVAL
                 waiting.answered = True
                 continue
-            del self._arriving[uuid]
-            self._served.add(uuid)
+            del self._arriving[uuid]  # the ledger made it DRA's when it found it free (``_check``)
             moved = True
             log.info("GPU moved to DRA gpu=%s", uuid)
         return moved
@@ -370,10 +389,9 @@ class DraManager:
         return {g.uuid for g in inventory.gpus if g.minor_number in minors}
 
     def _check(self, scopes: dict[str, frozenset[str]]) -> None:
-        """Worker: is anything using each GPU's devices (a device-plugin pod, a process)?"""
-        from agent.drain import why_busy  # the PodResources stubs load with the first check
-
-        results = tuple((uuid, tuple(why_busy(Drain(ids, ids), self._socket))) for uuid, ids in scopes.items())
+        """Worker: each GPU whose devices nothing holds (a device-plugin pod, a process, a claim) becomes DRA's,
+        in the ledger's critical section; the others wait, with who holds them."""
+        results = tuple((uuid, tuple(self._ledger.take_for_dra(uuid, Drain(ids, ids)))) for uuid, ids in scopes.items())
         self._post(DraHandoverChecked(results))
 
 

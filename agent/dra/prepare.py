@@ -25,10 +25,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.core.dra.cdi import CdiError, cdi_device_ids, check_claim_uid, claim_spec
 from agent.core.dra.checkpoint import (
@@ -55,6 +56,9 @@ from agent.dra.claims_api import ClaimReader, ClaimsUnavailable
 from agent.dra.devnodes import DeviceNodes
 from agent.dra.partitions import PartitionError
 from agent.dra.timeslices import TimesliceFailed
+
+if TYPE_CHECKING:
+    from agent.ledger import DeviceLedger
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +126,14 @@ class ClaimWorker:
         changed: Callable[[], None] = lambda: None,
         mps_ready: Callable[[str, float], str | None] = lambda key, timeout: "no MPS manager runs for DRA here",
         mps_root: Callable[[], str] = lambda: "/run/nvidia/mps",
+        ledger: DeviceLedger | None = None,
     ) -> None:
         self._driver, self._pool = driver, pool
+        # The agent's ledger: a Prepare records PrepareStarted in its critical section, after asking that each GPU is
+        # still DRA's, and time-slices change in it. Without one (a service on its own) every device of the view is
+        # the service's, and a lock of its own orders the same steps.
+        self._ledger = ledger
+        self._own_lock = threading.Lock()
         self._read_claim = read_claim
         self._cdi, self._store = cdi, checkpoints
         self._view = view
@@ -207,12 +217,21 @@ class ClaimWorker:
                 self._spec(ref.uid, [(d.device, d.info) for d in plan.devices])
             except CdiError as error:
                 return ClaimError(ref, f"cannot build its CDI spec: {error}")
-        started = prepare_started(self.checkpoint, plan)  # with the placements of the MIG devices it creates
-        try:
-            self._store.save(started)
-        except CheckpointSaveError as error:
-            return ClaimError(ref, f"{error}; nothing was prepared", True)
-        self.checkpoint = started
+        gpus = {d.info.parent_uuid or d.info.uuid for d in plan.devices}
+        with self._reserving(gpus) as foreign:  # no hand-over or destructive step slips in before PrepareStarted
+            if foreign:
+                return ClaimError(
+                    ref,
+                    f"its devices are on GPU(s) {', '.join(foreign)}, which DRA no longer serves (the config gave them "
+                    "to the device plugin); delete the pod so the claim is allocated again",
+                )
+            plan = self._leave_others_timeslices(ref, plan)
+            started = prepare_started(self.checkpoint, plan)  # with the placements of the MIG devices it creates
+            try:
+                self._store.save(started)
+            except CheckpointSaveError as error:
+                return ClaimError(ref, f"{error}; nothing was prepared", True)
+            self.checkpoint = started
         done = _Done()
         created = done.created
         try:
@@ -220,7 +239,8 @@ class ClaimWorker:
                 if (intent := planned_mig(planned)) is not None:
                     created[planned.device] = self._partitions.create(intent)
                 if planned.timeslice is not None:
-                    self._timeslices.apply(planned.info.uuid, planned.timeslice)
+                    with self._section():
+                        self._timeslices.apply(planned.info.uuid, planned.timeslice)
                     done.timesliced.add(planned.device)
             made = [(d.device, _concrete(d.info, created.get(d.device))) for d in plan.devices]
             record = self._start_mps(ref, plan, dict(made))
@@ -240,6 +260,62 @@ class ClaimWorker:
             return ClaimError(ref, f"{reason}; nothing was left prepared")
         self.checkpoint = completed
         return completed.claims[ref.uid].devices
+
+    # ----- the ledger's critical section ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _reserving(self, gpus: set[str]) -> Iterator[list[str]]:
+        """The GPUs among ``gpus`` DRA does not serve (empty: all are), inside the ledger's critical section."""
+        if self._ledger is None:
+            with self._own_lock:
+                yield []
+        else:
+            with self._ledger.reserving(gpus) as foreign:
+                yield foreign
+
+    def _section(self) -> contextlib.AbstractContextManager[None]:
+        return self._own_lock if self._ledger is None else self._ledger.section()
+
+    def _other_claims_on(self, claim_uid: str, gpu_minor: int | None, *, admin: bool) -> list[str]:
+        """The other recorded claims holding a device of the GPU (admin-access ones only when ``admin``)."""
+        from agent.core.ledger import checkpoint_devices
+
+        return sorted(
+            {
+                d.claim
+                for d in checkpoint_devices(self.checkpoint)
+                if d.claim_uid != claim_uid and d.gpu_minor == gpu_minor and (admin or not d.admin)
+            }
+        )
+
+    def _leave_others_timeslices(self, ref: ClaimRef, plan: PreparePlan) -> PreparePlan:
+        """An admin-access claim (monitoring, diagnostics) never changes the time-slice of a GPU another claim holds:
+        that claim's workload keeps its own, and this claim records none to reset."""
+        devices = []
+        for planned in plan.devices:
+            if planned.admin_access and planned.timeslice is not None:
+                others = self._other_claims_on(ref.uid, planned.info.gpu_minor, admin=True)
+                if others:
+                    log.info(
+                        "admin-access claim leaves the GPU's time-slice as it is claim=%s/%s device=%s held_by=%s",
+                        ref.namespace, ref.name, planned.device, ",".join(others),
+                    )  # fmt: skip
+                    planned = dataclasses.replace(planned, leaves_timeslice=True)
+            devices.append(planned)
+        return dataclasses.replace(plan, devices=tuple(devices))
+
+    def _reset_timeslice(self, claim_uid: str, device: PreparedDevice) -> None:
+        """Put the GPU's time-slice back to Default, unless another (not admin-access) claim still holds the GPU: its
+        workload keeps the time-slice it runs with."""
+        from agent.core.dra.devices import gpu_minor_of
+
+        assert device.timeslice is not None
+        with self._section():
+            others = self._other_claims_on(claim_uid, gpu_minor_of(device.device), admin=False)
+            if others:
+                log.info("time-slice left in place gpu=%s held_by=%s", device.timeslice.gpu_uuid, ",".join(others))
+                return
+            self._timeslices.reset(device.timeslice.gpu_uuid)
 
     def _start_mps(self, ref: ClaimRef, plan: PreparePlan, devices: Mapping[str, PreparableDevice]) -> MpsRecord | None:
         """Record the MPS daemon the claim's MPS devices (or its share of a GPU) need, have the loop start it (or
@@ -316,7 +392,7 @@ class ClaimWorker:
             record = self.checkpoint.claims.get(ref.uid)
             for device in record.devices if record is not None else ():
                 if device.timeslice is not None and (done is None or device.device in done.timesliced):
-                    self._timeslices.reset(device.timeslice.gpu_uuid)
+                    self._reset_timeslice(ref.uid, device)
                 mig = device.mig if done is None else done.created.get(device.device)
                 if mig is not None:
                     self._partitions.destroy(mig)
@@ -369,7 +445,7 @@ class ClaimWorker:
                 self._release_mps(ref.uid)  # its daemon may go now; a MIG device it served is destroyed after it
             for device in claim.devices if claim is not None else ():
                 if device.timeslice is not None:
-                    self._timeslices.reset(device.timeslice.gpu_uuid)
+                    self._reset_timeslice(ref.uid, device)
                 if device.mig is not None:
                     self._partitions.destroy(device.mig)  # the record stays until it is gone: the kubelet retries
         except (CdiStoreError, PartitionError, TimesliceFailed, CheckpointSaveError) as error:

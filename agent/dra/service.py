@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
@@ -52,6 +52,9 @@ from agent.dra.devnodes import DeviceNodes, default_device_nodes
 from agent.dra.names import MAX_SOCKET_PATH, check_driver_name
 from agent.dra.prepare import ClaimWorker, Timeslices
 from agent.grpc_loop import GrpcLoop, grpc_loop
+
+if TYPE_CHECKING:
+    from agent.ledger import DeviceLedger
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ class DraService:
         health_timeout_seconds: int = HEALTH_TIMEOUT_SECONDS,
         loop: GrpcLoop | None = None,
         latency: Any = None,
+        ledger: DeviceLedger | None = None,
     ) -> None:
         """``pool`` is the node's name; ``node_wide_cdi`` adds each device's ``<node_cdi_kind>=<uuid>`` CDI ID
         (the spec ``nvidia-ctk cdi generate`` writes brings the driver libraries; see ``agent.core.dra.cdi``).
@@ -145,6 +149,7 @@ class DraService:
             changed=claims_changed,
             mps_ready=mps_ready,
             mps_root=mps_root,
+            ledger=ledger,
         )
         self._executor: ThreadPoolExecutor | None = None
         self._server: grpc.aio.Server | None = None

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.core.drain import Drain, mig_drain
 from agent.core.inventory import Inventory
@@ -37,6 +37,9 @@ from agent.core.mig_layout import (
 )
 from agent.gpu.mig import create_instance, destroy_instance, set_mig_mode
 from agent.supervise import WorkerCrashed, submit
+
+if TYPE_CHECKING:
+    from agent.ledger import DeviceLedger
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +71,9 @@ class MigApplied:
 
 
 class MigManager:
-    def __init__(self, post: Callable[[object], None], pod_resources_socket: Path) -> None:
+    def __init__(self, post: Callable[[object], None], ledger: DeviceLedger) -> None:
         self._post = post
-        self._socket = pod_resources_socket
+        self._ledger = ledger  # who holds each device; the changes are made in its critical section
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mig")
         self.state: MigState | None = None  # None: no layout is managed
         self.error: str | None = None
@@ -212,18 +215,18 @@ class MigManager:
         self._post(MigBusyChecked(generation, tuple(self._busy(drain))))
 
     def _busy(self, drain: Drain) -> list[str]:
-        from agent.drain import why_busy  # the PodResources stubs load with the first drain, not at start
-
-        try:
-            return why_busy(drain, self._socket)
-        except Exception as error:  # whatever went wrong, nobody said the devices are free
-            return [f"cannot tell whether the devices are free: {type(error).__name__}: {error}"]
+        return self._ledger.why_busy(drain)
 
     def _apply(self, generation: int, operations: dict[int, tuple[Operation, ...]], drain: Drain) -> None:
-        busy = self._busy(drain)  # again, right before acting: something may have started since the check
-        if busy:
-            self._post(MigApplied(generation, busy=tuple(busy)))
-            return
+        # Asked again right before acting (something may have started since the check), and the change is made in
+        # the ledger's critical section: no claim starts being prepared on these devices meanwhile.
+        with self._ledger.acting(drain) as busy:
+            if busy:
+                self._post(MigApplied(generation, busy=tuple(busy)))
+                return
+            self._change(generation, operations)
+
+    def _change(self, generation: int, operations: dict[int, tuple[Operation, ...]]) -> None:
         reset_required = []
         try:
             for gpu_index, ops in sorted(operations.items()):

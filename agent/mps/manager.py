@@ -31,8 +31,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from agent.core.drain import Drain
+from agent.core.ledger import Drain
 from agent.core.mps import MpsDaemonSpec
 from agent.gpu.compute_mode import DEFAULT, EXCLUSIVE_PROCESS, ComputeModeError, set_compute_mode
 from agent.mps.control import (
@@ -45,6 +46,9 @@ from agent.mps.control import (
 )
 from agent.mps.exits import ProcessExited, ProcessExitWatcher
 from agent.supervise import WorkerCrashed, submit
+
+if TYPE_CHECKING:
+    from agent.ledger import DeviceLedger
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +117,13 @@ class MpsManager:
         self,
         binary: str | None,
         post: Callable[[object], None],
-        pod_resources_socket: Path,
+        ledger: DeviceLedger,
         keeper: Path | None = None,
     ) -> None:
         self._binary = binary
         self._keeper = keeper  # the MPS keeper's socket: daemons are started in its container (agent.mps.keeper)
         self._post = post
-        self._socket = pod_resources_socket
+        self._ledger = ledger  # who holds each device; a daemon quits in its critical section
         self._daemons: dict[str, _Daemon] = {}
         self._retiring: dict[str, _Retiring] = {}
         self._root: Path | None = None
@@ -360,22 +364,21 @@ class MpsManager:
 
     def _drain_and_stop(self, key: str, retiring: _Retiring, keep_exclusive: frozenset[str]) -> None:
         """Worker: quit the daemon only when nothing uses its devices; else report what does."""
-        from agent.drain import why_busy  # the PodResources stubs load with the first drain, not at start
-
         drain = Drain(retiring.spec.physical_ids, retiring.spec.physical_ids)
-        busy = why_busy(drain, self._socket, exclude_pids=_server_pids(retiring.control))
-        if busy:
-            self._post(MpsDrainChecked(key, tuple(busy)))
-            return
-        control = retiring.control
-        try:
-            if control is not None and control.pid() is not None:
-                control.quit()
-        except MpsError as error:
-            log.warning("MPS daemon did not quit cleanly key=%s error=%r", key, str(error))
-        for uuid in retiring.spec.visible_devices:
-            if uuid not in keep_exclusive:
-                _compute_mode(uuid, DEFAULT)
+        pids = _server_pids(retiring.control)
+        with self._ledger.acting(drain, exclude_pids=pids, for_daemon=key) as busy:
+            if busy:
+                self._post(MpsDrainChecked(key, tuple(busy)))
+                return
+            control = retiring.control
+            try:
+                if control is not None and control.pid() is not None:
+                    control.quit()
+            except MpsError as error:
+                log.warning("MPS daemon did not quit cleanly key=%s error=%r", key, str(error))
+            for uuid in retiring.spec.visible_devices:
+                if uuid not in keep_exclusive:
+                    _compute_mode(uuid, DEFAULT)
         log.info("MPS daemon stopped key=%s", key)
         self._post(MpsDaemonStopped(key))
 

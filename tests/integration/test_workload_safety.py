@@ -234,6 +234,7 @@ def test_the_mig_manager_checks_again_right_before_acting(sim_node, tmp_path: Pa
     import queue
 
     from agent.gpu.discovery import discover
+    from agent.ledger import DeviceLedger
     from agent.mig.layout_file import layouts_for_node, parse_layout_file
     from agent.mig.manager import MigApplied, MigBusyChecked, MigManager
     from agent.sim.kubelet import KubeletEmulator
@@ -242,9 +243,10 @@ def test_the_mig_manager_checks_again_right_before_acting(sim_node, tmp_path: Pa
     kubelet = KubeletEmulator(tmp_path / "dp", tmp_path / "pr.sock")  # PodResources: nothing allocated
     kubelet.start()
     events: queue.Queue[object] = queue.Queue()
-    manager = MigManager(events.put, tmp_path / "pr.sock")
+    ledger = DeviceLedger(tmp_path / "pr.sock")
+    manager = MigManager(events.put, ledger)
     try:
-        inventory = discover()
+        inventory = ledger.inventory = discover()
         layouts = parse_layout_file(
             {"version": "v1", "mig-configs": {"all-1g": [{"devices": "all", "mig-enabled": True, "mig-devices": {}}]}},
             "t",

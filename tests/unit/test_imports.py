@@ -88,7 +88,7 @@ def test_a_simulated_run_loads_no_pydantic_and_no_drain_machinery():
         RUN_PATH + "\nfrom agent.sim.nvml.install import simulated_node\nsimulated_node('dgx-a100').__enter__()"
     )
     assert "agent.sim.nvml.driver" in loaded
-    assert not packages(loaded, "pydantic", "pydantic_core", "agent.drain", "agent.plugin.podresources")
+    assert not packages(loaded, "pydantic", "pydantic_core", "agent.plugin.podresources")
 
 
 def test_the_podresources_client_loads_protobuf_with_its_first_call_not_with_its_types():

@@ -116,6 +116,8 @@ class PlannedDevice:
     config: DeviceConfig | None = None  # None: no config applies, NVIDIA's default (no sharing)
     config_source: str = "default"  # e.g. "config[1] (FromClaim, requests [gpu])"
     share: Share | None = None  # what the claim takes of a GPU shared by memory (its consumedCapacity)
+    # admin access to a GPU another claim holds: the time-slice is that claim's, never set nor reset for this one
+    leaves_timeslice: bool = False
 
     @property
     def request_name(self) -> str:
@@ -127,7 +129,7 @@ class PlannedDevice:
         """The time-slice level (0-3) Prepare sets on a whole GPU its config time-slices; None otherwise (a MIG
         device's TimeSlicing does nothing, as on NVIDIA's driver)."""
         sharing = self.config.sharing if self.config is not None else None
-        if sharing is None or sharing.strategy != TIME_SLICING or self.info.kind != "gpu":
+        if sharing is None or sharing.strategy != TIME_SLICING or self.info.kind != "gpu" or self.leaves_timeslice:
             return None
         return sharing.interval_value
 
