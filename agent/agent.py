@@ -1328,6 +1328,7 @@ class Agent:
             DraClaimsChanged,
             DraHandoverChecked,
             DraRegistration,
+            DraUnclaimedSwept,
             SlicesFailed,
             SlicesPublished,
         )
@@ -1338,7 +1339,11 @@ class Agent:
             if self._dra.made_mig_changed():  # a MIG device made or destroyed for a claim: the node changed
                 self._rediscover("a DRA claim's MIG device was made or destroyed")
                 return
-        if isinstance(event, DraHandoverChecked):
+        if isinstance(event, DraUnclaimedSwept):
+            if self._dra.on_swept(event.destroyed, event.waiting, self._clock()):
+                self._rediscover("MIG devices no claim made were destroyed")
+                return
+        elif isinstance(event, DraHandoverChecked):
             if self._dra.on_checked(event, self._clock()):
                 self._publish()
                 return

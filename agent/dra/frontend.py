@@ -48,13 +48,19 @@ class DraFrontEnd:
         slices: bool = True,
     ) -> None:
         """The devices DRA serves (prepared claims included) and their health; ``published`` (default: all of
-        them) are the ones offered in the slices — a GPU on its way to the device plugin is served, not offered."""
+        them) are the ones offered in the slices — a GPU on its way to the device plugin is served, not offered. The
+        counter sets of the offered devices' GPUs come from every device served: a dynamic-MIG GPU whose full device
+        is not offered (a MIG device no claim made covers part of it) still has its set."""
         first = not self._registered_once
         self._service.update({d.name: d for d in devices}, dict(unhealthy))
         offered = devices if published is None else published
         names = {d.name for d in offered}
         if slices:  # (not while the first answers about arriving GPUs are due: no pool published half-way)
-            self._publisher.publish(tuple(offered), {n: t for n, t in taints.items() if n in names})
+            from agent.core.dra.partitions import counter_sets
+
+            gpus = {d.gpu_uuid for d in offered}
+            counters = counter_sets(d for d in devices if d.gpu_uuid in gpus)
+            self._publisher.publish(tuple(offered), {n: t for n, t in taints.items() if n in names}, counters)
         if first:  # the kubelet learns of the driver once its service knows the devices
             self._registrar.start()
             self._registered_once = True

@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.core.dra.ownership import dra_gpus, dynamic_mig_gpus, shared_gpus
+from agent.core.dra.partitions import Unclaimed
 from agent.core.health import HealthState
 from agent.core.inventory import Gpu, Inventory
 from agent.core.ledger import Drain
-from agent.dra.types import DraHandoverChecked, DraSettings
+from agent.dra.types import DraHandoverChecked, DraSettings, DraUnclaimedSwept
 from agent.supervise import submit
 
 if TYPE_CHECKING:
@@ -83,6 +84,8 @@ class DraManager:
         self._last_made: frozenset[str] = frozenset()
         self._pcie_roots: dict[str, str | None] = {}  # by PCI bus ID, read once per GPU (None: sysfs does not say)
         self._leaving_check = 0.0
+        self._unclaimed: tuple[Unclaimed, ...] = ()  # GPU instances on dynamic-MIG GPUs no claim made (as published)
+        self._sweep = _Waiting()  # destroying them: one job at a time, again after CHECK_INTERVAL while held
         self.error: str | None = None  # why DRA cannot run (no API), said in the status
         self.registered: bool | None = None  # the kubelet's last word on the driver's registration
 
@@ -255,6 +258,11 @@ class DraManager:
             default_share=self._default_share,
         )
         offered = [d for d in devices if d.gpu_uuid in self._wanted]
+        self._unclaimed = self._find_unclaimed(inventory)
+        if self._unclaimed:  # a claim allocated a placement one covers could never be prepared: not offered
+            from agent.core.dra.partitions import without_overlaps
+
+            offered = list(without_overlaps(offered, self._unclaimed))
         self._taints = device_taints(devices, health, now=self._now(), previous=self._taints, driver=self._driver)
         unhealthy = {name: ", ".join(t.key for t in taints) for name, taints in self._taints.items()}
         for device in devices:
@@ -268,6 +276,28 @@ class DraManager:
             unhealthy[name] = f"the MIG device made for its claim ({uuid}) is gone: a GPU reset destroys MIG devices"
         first_answers_due = any(not w.answered for w in self._arriving.values())
         self._front.update(devices, unhealthy, self._taints, published=offered, slices=not first_answers_due)
+
+    def _find_unclaimed(self, inventory: Inventory) -> tuple[Unclaimed, ...]:
+        dynamic = self._dynamic_gpus(inventory)
+        if not dynamic:
+            return ()
+        from agent.core.dra.partitions import unclaimed_instances
+
+        recorded = self._ledger.recorded()
+        migs = recorded.claimed_migs()
+        return tuple(
+            instance
+            for gpu in inventory.gpus
+            if gpu.uuid in dynamic
+            for instance in unclaimed_instances(gpu, recorded.claimed_placements(gpu.uuid), migs)
+        )
+
+    def on_swept(self, destroyed: int, waiting: tuple[str, ...], now: float) -> bool:
+        """The sweep of unclaimed GPU instances is back; True when it destroyed some (the node changed)."""
+        if waiting and waiting != self._sweep.why:
+            log.info("MIG devices no claim made wait to be destroyed waiting_for=%r", "; ".join(waiting))
+        self._sweep = _Waiting(next_check=now + CHECK_INTERVAL, why=waiting, answered=True)
+        return destroyed > 0
 
     def made_mig_changed(self) -> bool:
         """True once each time the MIG devices made for claims are different from the last time asked."""
@@ -287,6 +317,8 @@ class DraManager:
         due = [w.next_check for w in self._arriving.values() if not w.in_flight]
         if self._served - self._wanted or self._adopting:
             due.append(self._leaving_check)
+        if self._unclaimed and not self._sweep.in_flight:
+            due.append(self._sweep.next_check)
         return min(due, default=None)
 
     def tick(self, now: float, inventory: Inventory) -> bool:
@@ -302,6 +334,10 @@ class DraManager:
             if submit(self._pool, self._post, "dra", ",".join(sorted(due)), self._check, scopes) is None:
                 for waiting in due.values():
                     waiting.in_flight = False
+        if self._unclaimed and not self._sweep.in_flight and now >= self._sweep.next_check:
+            self._sweep.in_flight = True
+            if submit(self._pool, self._post, "dra", "unclaimed", self._destroy_unclaimed, self._unclaimed) is None:
+                self._sweep.in_flight = False
         leaving = self._served - self._wanted
         if (leaving or self._adopting) and now >= self._leaving_check:
             self._leaving_check = now + CHECK_INTERVAL
@@ -327,6 +363,9 @@ class DraManager:
         return moved
 
     def on_crashed(self, key: str, now: float) -> None:
+        if key == "unclaimed":
+            self._sweep = _Waiting(next_check=now + CHECK_INTERVAL, why=self._sweep.why)
+            return
         for uuid in key.split(","):
             waiting = self._arriving.get(uuid)
             if waiting is not None:
@@ -341,7 +380,10 @@ class DraManager:
             self.error = f"cannot publish ResourceSlices: {error}"
 
     def waiting_for(self) -> dict[str, tuple[str, ...]]:
-        return {uuid: w.why for uuid, w in self._arriving.items() if w.why}
+        waiting = {uuid: w.why for uuid, w in self._arriving.items() if w.why}
+        if self._unclaimed and self._sweep.why:
+            waiting["unclaimed-mig"] = self._sweep.why  # MIG devices no claim made, held by something
+        return waiting
 
     def status(self) -> dict[str, object] | None:
         if self._front is None and self.error is None:
@@ -393,6 +435,37 @@ class DraManager:
         in the ledger's critical section; the others wait, with who holds them."""
         results = tuple((uuid, tuple(self._ledger.take_for_dra(uuid, Drain(ids, ids)))) for uuid, ids in scopes.items())
         self._post(DraHandoverChecked(results))
+
+    def _destroy_unclaimed(self, unclaimed: tuple[Unclaimed, ...]) -> None:
+        """Worker: destroy each GPU instance no claim made, in the ledger's critical section, once nothing holds it
+        (a pod, a process, a claim that recorded it meanwhile)."""
+        from agent.gpu.mig import MigOperationError, destroy_partition
+
+        destroyed, waiting = 0, []
+        for instance in unclaimed:
+            drain = Drain(frozenset(instance.mig_uuids), frozenset(instance.mig_uuids))
+            with self._ledger.acting(drain) as busy:
+                recorded = self._ledger.recorded()
+                placement = (instance.profile_id, instance.start)
+                if placement in recorded.claimed_placements(instance.gpu_uuid) or (
+                    set(instance.mig_uuids) & recorded.claimed_migs()
+                ):
+                    continue  # a claim is being prepared there now: it is that claim's
+                if busy:
+                    waiting.append(f"{instance}: {'; '.join(busy)}")
+                    continue
+                try:
+                    destroy_partition(instance.gpu_uuid, instance.gi_id)
+                except MigOperationError as error:
+                    waiting.append(f"{instance}: {error}")
+                    continue
+            destroyed += 1
+            log.warning(
+                "MIG device no claim made destroyed on a dynamic-MIG GPU %s mig=%s; dynamic MIG makes every MIG "
+                "device of this GPU per claim (one made by hand, or left by a claim whose record was lost)",
+                instance, ",".join(instance.mig_uuids),
+            )  # fmt: skip
+        self._post(DraUnclaimedSwept(destroyed, tuple(waiting)))
 
 
 def _device_ids(gpu: Gpu) -> Iterable[str]:

@@ -32,6 +32,7 @@ from agent.core.dra.taints import DeviceTaint
 from agent.dra.types import SlicesFailed, SlicesPublished
 from agent.kube_api import CoreApi
 
+Counters = Mapping[str, Mapping[str, int]]  # counter set name -> counter -> amount
 log = logging.getLogger(__name__)
 
 GROUP, VERSION, PLURAL = "resource.k8s.io", "v1", "resourceslices"
@@ -62,7 +63,7 @@ class SlicePublisher:
         self._post = post
         self._clock = clock
         self._lock = threading.Condition()
-        self._desired: tuple[tuple[DraDevice, ...], Mapping[str, Sequence[DeviceTaint]]] | None = None
+        self._desired: tuple[tuple[DraDevice, ...], Mapping[str, Sequence[DeviceTaint]], Counters | None] | None = None
         self._dirty = False
         self._asked = False  # a publish() waits for its answer (a watch event's re-check is silent when equal)
         self._stopped = False
@@ -87,10 +88,17 @@ class SlicePublisher:
             thread.start()
             self._threads.append(thread)
 
-    def publish(self, devices: Sequence[DraDevice], taints: Mapping[str, Sequence[DeviceTaint]]) -> None:
-        """From now on the node's slices should list ``devices`` (with ``taints``); returns at once."""
+    def publish(
+        self,
+        devices: Sequence[DraDevice],
+        taints: Mapping[str, Sequence[DeviceTaint]],
+        counters: Counters | None = None,
+    ) -> None:
+        """From now on the node's slices should list ``devices`` (with ``taints``) and the counter sets ``counters``
+        (default: the ones ``devices`` carry; a dynamic-MIG GPU whose full device is not offered still has its set);
+        returns at once."""
         with self._lock:
-            self._desired = (tuple(devices), dict(taints))
+            self._desired = (tuple(devices), dict(taints), counters)
             self._dirty = self._asked = True
             self._lock.notify_all()
 
@@ -152,7 +160,7 @@ class SlicePublisher:
         self._failing = True
 
     def _reconcile(
-        self, devices: tuple[DraDevice, ...], taints: Mapping[str, Sequence[DeviceTaint]]
+        self, devices: tuple[DraDevice, ...], taints: Mapping[str, Sequence[DeviceTaint]], counters: Counters | None
     ) -> tuple[int, int, bool]:
         """Make the API server's slices match; (the pool's generation, its slice count, whether it wrote)."""
         if self._node_uid is None:
@@ -161,12 +169,13 @@ class SlicePublisher:
             self._layout = layout_for(self._version.get_code().git_version)
         existing = self._list()
         current = max((s["spec"]["pool"]["generation"] for s in existing), default=0)
-        wanted_input = (devices, taints)
+        sets = counter_sets(devices) if counters is None else counters
+        wanted_input = (devices, taints, sets)
         if existing and self._applied == (wanted_input, _contents(existing)):
             return current, len(existing), False
         same = resource_slices(
             self._node_name, self._node_uid, self._driver, devices, current, self._layout, taints=taints,
-            counter_sets=counter_sets(devices),
+            counter_sets=sets,
         )  # fmt: skip
         if existing and _contents(existing) == _contents(same):
             self._generation = max(self._generation, current)
@@ -176,7 +185,7 @@ class SlicePublisher:
         self._generation = generation
         wanted = resource_slices(
             self._node_name, self._node_uid, self._driver, devices, generation, self._layout, taints=taints,
-            counter_sets=counter_sets(devices),
+            counter_sets=sets,
         )  # fmt: skip
         # old slices first (the Go helper's order): consumers never see two generations at once for long
         for surplus in existing[len(wanted) :]:

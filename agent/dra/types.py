@@ -58,3 +58,11 @@ class SlicesFailed:
     """Posted once per outage: the API server refused or did not answer; the publisher keeps trying."""
 
     error: str
+
+
+@dataclass(frozen=True, slots=True)
+class DraUnclaimedSwept:
+    """GPU instances on dynamic-MIG GPUs that no claim made: how many were destroyed, and why the others were not."""
+
+    destroyed: int
+    waiting: tuple[str, ...]  # "<instance>: <who holds it>", one a line

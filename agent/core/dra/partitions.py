@@ -21,11 +21,12 @@ instance are listed (the catalog's profiles are GPU-instance profiles with their
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from agent.core.dra.devices import GPU, MIG, AttributeValue, DraDevice, canonical_profile
-from agent.core.inventory import Gpu
+from agent.core.inventory import Gpu, MigDevice
 from agent.core.mig_catalog import GiProfileInfo, MigCatalog
 
 _MIB = 1 << 20
@@ -122,3 +123,62 @@ def counter_sets(devices: Iterable[DraDevice]) -> dict[str, dict[str, int]]:
             for name, counters in device.consumes_counters.items():
                 sets[name] = dict(counters)
     return sets
+
+
+@dataclass(frozen=True, slots=True)
+class Unclaimed:
+    """A GPU instance on a dynamic-MIG GPU that no recorded claim made: made by hand, or left by a claim whose record
+    was lost (a lost or corrupt checkpoint). Its placement is not offered, and it is destroyed once nothing holds it:
+    on a dynamic-MIG GPU every MIG device is a claim's."""
+
+    gpu_uuid: str
+    gi_id: int
+    profile_id: int
+    start: int
+    size: int
+    mig_uuids: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"GPU instance {self.gi_id} (profile {self.profile_id} at {self.start}+{self.size}) of {self.gpu_uuid}"
+
+
+def unclaimed_instances(
+    gpu: Gpu, claimed_placements: Collection[tuple[int, int]], claimed_migs: Collection[str]
+) -> tuple[Unclaimed, ...]:
+    """The GPU instances of ``gpu`` that no claim made or is making: by the made MIG device's UUID, or by the
+    (profile ID, start) a claim recorded before making it."""
+    instances: dict[int, list[MigDevice]] = {}
+    for mig in gpu.mig_devices:
+        instances.setdefault(mig.gi_id, []).append(mig)
+    found = []
+    for gi_id, migs in sorted(instances.items()):
+        first = migs[0]
+        if (
+            any(m.uuid in claimed_migs for m in migs)
+            or (first.gi_profile_id, first.placement.start) in claimed_placements
+        ):
+            continue
+        uuids = tuple(sorted(m.uuid for m in migs))
+        found.append(
+            Unclaimed(gpu.uuid, gi_id, first.gi_profile_id, first.placement.start, first.placement.size, uuids)
+        )
+    return tuple(found)
+
+
+def without_overlaps(devices: Iterable[DraDevice], unclaimed: Iterable[Unclaimed]) -> tuple[DraDevice, ...]:
+    """``devices`` minus the dynamic-MIG devices whose memory slices an unclaimed GPU instance covers (the full GPU
+    among them): a claim allocated one could never be prepared."""
+    taken: dict[str, set[int]] = {}
+    for instance in unclaimed:
+        taken.setdefault(instance.gpu_uuid, set()).update(range(instance.start, instance.start + instance.size))
+    return tuple(d for d in devices if not (taken.get(d.gpu_uuid, set()) & _memory_slices(d)))
+
+
+def _memory_slices(device: DraDevice) -> set[int]:
+    prefix = memory_slice_counter(0)[:-1]
+    return {
+        int(name.removeprefix(prefix))
+        for counters in device.consumes_counters.values()
+        for name in counters
+        if name.startswith(prefix)
+    }
