@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,7 @@ from agent.core.ledger import (
 
 if TYPE_CHECKING:
     from agent.core.dra.checkpoint import Checkpoint
+    from agent.plugin.podresources import PodAllocations
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,19 @@ EMPTY_INVENTORY = Inventory("", "", None, (), ())
 
 
 class DeviceLedger:
-    def __init__(self, pod_resources_socket: Path) -> None:
+    def __init__(
+        self,
+        pod_resources_socket: Path,
+        *,
+        pod_resources: Callable[[], PodAllocations] | None = None,
+        processes: Callable[[Sequence[str], Collection[int]], Mapping[str, tuple[int, ...]]] | None = None,
+    ) -> None:
+        """``pod_resources`` and ``processes`` read the kubelet's PodResources and NVML's processes (by default
+        through ``agent.plugin.podresources`` at ``pod_resources_socket`` and ``agent.gpu.processes``); each raises its
+        module's error when it cannot tell."""
         self._socket = pod_resources_socket
+        self._pod_resources = pod_resources or self._list_pod_resources
+        self._processes = processes or _device_processes
         self._lock = threading.RLock()
         self._claims: Callable[[], Checkpoint | None] = lambda: None
         self._pool = ""  # the DRA driver's pool (this node's name): its claims in PodResources are ours
@@ -72,8 +84,8 @@ class DeviceLedger:
         """Every holder of what ``drain`` disturbs: recorded claims, and — only as far as ``drain`` needs them —
         PodResources (device-plugin pods, pods of claims) and NVML (processes, MPS clients). Blocks (I/O)."""
         from agent.core.ledger import claim_pod_holds
-        from agent.gpu.processes import ProcessesUnknown, device_processes
-        from agent.plugin.podresources import PodResourcesError, list_pod_resources
+        from agent.gpu.processes import ProcessesUnknown
+        from agent.plugin.podresources import PodResourcesError
 
         inventory = self.inventory
         claims = self.claim_devices()
@@ -81,7 +93,7 @@ class DeviceLedger:
         unknown: list[str] = []
         if drain.withdrawn:
             try:
-                answer = list_pod_resources(self._socket)
+                answer = self._pod_resources()
             except PodResourcesError as error:
                 unknown.append(f"cannot tell whether pods hold the devices: {error}")
             else:
@@ -89,7 +101,7 @@ class DeviceLedger:
                 holds += claim_pod_holds(answer.claims, self._pool, claims, inventory)
         if drain.scopes:
             try:
-                holds += process_holds(device_processes(sorted(drain.scopes), exclude_pids=exclude_pids), inventory)
+                holds += process_holds(self._processes(sorted(drain.scopes), exclude_pids), inventory)
             except ProcessesUnknown as error:
                 unknown.append(f"cannot tell whether processes run on the devices: {error}")
         return Ledger(tuple(holds), tuple(unknown))
@@ -108,6 +120,11 @@ class DeviceLedger:
         except Exception as error:  # nobody said the devices are free
             return [f"cannot tell whether the devices are free: {type(error).__name__}: {error}"]
         return ledger.blocking(drain, other_than_claim=other_than_claim, for_daemon=for_daemon)
+
+    def _list_pod_resources(self) -> PodAllocations:
+        from agent.plugin.podresources import list_pod_resources  # the stubs load with the first read
+
+        return list_pod_resources(self._socket)
 
     # ----- the critical section -------------------------------------------------------------------------------------
 
@@ -174,3 +191,9 @@ class DeviceLedger:
             return released
         finally:
             self._lock.release()
+
+
+def _device_processes(uuids: Sequence[str], exclude_pids: Collection[int]) -> Mapping[str, tuple[int, ...]]:
+    from agent.gpu.processes import device_processes  # pynvml loads with the first read
+
+    return device_processes(uuids, exclude_pids=exclude_pids)
