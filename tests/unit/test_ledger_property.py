@@ -25,7 +25,7 @@ from agent.plugin.podresources import DeviceHolder, PodAllocations, PodResources
 
 from .builders import a100
 
-GPUS = tuple(a100(i, f"GPU-0000000{i}-0000-4000-8000-000000000000") for i in range(3))
+GPUS = tuple(a100(i, f"GPU-0000000{i}-0000-4000-8000-000000000000") for i in range(2))
 UUIDS = tuple(g.uuid for g in GPUS)
 POOL = "node-a"
 gpu_index = st.integers(0, len(GPUS) - 1)
@@ -66,13 +66,13 @@ class Node(RuleBasedStateMachine):
         self.next_id += 1
         return f"3d3c9b1e-0000-4000-8000-{self.next_id:012d}"
 
-    def _claimed(self, gpu: str, *, admin: bool = True) -> bool:
-        recorded = any(
+    def _recorded(self, gpu: str, *, admin: bool = True) -> bool:
+        """A claim recorded in the checkpoint (being prepared or prepared) holds a device of ``gpu``."""
+        return any(
             UUIDS[int(d.device.removeprefix("gpu-"))] == gpu and (admin or not d.admin_access)
             for c in self.claims.values()
             for d in c.devices
         )
-        return recorded or any(g == gpu and (admin or not a) for g, a in self.reading.values())
 
     def _advertised_by_device_plugin(self, gpu: str) -> bool:
         return gpu not in self.ledger.dra_gpus() and gpu not in self.arriving
@@ -109,7 +109,8 @@ class Node(RuleBasedStateMachine):
         """The scheduler allocated a device DRA offered; the Prepare reads the claim (outside any lock)."""
         gpu = UUIDS[index]
         offered = gpu in self.ledger.dra_gpus() and gpu in self.wanted
-        if offered and (admin or not self._claimed(gpu, admin=False)):
+        allocated = any(g == gpu and not a for g, a in self.reading.values()) or self._recorded(gpu, admin=False)
+        if offered and (admin or not allocated):  # the scheduler gives a whole GPU to one claim (admin access aside)
             self.reading[self._uid()] = (gpu, admin)
 
     @precondition(lambda self: self.reading)
@@ -167,7 +168,7 @@ class Node(RuleBasedStateMachine):
             if busy:
                 return
             holders = [p for p, g in self.pods.items() if g == gpu]
-            if holders or self._claimed(gpu, admin=True) or self.processes.get(gpu):
+            if holders or self._recorded(gpu) or self.processes.get(gpu):  # a claim only read has done nothing yet
                 self.acted_under.append(f"{step} on {gpu} under {holders or 'a claim or a process'}")
 
     # ----- what must always hold -----------------------------------------------------------------------------------
@@ -198,3 +199,28 @@ class Node(RuleBasedStateMachine):
 
 Node.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestLedgerInterleavings = Node.TestCase
+
+
+def test_the_race_the_reviewer_found_is_one_of_the_interleavings() -> None:
+    """Issue 24, defect 2, step by step: the config takes GPU 0 from DRA while a Prepare reads its claim."""
+    node = Node()
+    node.the_config_moves_a_gpu(0, to_dra=True)
+    node.a_worker_checks_an_arriving_gpu(_Drawn(UUIDS[0]))  # type: ignore[arg-type]
+    node.a_prepare_reads_its_claim(0, admin=False)
+    node.the_config_moves_a_gpu(0, to_dra=False)
+    node.the_loop_settles_leaving_gpus()
+    assert UUIDS[0] not in node.ledger.dra_gpus()  # the device plugin offers it again
+    (uid,) = node.reading
+    node.the_prepare_records_prepare_started(_Drawn(uid))  # type: ignore[arg-type]
+    assert node.claims == {}  # refused: it would be the second front end holding GPU 0
+    node.every_recorded_claim_is_on_a_gpu_dra_serves()
+
+
+class _Drawn:
+    """``st.data()`` for a step called by hand: draws the one value it was given."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def draw(self, strategy: object) -> object:
+        return self.value
