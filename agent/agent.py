@@ -31,36 +31,15 @@ from agent.config.model import ConfigError, ConfigModel, DraSection
 from agent.config.source import LoadedConfig, load_config, read_config_set
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
 from agent.core.cordon import NO_CORDON, Cordon, parse_cordon
-from agent.core.health import (
-    GPU_LOST_REASON,
-    HealthPolicy,
-    HealthState,
-    XidEffect,
-    due_for_probe,
-    probe_failed,
-    probe_succeeded,
-    record_fault,
-    record_xid,
-    units_for_event,
-    with_ecc_baseline,
-)
+from agent.core.health import HealthPolicy, HealthState
 from agent.core.inventory import Inventory, keep_unanswered
 from agent.core.mps import MpsDaemonSpec, mps_daemons
 from agent.core.plan import plan
 from agent.core.resources import MigStrategy, PlanError, ResourcePlan, Sharing
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
 from agent.gpu.discovery import MigNow, discover, mig_now
-from agent.gpu.health import (
-    Evidence,
-    GpuLost,
-    NvmlEventWatcher,
-    WatchFailed,
-    WatchRestored,
-    XidEvent,
-    probe,
-    read_ecc_uncorrected,
-    recovery_evidence,
-)
+from agent.gpu.health import GpuLost, NvmlEventWatcher, WatchFailed, WatchRestored, XidEvent
+from agent.health_keeper import HealthKeeper, HealthNews
 from agent.ledger import DeviceLedger
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
 from agent.plugin.registration import KUBELET_SOCKET, register_soon
@@ -213,11 +192,9 @@ class Agent:
         self._mig_label: str | None = None
         self._cordon_values: dict[str, str | None] = {}  # cordon annotation key -> value (None: absent)
         self._cordon: Cordon = NO_CORDON
-        self._health = HealthState()
-        self._policy: HealthPolicy = options.health  # the flags' policy with the config's health.xids
+        self._keeper = HealthKeeper(options.health, liveness_seconds=options.liveness_probe_seconds, clock=clock)
         self._snapshots: dict[str, ResourceSnapshot] = {}
         self._kubelet_present = False
-        self._next_liveness = 0.0
         # per MIG-capable GPU, the inventory's MIG and the driver's, as the last liveness re-check compared them
         self._mig_read: dict[str, tuple[MigNow, MigNow]] = {}
         self._plugin_dir_present: bool | None = None
@@ -226,7 +203,6 @@ class Agent:
         self._event_watcher: NvmlEventWatcher | None = None
         self._kubelet_watcher: PluginDirWatcher | None = None  # kubelet.sock, plugin sockets, the directory
         self._config_errors = 0
-        self._xid_counts: dict[tuple[str, str, str], int] = {}
         self._telemetry: Telemetry | None = None  # set by the metrics-start thread, under _telemetry_lock
         self._telemetry_lock = threading.Lock()
         self._telemetry_closed = False  # the agent stopped: metrics still loading never start
@@ -305,11 +281,8 @@ class Agent:
         """How long the loop may sleep: until the nearest real deadline (a retry, a backoff, a health quiet
         period, a MIG or MPS drain re-check), at most ``SAFETY_SECONDS``. Nothing else wakes it but events."""
         now = self._clock()
-        deadlines = [self._next_liveness, self._resync_at, self._rediscover_at]
+        deadlines = [self._keeper.next_deadline(), self._resync_at, self._rediscover_at]
         deadlines += [feature.next_deadline() for feature in (self._mps, self._mig, self._dra) if feature is not None]
-        quiet = self._policy.quiet_seconds
-        if quiet is not None:
-            deadlines += [fault.last_event + quiet for fault in self._health.faults.values()]
         if self._settling:
             deadlines.append(self._settle_by)
         if self._kubelet_present:
@@ -472,14 +445,10 @@ class Agent:
             case XidEvent():
                 self._on_xid(event)
             case WatchFailed(gpu_uuid=uuid, error=error):
-                units = [uuid] if uuid else [g.uuid for g in self._gpus()]
-                log.error("GPU health cannot be watched gpus=%s error=%s", ",".join(units), error)
-                self._health = record_fault(self._health, units, f"health watch failed: {error}", self._clock())
+                self._keeper.on_watch_failed([uuid] if uuid else [g.uuid for g in self._gpus()], error)
                 self._publish()
             case GpuLost(gpu_uuid=uuid):
-                if not (uuid in self._health.faults and self._health.faults[uuid].lost):
-                    log.warning("GPU lost gpu=%s reason=%s", uuid, GPU_LOST_REASON)
-                self._health = record_fault(self._health, [uuid], GPU_LOST_REASON, self._clock(), lost=True)
+                self._keeper.on_gpu_lost(uuid)
                 self._publish()
             case WatchRestored(gpu_uuid=uuid):
                 self._on_watch_restored(uuid)
@@ -570,8 +539,7 @@ class Agent:
             self._rediscover("MIG reset check", stale=self._uuids_of(self._mig.changing_gpus))
         if self._dra is not None and self._inventory is not None and self._dra.tick(now, self._inventory):
             self._publish()  # a GPU leaving DRA is free of claims: the device plugin offers it again
-        if now >= self._next_liveness:
-            self._next_liveness = now + self.options.liveness_probe_seconds
+        if self._keeper.liveness_due(now):
             self._check_liveness(now)
         self._supervise_watchers(now)
         if not self._plugin_dir_ready():
@@ -965,93 +933,56 @@ class Agent:
 
     # ----- health ---------------------------------------------------------------------------------
 
+    @property
+    def _health(self) -> HealthState:
+        """Device health, as the health room keeps it (``_publish`` reads it, a read of the node prunes it)."""
+        return self._keeper.state
+
+    @_health.setter
+    def _health(self, state: HealthState) -> None:
+        self._keeper.state = state
+
+    @property
+    def _policy(self) -> HealthPolicy:
+        return self._keeper.policy
+
+    @_policy.setter
+    def _policy(self, policy: HealthPolicy) -> None:  # a config's health.xids
+        self._keeper.policy = policy
+
     def _on_xid(self, event: XidEvent) -> None:
-        """Judge the XID by NVIDIA's catalog (and the overrides): application-level ones are counted and
-        logged, reset- and reboot-class ones make the devices it names Unhealthy until evidence clears them."""
-        gpu = self._inventory.gpu_by_uuid(event.gpu_uuid) if self._inventory else None
-        key = (str(gpu.index) if gpu else "", event.gpu_uuid, str(event.xid))
-        self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
-        verdict = self._policy.verdict(event.xid)
-        if not verdict.marks_unhealthy:
-            kind = "application XID" if verdict.effect is XidEffect.APPLICATION else "ignored XID"
-            log.info("%s gpu=%s xid=%d reason=%r; the device stays Healthy", kind, event.gpu_uuid, event.xid,
-                     verdict.reason)  # fmt: skip
+        units = self._keeper.on_xid(event, self._inventory)
+        if not units:
             self._refresh_status()  # the count
             return
-        assert self._inventory is not None
-        units = units_for_event(self._inventory, event.gpu_uuid, event.gi_id, event.ci_id)
-        self._health = record_xid(self._health, units, verdict, self._clock(), gpu_uuid=event.gpu_uuid)
         self._publish()  # the kubelet first; then what recovery will be judged against (an NVML read)
-        log.warning("critical XID gpu=%s xid=%d reason=%r effect=%s unhealthy=%s",
-                    event.gpu_uuid, event.xid, verdict.reason, verdict.effect, ",".join(units))  # fmt: skip
-        if not verdict.lost:
-            self._health = with_ecc_baseline(self._health, units, read_ecc_uncorrected(event.gpu_uuid))
+        if self._keeper.take_ecc_baseline(event, units):
             self._refresh_status()
 
     def _on_watch_restored(self, gpu_uuid: str) -> None:
-        """The GPU is watched again: a fault that only said "cannot watch" goes; XID and lost faults stay
-        until their evidence clears them."""
-        fault = self._health.faults.get(gpu_uuid)
-        if fault is None or fault.lost or fault.xid is not None:
-            return
-        log.info("GPU health watched again gpu=%s", gpu_uuid)
-        self._health = probe_succeeded(self._health, gpu_uuid)
-        self._publish()
+        self._apply_health(self._keeper.on_watch_restored(gpu_uuid))
 
     def _probe_faults(self, now: float) -> None:
-        """Faulty units quiet for long enough are checked for recovery: only on evidence (the recovery
-        action, pending remaps and retirements, ECC growth, the device answering) are they Healthy again."""
-        changed = False
-        came_back: set[str] = set()
-        checked = due_for_probe(self._health, self._policy, now)
-        for unit in checked:
-            fault = self._health.faults[unit]
-            evidence = self._evidence(unit, fault.ecc_baseline)
-            if evidence is None or evidence.ok:
-                log.info("recovered unit=%s after=%r", unit, fault.reason)
-                self._health = probe_succeeded(self._health, unit)
-                changed = True
-                if fault.lost:
-                    came_back.add(fault.gpu_uuid or unit)
-                    if self._event_watcher is not None:
-                        self._event_watcher.gpu_back(fault.gpu_uuid or unit)
-            else:
-                reasons = "; ".join(evidence.reasons)
-                if evidence.reasons != fault.blockers:
-                    log.info("still unhealthy unit=%s after=%r blockers=%r", unit, fault.reason, reasons)
-                self._health = probe_failed(
-                    self._health, unit, now, blockers=evidence.reasons, ecc_baseline=evidence.ecc_uncorrected
-                )
-        if came_back:
+        self._apply_health(self._keeper.probe(now, self._gpus(), self._event_watcher))
+
+    def _apply_health(self, news: HealthNews) -> None:
+        if news.back:
             # A GPU that was lost may come back changed (a reset loses its MIG instances): read it before
             # anything of it is advertised again.
-            self._rediscover("GPU back", stale=frozenset(came_back))
-        elif changed:
+            self._rediscover("GPU back", stale=news.back)
+        elif news.publish:
             self._publish()
-        elif checked:
+        elif news.status:
             self._refresh_status()  # what still blocks recovery is in the status
-
-    def _evidence(self, unit: str, ecc_baseline: int | None) -> Evidence | None:
-        """The recovery evidence for a unit; None when the unit (a MIG device) no longer exists."""
-        if not unit.startswith("MIG-"):
-            return recovery_evidence(unit, ecc_baseline=ecc_baseline)  # asked even when absent from the inventory
-        for gpu in self._gpus():
-            if any(m.uuid == unit for m in gpu.mig_devices):
-                return recovery_evidence(gpu.uuid, unit, ecc_baseline=ecc_baseline)
-        return None
 
     def _check_liveness(self, now: float) -> None:
         """Catch what no event reaches us for: a GPU that fell off the bus, MIG devices a reset or a hand changed."""
-        lost = [g.uuid for g in self._gpus() if g.uuid not in self._health.faults and _probe(g.uuid) == "GPU_IS_LOST"]
-        if lost:
-            self._record_lost(lost)
+        if self._keeper.find_lost(self._gpus()):
             self._publish()
         self._check_mig_devices()
 
     def _record_lost(self, uuids: list[str]) -> None:
-        if uuids:
-            log.warning("GPU lost gpus=%s", ",".join(uuids))
-            self._health = record_fault(self._health, uuids, GPU_LOST_REASON, self._clock(), lost=True)
+        self._keeper.record_lost(uuids)
 
     def _check_mig_devices(self) -> None:
         """Read the node again when a GPU's MIG mode or MIG devices are not what the inventory says (``nvidia-smi
@@ -1291,7 +1222,7 @@ class Agent:
             inventory=self._inventory,
             plan=self._plan,
             config_errors_total=self._config_errors,
-            xid_counts=dict(self._xid_counts),
+            xid_counts=dict(self._keeper.xid_counts),
             internal_errors=dict(self._internal_errors),
             waiting_for=self._waiting_for(),
             stale_gpus=self._stale_gpus,
@@ -1361,14 +1292,6 @@ class Agent:
         if self._mig is not None and self._mig.waiting_for:
             waiting["mig"] = self._mig.waiting_for
         return waiting
-
-
-def _probe(gpu_uuid: str, mig_uuid: str | None = None) -> str | None:
-    """``probe`` that never raises: NVML that cannot even initialise is an answer too (the error name)."""
-    try:
-        return probe(gpu_uuid, mig_uuid)
-    except Exception as error:  # NvmlUnavailable and kin
-        return type(error).__name__
 
 
 def _without_vanished_mig_faults(health: HealthState, inventory: Inventory) -> HealthState:

@@ -16,6 +16,13 @@ unit is due for a recovery check. The shell gathers the evidence through NVML (`
 recovery_evidence``: the GPU answers, the recovery action reads NONE, nothing pending, ECC not growing)
 and reports it back here: ``probe_succeeded`` clears the fault, ``probe_failed`` keeps it for another quiet
 period and remembers what blocked it.
+
+Evidence can only speak for what the driver shows. While the event watcher cannot see a GPU — it reported
+the watch failed (``record_unwatched``), or the GPU fell off the bus and has not been registered for events
+again since (``lost``) — an XID on it would go unnoticed, so its fault holds ``unwatched`` (why) and no
+quiet period clears it: only the watcher saying it sees the GPU again (``watch_restored``). A fault whose
+cause the evidence cleared while the GPU is still unwatched stays, with the unwatched reason
+(``BACK_UNWATCHED_REASON`` for a GPU back from the bus).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ UNATTRIBUTED = 0xFFFFFFFF  # an event's GI/CI id when the driver cannot name one
 MAX_XID = 0xFFFFFFFF  # eventData is an unsigned 32-bit number
 MAX_RANGE = 1024  # "144-150=unhealthy": a range may name at most this many XIDs
 GPU_LOST_REASON = "GPU is lost (NVML_ERROR_GPU_IS_LOST)"
+BACK_UNWATCHED_REASON = "back from the bus; health watch not yet re-registered"
+WATCH_FAILED_REASON = "health watch failed: {error}"
 
 
 class XidEffect(StrEnum):
@@ -189,6 +198,10 @@ class Fault:
     effect: XidEffect | None = None  # the effect the policy gave it
     ecc_baseline: int | None = None  # volatile uncorrected ECC count to compare the next recovery check with
     blockers: tuple[str, ...] = ()  # what the last recovery check found still wrong
+    # The watcher cannot see this GPU's events, and why: only its word (``watch_restored``) clears this.
+    unwatched: str | None = None
+    # The cause (an XID, a loss) waits for the recovery evidence; False once only the watcher's word is missing.
+    needs_evidence: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,12 +244,15 @@ def record_fault(
 ) -> HealthState:
     """Mark units faulty; ``gpu_uuid`` names the parent GPU when the units are its MIG devices.
 
-    A unit already faulty keeps its first ``since``, stays lost once lost, and keeps its ECC baseline (a
-    count that grows between the first fault and the check blocks recovery once, then becomes the baseline).
+    A unit already faulty keeps its first ``since``, stays lost once lost, keeps its ECC baseline (a
+    count that grows between the first fault and the check blocks recovery once, then becomes the baseline)
+    and stays unwatched until the watcher says otherwise. A lost GPU is unwatched from now on: the watcher
+    dropped it, and it must register it again before an XID on it can be seen.
     """
     faults = dict(state.faults)
     for unit in units:
         previous = faults.get(unit)
+        unwatched = previous.unwatched if previous else None
         faults[unit] = Fault(
             reason=reason,
             since=previous.since if previous else now,
@@ -247,8 +263,40 @@ def record_fault(
             action=action,
             effect=effect,
             ecc_baseline=previous.ecc_baseline if previous and previous.ecc_baseline is not None else ecc_baseline,
+            unwatched=BACK_UNWATCHED_REASON if lost else unwatched,
         )
     return HealthState(faults)
+
+
+def record_unwatched(state: HealthState, units: Iterable[str], why: str, now: float) -> HealthState:
+    """The watcher cannot see these GPUs' events (``why``): they are Unhealthy until it says it sees them again
+    (``watch_restored``). A fault already there keeps its cause and reason; a new one has nothing for the
+    recovery evidence to clear, so no quiet period ends it."""
+    faults = dict(state.faults)
+    for unit in units:
+        previous = faults.get(unit)
+        if previous is None:
+            faults[unit] = Fault(reason=why, since=now, last_event=now, unwatched=why, needs_evidence=False)
+        else:
+            faults[unit] = replace(previous, unwatched=why, reason=previous.reason if previous.needs_evidence else why)
+    return HealthState(faults)
+
+
+def watch_restored(state: HealthState, gpu_uuid: str) -> HealthState:
+    """The watcher sees the GPU's events again: a fault of it (or of one of its MIG devices) that waited only for
+    that goes; one whose cause (an XID, a loss) the evidence has not cleared yet stays, watched."""
+    faults: dict[str, Fault] = {}
+    for unit, fault in state.faults.items():
+        if fault.unwatched is None or gpu_uuid not in (unit, fault.gpu_uuid):
+            faults[unit] = fault
+        elif fault.needs_evidence:
+            faults[unit] = replace(fault, unwatched=None)
+    return state if faults == state.faults else HealthState(faults)
+
+
+def awaiting_watch(state: HealthState) -> list[str]:
+    """The units whose faults wait for the watcher's word, in a stable order."""
+    return sorted(u for u, f in state.faults.items() if f.unwatched is not None)
 
 
 def record_xid(
@@ -290,14 +338,35 @@ def with_ecc_baseline(state: HealthState, units: Iterable[str], baseline: int | 
 
 
 def due_for_probe(state: HealthState, policy: HealthPolicy, now: float) -> list[str]:
-    """Units quiet for long enough to be checked for recovery, in a stable order."""
+    """Units quiet for long enough to be checked for recovery, in a stable order. A fault with nothing for the
+    evidence to clear (the GPU is only unwatched) is never due: time passing does not make it watched."""
     if policy.quiet_seconds is None:
         return []
-    return sorted(u for u, f in state.faults.items() if now - f.last_event >= policy.quiet_seconds)
+    return sorted(u for u, f in state.faults.items() if f.needs_evidence and now - f.last_event >= policy.quiet_seconds)
+
+
+def next_probe(state: HealthState, policy: HealthPolicy) -> float | None:
+    """When the next unit is due for a recovery check (``due_for_probe``), or None if none will be."""
+    if policy.quiet_seconds is None:
+        return None
+    quiet = policy.quiet_seconds
+    return min((f.last_event + quiet for f in state.faults.values() if f.needs_evidence), default=None)
 
 
 def probe_succeeded(state: HealthState, unit: str) -> HealthState:
-    """The evidence says the unit recovered: its fault is cleared."""
+    """The evidence says the unit recovered: its fault is cleared — unless the watcher still cannot see it: then
+    it stays Unhealthy for that reason alone (``unwatched``) until the watcher says it does."""
+    fault = state.faults.get(unit)
+    if fault is not None and fault.unwatched is not None:
+        waiting = Fault(
+            reason=fault.unwatched,
+            since=fault.since,
+            last_event=fault.last_event,
+            gpu_uuid=fault.gpu_uuid,
+            unwatched=fault.unwatched,
+            needs_evidence=False,
+        )
+        return HealthState({**state.faults, unit: waiting})
     return HealthState({u: f for u, f in state.faults.items() if u != unit})
 
 

@@ -8,7 +8,9 @@ gpu-health.md §2.3):
 - ``TIMEOUT``: nothing happened (or an interrupt arrived); wait again.
 - ``GPU_IS_LOST``: the wait does not say which GPU, so each watched GPU is asked (its handle and a cheap
   call); each that answers ``GPU_IS_LOST`` is posted as ``GpuLost`` and the event set is rebuilt without
-  it, so the others keep being watched. A lost GPU is tried again with backoff and rejoins when it answers.
+  it, so the others keep being watched. A lost GPU is tried again with backoff and rejoins when it answers;
+  ``WatchRestored`` says it is registered for events again. The agent, finding a lost GPU answering
+  (``gpu_back``), keeps it Unhealthy until that word comes, which it gets even if the GPU already rejoined.
 - ``UNKNOWN`` or anything else: the set may be in an undefined state, so it is freed and rebuilt with
   backoff (``backoff_initial`` doubling to ``backoff_max``). Nothing is marked unhealthy unless rebuilding
   keeps failing (``failures_before_report`` attempts in a row): then every GPU it cannot watch gets a
@@ -89,8 +91,9 @@ class GpuLost:
 
 @dataclass(frozen=True, slots=True)
 class WatchRestored:
-    """A GPU that was reported ``WatchFailed`` or ``GpuLost`` is watched again. Its events are seen from now
-    on; whether its devices are healthy is still for the recovery evidence to say."""
+    """A GPU that was reported ``WatchFailed`` or ``GpuLost``, or that the agent said is back (``gpu_back``), is
+    registered in an event set whose wait works: its events are seen from now on. Whether its devices are
+    healthy is still for the recovery evidence to say."""
 
     gpu_uuid: str
 
@@ -133,7 +136,9 @@ class NvmlEventWatcher:
         self._lock = threading.Lock()
         self._wanted: tuple[str, ...] = tuple(dict.fromkeys(gpu_uuids))
         self._wanted_version = 0
-        self._back: set[str] = set()  # GPUs the agent found answering again since they were reported lost
+        # GPUs the agent found answering again since they were reported lost -> whether gpu_back already
+        # confirmed they are watched
+        self._back: dict[str, bool] = {}
         self._watched: frozenset[str] = frozenset()
         self._builds = 0
         self._stop = threading.Event()
@@ -142,7 +147,7 @@ class NvmlEventWatcher:
         # owned by the watcher thread:
         self._built_version = -1
         self._registered: dict[str, int] = {}  # GPU UUID -> handle address, in the current set
-        self._reported: dict[str, str] = {}  # GPU UUID -> "failed" | "lost": what the loop was told
+        self._reported: dict[str, str] = {}  # GPU UUID -> "failed" | "lost" | "back": what WatchRestored ends
         self._unmonitored: set[str] = set()  # NOT_SUPPORTED: warned once, not retried
         self._retry: dict[str, _Retry] = {}  # GPUs whose registration failed or that are lost
         self._set_failures = 0  # consecutive failures of the whole set (init, create, wait)
@@ -184,10 +189,14 @@ class NvmlEventWatcher:
                 self._wanted_version += 1
 
     def gpu_back(self, uuid: str) -> None:
-        """The agent found a lost GPU answering again: register it at the next turn, and report it lost
-        again if it is (a GPU that flaps must not stay reported once and then be forgotten)."""
+        """The agent found a lost GPU answering again: register it at the next turn, report it lost again if it
+        is (a GPU that flaps must not stay reported once and then be forgotten), and post ``WatchRestored`` once
+        it is watched — at once when it already is (it rejoined on its own retry) and the set's wait works."""
         with self._lock:
-            self._back.add(uuid)
+            confirmed = uuid in self._watched and self._set_failures == 0  # an int the watcher thread writes
+            self._back[uuid] = confirmed
+        if confirmed:
+            self._post(WatchRestored(uuid))
 
     def watched(self) -> frozenset[str]:
         """The GPUs registered in the current event set."""
@@ -288,11 +297,13 @@ class NvmlEventWatcher:
         """Apply ``set_gpus`` and ``gpu_back``, and register GPUs whose retry is due into the current set."""
         wanted, version = self._wanted_snapshot()
         with self._lock:
-            back, self._back = self._back, set()
-        for uuid in back:
+            back, self._back = self._back, {}
+        for uuid, confirmed in back.items():
             self._retry.pop(uuid, None)
-            if self._reported.get(uuid) == "lost":
-                del self._reported[uuid]
+            if confirmed:
+                self._reported.pop(uuid, None)
+            elif uuid in wanted:
+                self._reported[uuid] = "back"  # WatchRestored once it is registered and a wait works
         if version != self._built_version:
             self._forget_unwanted(wanted)
             if set(self._registered) - set(wanted):
@@ -383,7 +394,10 @@ class NvmlEventWatcher:
         if self._set_failures:
             log.info("NVML event watch works again after_failures=%d", self._set_failures)
             self._set_failures = 0
-        for uuid in [u for u in self._registered if u in self._reported]:
+        if not self._reported:
+            return
+        # a GPU without XID events is watched as much as it ever was (unmonitored, as at start)
+        for uuid in [u for u in self._reported if u in self._registered or u in self._unmonitored]:
             del self._reported[uuid]
             log.info("watching GPU health again gpu=%s", uuid)
             self._post(WatchRestored(uuid))

@@ -196,6 +196,62 @@ def test_a_gpu_lost_for_a_moment_is_watched_again_on_its_backoff_not_after_a_lon
     events.xid(gpu1, 79)
 
 
+def test_a_gpu_the_agent_finds_back_is_confirmed_watched_once_it_is_registered_again(sim_node, watch) -> None:
+    """The agent keeps a GPU back from the bus Unhealthy until this word comes: it must come even when the agent,
+    not the watcher's own retry (5 s away here), was first to see the GPU answer."""
+    driver = sim_node(NODE)
+    watcher, events = watch(driver, backoff_initial=5.0, backoff_max=5.0)
+    gpu1 = driver.gpus[1].uuid
+    driver.lose_gpu(1)
+    events.next(lambda e: isinstance(e, GpuLost), "GpuLost")
+    poll(lambda: gpu1 not in watcher.watched(), "the lost GPU dropped from the set")
+    driver.recover_gpu(1)
+    watcher.gpu_back(gpu1)
+    assert events.next(lambda e: isinstance(e, WatchRestored), "WatchRestored", timeout=2.0) == WatchRestored(gpu1)
+    assert gpu1 in watcher.watched()
+    driver.inject_xid(1, 48)
+    events.xid(gpu1, 48)
+
+
+def test_a_gpu_back_that_is_watched_already_is_confirmed_at_once(sim_node, watch) -> None:
+    driver = sim_node(NODE)
+    watcher, events = watch(driver)
+    gpu1 = driver.gpus[1].uuid
+    driver.lose_gpu(1)
+    events.next(lambda e: isinstance(e, GpuLost), "GpuLost")
+    driver.recover_gpu(1)
+    events.next(lambda e: isinstance(e, WatchRestored), "WatchRestored after its own retry")
+    watcher.gpu_back(gpu1)
+    assert events.queue.get_nowait() == WatchRestored(gpu1)  # posted by gpu_back itself: no wait to end first
+
+
+def test_a_gpu_back_is_not_confirmed_while_it_cannot_be_registered(sim_node, watch) -> None:
+    driver = sim_node(NODE)
+    watcher, events = watch(driver)
+    gpu1 = driver.gpus[1].uuid
+    driver.lose_gpu(1)
+    events.next(lambda e: isinstance(e, GpuLost), "GpuLost")
+    poll(lambda: gpu1 not in watcher.watched(), "the lost GPU dropped from the set")
+    driver.inject_error("nvmlDeviceRegisterEvents", Return.ERROR_NO_PERMISSION, times=None, gpu_index=1)
+    driver.recover_gpu(1)
+    watcher.gpu_back(gpu1)
+    failed = events.next(lambda e: isinstance(e, WatchFailed), "WatchFailed for the GPU back")
+    assert failed == WatchFailed(gpu1, "NVML_ERROR_NO_PERMISSION (register)")
+    assert not events.of(WatchRestored)
+    driver.clear_injected_errors()
+    assert events.next(lambda e: isinstance(e, WatchRestored), "WatchRestored") == WatchRestored(gpu1)
+
+
+def test_an_unmonitored_gpu_back_is_confirmed_as_watched_as_it_ever_was(sim_node, watch) -> None:
+    driver = sim_node(NODE)
+    driver.inject_error("nvmlDeviceRegisterEvents", Return.ERROR_NOT_SUPPORTED, times=None, gpu_index=1)
+    watcher, events = watch(driver)
+    gpu1 = driver.gpus[1].uuid
+    assert gpu1 not in watcher.watched()
+    watcher.gpu_back(gpu1)
+    assert events.next(lambda e: isinstance(e, WatchRestored), "WatchRestored") == WatchRestored(gpu1)
+
+
 # ------------------------------------------------------------------------------------- broken event sets
 
 

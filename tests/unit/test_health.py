@@ -15,13 +15,17 @@ from hypothesis import strategies as st
 
 from agent.core.allocation import AllocationError, validate_request
 from agent.core.health import (
+    BACK_UNWATCHED_REASON,
+    GPU_LOST_REASON,
     NVIDIA_IGNORED_XIDS,
     UNATTRIBUTED,
     HealthPolicy,
     HealthState,
     XidEffect,
+    awaiting_watch,
     due_for_probe,
     health_policy,
+    next_probe,
     parse_effect,
     parse_override_mapping,
     parse_xid_key,
@@ -29,8 +33,10 @@ from agent.core.health import (
     probe_failed,
     probe_succeeded,
     record_fault,
+    record_unwatched,
     record_xid,
     units_for_event,
+    watch_restored,
     xid_policy,
 )
 from agent.core.inventory import Gpu, Inventory, MigDevice, Placement
@@ -646,6 +652,79 @@ def test_clearing_a_gpu_fault_leaves_a_separate_mig_fault_in_place():
     state = xid(state, 1, 94, now=0.0, gi=7 + 5, ci=0)
     state = probe_succeeded(state, gpu_uuid(1))
     assert {d.id for d in MIG_DEVICES[1]} - healthy_ids(state) == {mig_uuid(1, 5)}
+
+
+# ----- faults only the watcher clears -------------------------------------------------------------
+
+BLIND = "health watch failed: NVML_ERROR_UNKNOWN"
+
+
+def test_a_gpu_the_watcher_cannot_see_is_unhealthy_and_no_quiet_period_clears_it():
+    state = record_unwatched(HealthState(), [gpu_uuid(2)], BLIND, now=0.0)
+    assert GPU2.id not in healthy_ids(state)
+    assert state.faults[gpu_uuid(2)].reason == BLIND
+    policy = HealthPolicy(quiet_seconds=QUIET)
+    assert due_for_probe(state, policy, now=1e9) == []
+    assert next_probe(state, policy) is None  # nothing to wake the loop for
+    assert probe_succeeded(state, gpu_uuid(2)).faults == state.faults  # even a stray probe leaves it
+    assert GPU2.id in healthy_ids(watch_restored(state, gpu_uuid(2)))
+
+
+def test_an_xid_on_a_blind_gpu_needs_both_the_evidence_and_the_watcher():
+    xid48 = HealthPolicy().verdict(48)
+    policy = HealthPolicy(quiet_seconds=QUIET)
+    state = record_xid(HealthState(), [gpu_uuid(2)], xid48, now=0.0)
+    state = record_unwatched(state, [gpu_uuid(2)], BLIND, now=1.0)
+    assert state.faults[gpu_uuid(2)].reason == xid48.reason  # the cause is what the status says first
+    assert due_for_probe(state, policy, now=QUIET) == [gpu_uuid(2)]
+    evidence_first = probe_succeeded(state, gpu_uuid(2))
+    fault = evidence_first.faults[gpu_uuid(2)]
+    assert (fault.reason, fault.xid, fault.needs_evidence) == (BLIND, None, False)
+    assert GPU2.id not in healthy_ids(evidence_first)
+    assert GPU2.id in healthy_ids(watch_restored(evidence_first, gpu_uuid(2)))
+
+    watcher_first = watch_restored(state, gpu_uuid(2))
+    assert watcher_first.faults[gpu_uuid(2)].xid == 48  # watched again, but the XID still waits for evidence
+    assert GPU2.id not in healthy_ids(watcher_first)
+    assert GPU2.id in healthy_ids(probe_succeeded(watcher_first, gpu_uuid(2)))
+
+
+def test_a_gpu_back_from_the_bus_stays_unhealthy_until_it_is_watched_again():
+    state = record_fault(HealthState(), [gpu_uuid(2)], GPU_LOST_REASON, now=0.0, lost=True)
+    assert awaiting_watch(state) == [gpu_uuid(2)]
+    back = probe_succeeded(state, gpu_uuid(2))  # it answers, and the evidence is good
+    fault = back.faults[gpu_uuid(2)]
+    assert (fault.reason, fault.lost) == (BACK_UNWATCHED_REASON, False)
+    assert GPU2.id not in healthy_ids(back)
+    assert due_for_probe(back, HealthPolicy(quiet_seconds=QUIET), now=1e9) == []
+    assert GPU2.id in healthy_ids(watch_restored(back, gpu_uuid(2)))
+
+
+def test_a_lost_gpu_the_watcher_registered_again_first_recovers_on_the_evidence_alone():
+    state = record_fault(HealthState(), [gpu_uuid(2)], GPU_LOST_REASON, now=0.0, lost=True)
+    state = watch_restored(state, gpu_uuid(2))  # the watcher's own retry got it back before the check
+    assert state.faults[gpu_uuid(2)].lost and awaiting_watch(state) == []
+    assert GPU2.id in healthy_ids(probe_succeeded(state, gpu_uuid(2)))
+    again = record_fault(state, [gpu_uuid(2)], GPU_LOST_REASON, now=5.0, lost=True)  # and falls again
+    assert awaiting_watch(again) == [gpu_uuid(2)]
+
+
+def test_watch_restored_clears_the_waiting_faults_of_that_gpu_and_its_mig_devices_only():
+    lost_mig = HealthPolicy(overrides={94: XidEffect.LOST}).verdict(94)
+    state = record_xid(HealthState(), [mig_uuid(1, 5)], lost_mig, now=0.0, gpu_uuid=gpu_uuid(1))
+    state = probe_succeeded(state, mig_uuid(1, 5))
+    state = record_unwatched(state, [gpu_uuid(2)], BLIND, now=0.0)
+    assert watch_restored(state, gpu_uuid(0)) is state  # nothing of GPU 0 waits: the same state, nothing to say
+    after = watch_restored(state, gpu_uuid(1))
+    assert set(after.faults) == {gpu_uuid(2)}
+    assert GPU2.id not in healthy_ids(after)
+
+
+def test_a_fault_with_evidence_pending_still_wakes_the_loop_at_the_end_of_its_quiet_period():
+    state = record_unwatched(HealthState(), [gpu_uuid(0)], BLIND, now=0.0)
+    state = record_fault(state, [gpu_uuid(2)], "XID 48", now=10.0)
+    assert next_probe(state, HealthPolicy(quiet_seconds=QUIET)) == 10.0 + QUIET
+    assert next_probe(state, HealthPolicy(quiet_seconds=None)) is None
 
 
 def test_a_mig_device_fault_spoils_the_whole_gpu_device_under_strategy_none() -> None:
