@@ -25,7 +25,7 @@ what changes with ``kubelet_version`` in ``dra_versions``):
   running and are not prepared again (NodePrepareResources runs only before a sandbox is created); a new pod using
   one of their claims calls NodePrepareResources again, and up to 1.36 the answer's devices are APPENDED to the
   claim's (kubernetes#140471): that pod's containers get, and PodResources lists for every pod of the claim, each
-  device and CDI ID twice (three times after a second restart, ...). ``reprepare_appends=False`` emulates a release
+  device and CDI ID twice (one more copy each time it is prepared again). ``reprepare_appends=False`` emulates a release
   with the fix (1.37, late 1.34/1.36 patches).
 
 Choices beyond the kubelet's rules:
