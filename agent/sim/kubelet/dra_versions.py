@@ -101,29 +101,19 @@ class DraRules:
         endpoint a <= 1.32 kubelet holds for the driver already (None if none)."""
         if self.semantic_versions:
             return _validate_versions(driver, offered, registered)
-        if self.minor >= 34:
-            prefix = f"invalid supported gRPC versions of DRA driver plugin {driver} at endpoint {endpoint}: "
-            if not offered:
-                return "", "", prefix + "empty list of supported gRPC services (aka supported versions)"
-            for service in offered:  # the PLUGIN's order decides
-                if service in self.services:
-                    return service, "", ""
-            return (
-                "",
-                "",
-                prefix
-                + (
-                    f"none of services supported by the plugin ({go_string_list(offered)}) "
-                    f"are supported by the kubelet ({go_string_list(self.services)})"
-                ),
-            )
         prefix = f"invalid supported gRPC versions of DRA driver plugin {driver} at endpoint {endpoint}: "
         if not offered:
             return "", "", prefix + "empty list of supported gRPC services (aka supported versions)"
-        for service in self.services:  # 1.33: ITS OWN order decides, and v1alpha4 is the fallback
-            if service in offered:
-                return service, "", ""
-        return V1ALPHA4_SERVICE, "", ""
+        if self.minor == 33:  # ITS OWN order decides, and v1alpha4 is the fallback
+            return next((s for s in self.services if s in offered), V1ALPHA4_SERVICE), "", ""
+        chosen = next((s for s in offered if s in self.services), None)  # 1.34+: the PLUGIN's order decides
+        if chosen is not None:
+            return chosen, "", ""
+        refused = (
+            f"none of services supported by the plugin ({go_string_list(offered)}) "
+            f"are supported by the kubelet ({go_string_list(self.services)})"
+        )
+        return "", "", prefix + refused
 
 
 def rules_for(kubelet_version: str) -> DraRules:
