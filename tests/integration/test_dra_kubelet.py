@@ -62,11 +62,15 @@ class DraPluginServer:
         self._lock = threading.Lock()
         self._server: grpc.Server | None = None
 
-    def start(self) -> None:
+    def start(self, serve: tuple[str, ...] = ("v1.DRAPlugin", "v1beta1.DRAPlugin")) -> None:
+        """Serve the DRA services in ``serve`` (and health) on the endpoint."""
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="test-dra-plugin"))
-        dra_v1_grpc.add_DRAPluginServicer_to_server(_DraServicer(self, "v1.DRAPlugin", dra_v1), server)
-        dra_v1beta1_grpc.add_DRAPluginServicer_to_server(_DraServicer(self, "v1beta1.DRAPlugin", dra_v1beta1), server)
+        if "v1.DRAPlugin" in serve:
+            dra_v1_grpc.add_DRAPluginServicer_to_server(_DraServicer(self, "v1.DRAPlugin", dra_v1), server)
+        if "v1beta1.DRAPlugin" in serve:
+            servicer = _DraServicer(self, "v1beta1.DRAPlugin", dra_v1beta1)
+            dra_v1beta1_grpc.add_DRAPluginServicer_to_server(servicer, server)
         health_grpc.add_DRAResourceHealthServicer_to_server(_HealthServicer(self), server)
         server.add_insecure_port(f"unix:{self.socket_path}")
         server.start()
@@ -205,9 +209,17 @@ def api() -> Iterator[ApiServer]:
 class Plugin:
     """The driver as a node runs it: the real registration socket plus the canned DRA server."""
 
-    def __init__(self, base: Path, api: ApiServer, services: tuple[str, ...], pod_uid: str | None = None) -> None:
+    def __init__(
+        self,
+        base: Path,
+        api: ApiServer,
+        services: tuple[str, ...],
+        pod_uid: str | None = None,
+        serve: tuple[str, ...] = ("v1.DRAPlugin", "v1beta1.DRAPlugin"),
+    ) -> None:
         self.endpoint = dra_socket(base / "plugins", DRIVER)
         self.server = DraPluginServer(self.endpoint, api)
+        self.serve = serve
         self.heard: list[tuple[bool, str]] = []
         self.registrar = DraRegistrar(
             registration_socket(base / "plugins_registry", DRIVER, pod_uid),
@@ -218,7 +230,7 @@ class Plugin:
         )
 
     def start(self) -> Plugin:
-        self.server.start()
+        self.server.start(self.serve)
         self.registrar.start()
         return self
 
@@ -231,8 +243,13 @@ class Plugin:
 def make_plugin(base: Path, api: ApiServer) -> Iterator[Callable[..., Plugin]]:
     plugins: list[Plugin] = []
 
-    def make(services: tuple[str, ...] = (*DRA_SERVICES, HEALTH_SERVICE), pod_uid: str | None = None) -> Plugin:
-        plugin = Plugin(base, api, services, pod_uid)
+    def make(
+        services: tuple[str, ...] = (*DRA_SERVICES, HEALTH_SERVICE),
+        pod_uid: str | None = None,
+        serve: tuple[str, ...] = ("v1.DRAPlugin", "v1beta1.DRAPlugin"),
+    ) -> Plugin:
+        """``services``: what the registration socket advertises; ``serve``: the DRA services the endpoint serves."""
+        plugin = Plugin(base, api, services, pod_uid, serve)
         plugins.append(plugin)
         return plugin.start()
 
@@ -348,12 +365,21 @@ def test_the_watcher_takes_sockets_only_and_no_hidden_names(base: Path, make_kub
         hidden.stop()
 
 
-@pytest.mark.parametrize(("version", "service"), [("1.36", "v1.DRAPlugin"), ("1.33", "v1beta1.DRAPlugin")])
-def test_registration_picks_the_first_service_the_kubelet_knows(
-    api: ApiServer, make_kubelet, make_plugin, version: str, service: str
+@pytest.mark.parametrize(
+    ("version", "offered", "service"),
+    [
+        ("1.36", DRA_SERVICES, "v1.DRAPlugin"),
+        ("1.33", DRA_SERVICES, "v1beta1.DRAPlugin"),  # 1.33 knows no v1
+        ("1.36", ("v1beta1.DRAPlugin", "v1.DRAPlugin"), "v1beta1.DRAPlugin"),  # 1.34+: the plugin's order decides
+        ("1.36", ("v1beta1.DRAPlugin",), "v1beta1.DRAPlugin"),  # a plugin offering only v1beta1 is still called
+        ("1.33", ("v1alpha4.Node", "v1beta1.DRAPlugin"), "v1beta1.DRAPlugin"),  # 1.33: the kubelet's own order
+    ],
+)
+def test_registration_picks_the_service_by_the_releases_rule(
+    api: ApiServer, make_kubelet, make_plugin, version: str, offered: tuple[str, ...], service: str
 ) -> None:
     kubelet = make_kubelet(kubelet_version=version)
-    plugin = make_plugin()
+    plugin = make_plugin(services=(*offered, HEALTH_SERVICE), serve=(service,))
     registered(kubelet, plugin)
 
     assert plugin.heard == [(True, "")]
@@ -368,22 +394,139 @@ def test_registration_picks_the_first_service_the_kubelet_knows(
     assert plugin.server.calls_of("NodePrepareResources") == [(service, "NodePrepareResources", ["c1"])]
 
 
-def test_a_1_33_kubelet_refuses_a_plugin_that_offers_only_v1(api: ApiServer, make_kubelet, make_plugin) -> None:
-    kubelet = make_kubelet(kubelet_version="1.33")
-    plugin = make_plugin(services=("v1.DRAPlugin",))
+def test_a_1_33_kubelet_falls_back_to_v1alpha4_which_the_plugin_does_not_serve(
+    api: ApiServer, make_kubelet, make_plugin
+) -> None:
+    """1.33 refuses no plugin that lists services: none it knows means v1alpha4 (plugins of 1.32 listed none), so
+    the plugin registers and every call fails. It opens no health stream (1.34+)."""
+    kubelet = make_kubelet(kubelet_version="1.33", wipe_delay=0.2)
+    plugin = make_plugin(services=("v1.DRAPlugin", HEALTH_SERVICE))
+    registered(kubelet, plugin)
+
+    assert plugin.heard == [(True, "")]
+    assert kubelet.plugin(DRIVER).service == "v1alpha4.Node"
+    allocated_claim(api, "c1", [("gpu", "gpu-0")])
+    with pytest.raises(PodStartError) as failure:
+        kubelet.run_pod("default", "p1", POD_UID, [("gpu", "c1")], {"main": [("gpu", None)]})
+    assert failure.value.message.startswith(
+        "prepare dynamic resources: NodePrepareResources: rpc error: code = Unimplemented desc ="
+    )
+    assert plugin.server.calls == []
+    assert (kubelet.health_streams(DRIVER), plugin.server.streams) == (0, 0)
+
+
+def test_the_service_is_not_chosen_again_at_call_time(api: ApiServer, make_kubelet, make_plugin) -> None:
+    """A plugin that advertises v1 but serves only v1beta1: the kubelet calls v1 and fails; nothing falls back."""
+    kubelet = make_kubelet()
+    plugin = make_plugin(serve=("v1beta1.DRAPlugin",))
+    registered(kubelet, plugin)
+    allocated_claim(api, "c1", [("gpu", "gpu-0")])
+
+    with pytest.raises(PodStartError, match="code = Unimplemented"):
+        kubelet.run_pod("default", "p1", POD_UID, [("gpu", "c1")], {"main": [("gpu", None)]})
+    assert plugin.server.calls == []
+
+
+def test_a_1_32_kubelet_refuses_a_plugin_that_lists_grpc_services(api: ApiServer, make_kubelet, make_plugin) -> None:
+    """Up to 1.32 ``supported_versions`` are semantic versions: Tessera's service names are no versions at all."""
+    kubelet = make_kubelet(kubelet_version="1.32")
+    plugin = make_plugin()
     kubelet.wait_for(lambda: plugin.heard, what="NotifyRegistrationStatus")
 
-    expected = (
-        "RegisterPlugin error -- plugin validation failed with err: invalid supported gRPC versions of DRA driver "
-        f"plugin {DRIVER} at endpoint {plugin.endpoint}: none of services supported by the plugin "
-        '(["v1.DRAPlugin"]) are supported by the kubelet (["v1beta1.DRAPlugin"])'
+    listed = " ".join((*DRA_SERVICES, HEALTH_SERVICE))
+    assert plugin.heard[0] == (
+        False,
+        "RegisterPlugin error -- plugin validation failed with err: invalid versions of plugin "
+        f"{DRIVER}: none of the versions are supported: could not find a highest supported version from versions "
+        f'([{listed}]) reported: illegal version string "{DRA_SERVICES[0]}"',
     )
-    assert plugin.heard[0] == (False, expected)
-    assert plugin.registrar.registered is False
-    refused = kubelet.registration_events("refused")[0]
-    assert refused.error == expected
-    assert "registration failed" in refused.notify_error  # the helper answers a refusal with an error
     assert kubelet.plugin(DRIVER) is None
+
+
+def test_a_1_32_kubelet_wipes_a_deregistered_drivers_slices_at_once(api: ApiServer, make_kubelet, make_plugin) -> None:
+    """No 30 s grace before 1.33: the slices go as soon as the registration socket does, and the driver coming back
+    at once does not save them (nothing cancels the wipe)."""
+    kubelet = make_kubelet(kubelet_version="1.32")  # wipe_delay keeps its 30 s default, unused up to 1.32
+    plugin = make_plugin(services=("1.0.0",))
+    registered(kubelet, plugin)
+    assert (kubelet.plugin(DRIVER).service, plugin.heard) == ("v1alpha4.Node", [(True, "")])
+    api.create("ResourceSlice", nvidia_slice(NODE, [nvidia_gpu(0)]))
+    api.create("ResourceSlice", nvidia_slice(NODE, [nvidia_gpu(1)], driver=OTHER_DRIVER))
+
+    plugin.registrar.restart()  # socket deleted and served again
+
+    api.wait_for(lambda: not slices_of(api, NODE, DRIVER), timeout=5)  # long before any 30 s delay
+    kubelet.wait_for(lambda: len(kubelet.registration_events("registered")) == 2, what="the second registration")
+    (wipe,) = kubelet.wait_for(lambda: kubelet.wipes(reason="driver", state="done"), what="the wipe record")
+    assert wipe.field_selector == f"spec.driver={DRIVER},spec.nodeName={NODE}"
+    assert kubelet.wipes(reason="driver", state="cancelled") == []
+    assert len(slices_of(api, NODE, OTHER_DRIVER)) == 1
+
+
+def test_a_1_32_kubelet_holds_one_endpoint_per_driver(base: Path, api: ApiServer, make_kubelet, make_plugin) -> None:
+    """A second registration of the driver needs a higher version, and replaces the first; the first one's socket
+    going then deregisters the driver, successor included."""
+    kubelet = make_kubelet(kubelet_version="1.32")
+    first = make_plugin(services=("1.0.0",))
+    registered(kubelet, first)
+    heard: list[tuple[bool, str]] = []
+
+    def second(version: str, uid: str) -> DraRegistrar:
+        return DraRegistrar(
+            registration_socket(first.registrar.socket_path.parent, DRIVER, uid),
+            DRIVER,
+            dra_socket(base / "plugins", DRIVER, uid),
+            (version,),
+            on_status=lambda registered, error: heard.append((registered, error)),
+        )
+
+    same = second("1.0.0", POD_UID)
+    same.start()
+    try:
+        kubelet.wait_for(lambda: heard, what="the equal version's outcome")
+        assert heard == [
+            (
+                False,
+                "RegisterPlugin error -- plugin validation failed with err: invalid versions of plugin "
+                f'{DRIVER}: another plugin instance is already registered with a higher supported version: "1.0.0" '
+                '< "1.0.0"',
+            )
+        ]
+    finally:
+        same.stop()
+    newer_uid = "0b6b3d4e-1234-4cde-8f00-123456789abd"
+    newer = second("1.1.0", newer_uid)
+    newer.start()
+    try:
+        kubelet.wait_for(lambda: len(heard) == 2, what="the higher version's outcome")
+        assert heard[1] == (True, "")
+        assert [p.endpoint for p in kubelet.endpoints(DRIVER)] == [str(dra_socket(base / "plugins", DRIVER, newer_uid))]
+
+        first.registrar.stop()
+
+        kubelet.wait_for(lambda: kubelet.endpoints(DRIVER) == [], what="the driver deregistered")
+        kubelet.wait_for(lambda: kubelet.wipes(reason="driver", state="done"), what="its slices wiped")
+    finally:
+        newer.stop()
+
+
+def test_a_1_33_kubelet_wipes_after_deregistration_not_after_a_lost_connection(
+    api: ApiServer, make_kubelet, make_plugin
+) -> None:
+    kubelet = make_kubelet(kubelet_version="1.33", wipe_delay=0.2)
+    plugin = make_plugin()
+    registered(kubelet, plugin)
+    api.create("ResourceSlice", nvidia_slice(NODE, [nvidia_gpu(0)]))
+
+    plugin.server.stop()  # the DRA endpoint goes, the registration socket stays
+    kubelet.wait_for(lambda: not kubelet.plugin(DRIVER).connected, what="the lost connection")
+    assert (kubelet.pending_wipes(), kubelet.wipes(reason="driver")) == ({}, [])
+    assert len(slices_of(api, NODE, DRIVER)) == 1
+
+    plugin.registrar.stop()
+    api.wait_for(lambda: not slices_of(api, NODE, DRIVER), timeout=5)
+    (done,) = kubelet.wait_for(lambda: kubelet.wipes(reason="driver", state="done"), what="the wipe record")
+    assert done.at - done.fire_at >= 0  # after the delay, not before
 
 
 def test_an_empty_service_list_is_refused_and_an_empty_endpoint_means_the_socket(base: Path, make_kubelet) -> None:
@@ -701,10 +844,13 @@ def test_device_health_follows_the_stream_and_times_out(api: ApiServer, make_kub
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("version", "copies"), [("1.36", 2), ("1.37", 1)])
 def test_a_kubelet_restart_wipes_slices_and_prepares_a_shared_claim_again(
-    api: ApiServer, make_kubelet, make_plugin
+    api: ApiServer, make_kubelet, make_plugin, version: str, copies: int
 ) -> None:
-    kubelet = make_kubelet()
+    """Up to 1.36 the claim prepared again after the restart holds its devices twice (the answer is appended to
+    what the checkpoint restored): the new pod's container gets each CDI ID twice (kubernetes#140471)."""
+    kubelet = make_kubelet(kubelet_version=version)
     plugin = make_plugin()
     registered(kubelet, plugin)
     claim = allocated_claim(api, "c1", [("gpu", "gpu-0")])
@@ -725,6 +871,9 @@ def test_a_kubelet_restart_wipes_slices_and_prepares_a_shared_claim_again(
     second_uid = "0b6b3d4e-1234-4cde-8f00-123456789abd"
     second = kubelet.run_pod("default", "p2", second_uid, [("gpu", "c1")], {"main": [("gpu", None)]})
 
-    assert second == first
+    assert second == {"main": first["main"] * copies}
     assert [names for _, _, names in plugin.server.calls_of("NodePrepareResources")] == [["c1"], ["c1"]]
-    assert kubelet.prepared_claims()[claim["metadata"]["uid"]].pod_uids == {POD_UID, second_uid}
+    state = kubelet.prepared_claims()[claim["metadata"]["uid"]]
+    assert state.pod_uids == {POD_UID, second_uid}
+    assert [d.device for d in state.devices] == ["gpu-0"] * copies
+    assert kubelet.pod(POD_UID).cdi == {"main": tuple(first["main"])}  # the running pod's containers were made before

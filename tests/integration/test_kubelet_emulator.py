@@ -634,17 +634,50 @@ def test_pod_resources_rate_limit(env, sock_dir):
 # ---------------------------------------------------------------------------------------------------- restart
 
 
-def test_restart_keeps_allocations_and_deletes_only_sockets(env, sock_dir):
+def plant(directory: Path) -> dict[str, Path]:
+    """What a device-plugin directory may hold besides sockets: a regular file, a symlink (to a file outside, which
+    must survive), a plugin's own sub-directory with a file in it (Tessera keeps its lock in ``.tessera/``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    outside = directory.parent / "outside.txt"
+    outside.write_text("not in the directory")
+    (directory / "notes.txt").write_text("regular file")
+    (directory / "link").symlink_to(outside)
+    (directory / ".tessera").mkdir()
+    (directory / ".tessera" / "agent.lock").write_text("")
+    return {
+        "file": directory / "notes.txt",
+        "link": directory / "link",
+        "outside": outside,
+        "lock": directory / ".tessera" / "agent.lock",
+    }
+
+
+def test_start_deletes_every_file_but_the_checkpoint_and_leaves_directories(env, sock_dir):
+    make_kubelet, _ = env
+    planted = plant(sock_dir / "dp")
+    (sock_dir / "dp" / "kubelet_internal_checkpoint").write_text('{"Data":{},"Checksum":0}')
+
+    make_kubelet()
+
+    assert not planted["file"].exists()
+    assert not planted["link"].is_symlink()
+    assert planted["outside"].read_text() == "not in the directory"  # the link went, not what it pointed to
+    assert planted["lock"].is_file()  # directories and what they hold stay
+    assert (sock_dir / "dp" / "kubelet_internal_checkpoint").is_file()
+
+
+def test_restart_keeps_allocations_and_deletes_every_file_but_the_checkpoint(env, sock_dir):
     make_kubelet, make_plugin = env
     kubelet = make_kubelet()
     plugin = make_plugin()
     registered(kubelet, plugin)
     pod = kubelet.create_pod("p", {"c": {RES: 2}})
-    keep = sock_dir / "dp" / "notes.txt"
-    keep.write_text("regular file")
+    planted = plant(sock_dir / "dp")
 
     kubelet.restart()
-    assert keep.read_text() == "regular file"
+    assert not planted["file"].exists()  # CleanupPluginDirectory removes every non-directory, not only sockets
+    assert not planted["link"].is_symlink()
+    assert planted["lock"].is_file()
     assert (sock_dir / "dp" / "kubelet_internal_checkpoint").is_file()
     assert not plugin.path.exists()  # plugin socket deleted
     assert stat.S_ISSOCK(kubelet.kubelet_socket.stat().st_mode)  # a fresh kubelet.sock

@@ -2,23 +2,31 @@
 unix sockets and the real Kubernetes client, for tests and ``tessera demo --dra``.
 
 ``DraKubeletEmulator(registry_dir, node_name, api_client)`` reaches DRA drivers only through the wire, the way the
-kubelet does (facts/dra.md section A; the rules and texts of each part are in ``dra_plugins`` and ``dra_pods``):
+kubelet does (facts/dra.md section A; the rules and texts of each part are in ``dra_plugins`` and ``dra_pods``, and
+what changes with ``kubelet_version`` in ``dra_versions``):
 
 * ``start()``: DeleteCollection of every ResourceSlice of the node (``spec.nodeName=<node>``, retried with the
   kubelet's backoff while the API server is away), then the plugin watcher on ``registry_dir`` (created 0755):
   inotify plus an initial walk; each registration socket is dialled (10 s), asked ``GetInfo`` (1 s), checked
-  (type ``DRAPlugin``; empty endpoint → the socket itself; the first of the plugin's ``supported_versions`` this
-  kubelet knows: ``v1.DRAPlugin``/``v1beta1.DRAPlugin`` from 1.34, only ``v1beta1.DRAPlugin`` before; an endpoint
-  registered already is refused) and told the outcome with ``NotifyRegistrationStatus``. A driver whose last
-  connected endpoint goes has its slices wiped ``wipe_delay`` seconds later unless an endpoint connects first.
-* Health (``health=True``): a ``NodeWatchResources`` stream per registered endpoint, ``device_health`` reading
-  Healthy / Unhealthy / Unknown as the kubelet's health cache does.
+  (type ``DRAPlugin``; empty endpoint → the socket itself; the gRPC service is chosen by the release's rules: from
+  1.34 the first of the plugin's ``supported_versions`` that is ``v1.DRAPlugin`` or ``v1beta1.DRAPlugin``, in 1.33
+  the first of the kubelet's own ``v1beta1.DRAPlugin``, ``v1alpha4.Node`` the plugin offers, up to 1.32 semantic
+  versions and ``v1alpha4.Node``; an endpoint registered already is refused) and told the outcome with
+  ``NotifyRegistrationStatus``. A driver that goes away has its slices wiped: at once up to 1.32, ``wipe_delay``
+  seconds (default 30) after its last endpoint deregistered (1.33) or lost its connection (1.34+) unless one comes
+  back first.
+* Health (``health=True``, 1.34+): a ``NodeWatchResources`` stream per registered endpoint, ``device_health``
+  reading Healthy / Unhealthy / Unknown as the kubelet's health cache does.
 * Pods: ``run_pod`` prepares the pod's claims (one NodePrepareResources per driver, 45 s) and returns per container
   the CDI device IDs the CRI would get; a failure raises ``PodStartError`` with the kubelet's text, and
   ``retry_pod`` is the pod worker's next attempt. ``stop_pod`` unprepares the claims no other pod references.
 * ``restart()``: a kubelet restart — connections, streams and timers go; the claim cache (the kubelet's checkpoint)
   stays but loses every ``prepared`` flag; slices are wiped again and the registry re-walked. Running pods keep
-  running and are not prepared again; a new pod using one of their claims calls NodePrepareResources again.
+  running and are not prepared again (NodePrepareResources runs only before a sandbox is created); a new pod using
+  one of their claims calls NodePrepareResources again, and up to 1.36 the answer's devices are APPENDED to the
+  claim's (kubernetes#140471): that pod's containers get, and PodResources lists for every pod of the claim, each
+  device and CDI ID twice (one more copy each time it is prepared again). ``reprepare_appends=False`` emulates a release
+  with the fix (1.37, late 1.34/1.36 patches).
 
 Choices beyond the kubelet's rules:
 
@@ -30,8 +38,7 @@ Choices beyond the kubelet's rules:
   resourceclaim controller does). ``reserve=False`` leaves reservation to the caller and refuses such a pod with
   the kubelet's "is not allowed to use ResourceClaim" text.
 * Ownership of template-generated claims is not checked; pods are prepared one at a time; the kubelet's checkpoint
-  and health state are kept in memory (nothing is written next to the registry); a claim prepared again keeps the
-  devices of the newest answer per driver.
+  and health state are kept in memory (nothing is written next to the registry).
 * The watcher looks at the registry directory itself, not sub-directories; a slow safety re-scan (30 s) backs up
   inotify. There is no 60 s reconcile loop: a pod that failed to start stays until ``stop_pod`` unprepares it.
 """
@@ -64,7 +71,6 @@ from agent.sim.kubelet.dra_common import (
     PreparedDevice,
     RegistrationEvent,
     WipeRecord,
-    services_supported_by_kubelet,
 )
 from agent.sim.kubelet.dra_plugins import (
     DraPluginsMixin,
@@ -76,6 +82,7 @@ from agent.sim.kubelet.dra_plugins import (
     close_channel,
 )
 from agent.sim.kubelet.dra_pods import DraPodsMixin, _ClaimInfo
+from agent.sim.kubelet.dra_versions import rules_for
 
 __all__ = [
     "PREPARE",
@@ -108,6 +115,7 @@ class DraKubeletEmulator(DraPluginsMixin, DraPodsMixin):
         *,
         kubelet_version: str = "1.36",
         wipe_delay: float = WIPING_DELAY,
+        reprepare_appends: bool | None = None,
         health: bool = True,
         health_retry_period: float = HEALTH_RETRY_PERIOD,
         call_timeout: float = CALL_TIMEOUT,
@@ -116,15 +124,19 @@ class DraKubeletEmulator(DraPluginsMixin, DraPodsMixin):
         start_wipe_wait: float = 10.0,
         safety_interval: float = 30.0,
     ) -> None:
-        """``api_client``: a ``kubernetes.client.ApiClient`` (``ApiServer.api_client()`` for the stand-in)."""
+        """``api_client``: a ``kubernetes.client.ApiClient`` (``ApiServer.api_client()`` for the stand-in).
+        ``kubelet_version``: "1.<minor>" whose rules to follow (``dra_versions``); ``wipe_delay`` is unused up to
+        1.32 (the wipe is immediate); ``reprepare_appends``: None follows the release (true up to 1.36)."""
         import kubernetes.client  # the emulator speaks to the API server through the real client
 
         self.registry_dir = Path(registry_dir)
         self.node_name = node_name
         self.kubelet_version = kubelet_version
-        self.supported_services = services_supported_by_kubelet(kubelet_version)
+        self.rules = rules_for(kubelet_version)
+        self.supported_services = self.rules.services
         self.wipe_delay = float(wipe_delay)
-        self.health = bool(health)
+        self.reprepare_appends = self.rules.appends_devices if reprepare_appends is None else bool(reprepare_appends)
+        self.health = bool(health) and self.rules.health_stream
         self.health_retry_period = float(health_retry_period)
         self.call_timeout = float(call_timeout)
         self.dial_timeout = float(dial_timeout)

@@ -8,7 +8,6 @@ sources it names (``pluginmanager/operationexecutor/operation_generator.go``, ``
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 
 from agent.sim.kubelet.common import go_quote
@@ -16,13 +15,14 @@ from agent.sim.kubelet.common import go_quote
 PLUGIN_TYPE = "DRAPlugin"  # PluginInfo.type the DRA handler is registered under
 V1_SERVICE = "v1.DRAPlugin"
 V1BETA1_SERVICE = "v1beta1.DRAPlugin"
+V1ALPHA4_SERVICE = "v1alpha4.Node"  # drapbv1alpha4.NodeService (package v1alpha4, service Node): kubelets <= 1.33
 HEALTH_SERVICE = "v1alpha1.DRAResourceHealth"
 
 DIAL_TIMEOUT = 10.0  # operation_generator.go dialTimeoutDuration
 GET_INFO_TIMEOUT = 1.0
 NOTIFY_TIMEOUT = 5.0  # notifyTimeoutDuration
 CALL_TIMEOUT = 45.0  # dra_plugin.go defaultClientCallTimeout
-WIPING_DELAY = 30.0  # manager.go defaultWipingDelay
+WIPING_DELAY = 30.0  # manager.go defaultWipingDelay (1.33+; a kubelet <= 1.32 wipes at once: see dra_versions)
 HEALTH_RETRY_PERIOD = 5.0  # wait.UntilWithContext(..., 5*time.Second) around NodeWatchResources
 DEFAULT_HEALTH_TIMEOUT = 30.0  # healthinfo.go DefaultHealthTimeout
 # goroutinemap (exponentialBackOffOnError) under the plugin manager's operation executor: a registration that
@@ -43,18 +43,6 @@ UNKNOWN = "Unknown"
 API_TIMEOUT = (3.0, 10.0)  # (connect, read) of every API server request the emulator makes
 PREPARE = "NodePrepareResources"
 UNPREPARE = "NodeUnprepareResources"
-
-_VERSION = re.compile(r"v?(\d+)\.(\d+)")
-
-
-def services_supported_by_kubelet(kubelet_version: str) -> tuple[str, ...]:
-    """``servicesSupportedByKubelet``: v1 and v1beta1 in 1.34+, only v1beta1 in an older (<= 1.33) kubelet."""
-    match = _VERSION.match(kubelet_version.strip())
-    if match is None:
-        raise ValueError(f"kubelet version {kubelet_version!r} is not <major>.<minor> (e.g. 1.36)")
-    if (int(match.group(1)), int(match.group(2))) >= (1, 34):
-        return (V1_SERVICE, V1BETA1_SERVICE)
-    return (V1BETA1_SERVICE,)
 
 
 def go_string_list(values: list[str] | tuple[str, ...]) -> str:

@@ -6,7 +6,8 @@ whose state it uses.
   delete events; only unix sockets, names starting with ``.`` ignored. Each socket's operations (register,
   deregister) run in order on a worker of its own, as the plugin manager's operation executor keys them by path.
 * Registration: blocking dial (10 s), ``GetInfo`` (1 s), type ``DRAPlugin``, an empty endpoint means the
-  registration socket, ``validateSupportedServices``, the "already registered" check, then
+  registration socket, the release's service choice (``dra_versions.DraRules.choose``), the "already registered"
+  check (up to 1.32: a newer version replaces the driver's one endpoint), then
   ``NotifyRegistrationStatus`` (5 s). A registration that failed before the plugin reached the actual state of the
   world (dial, GetInfo, type, validation) is tried again with the executor's backoff (0.5 s doubling to 2m2s) while
   its socket stays; one refused at RegisterPlugin ("already registered") is in the actual state and is not retried,
@@ -14,13 +15,14 @@ whose state it uses.
   the kubelet's ``DeRegisterPlugin(name, endpoint)`` does.
 * Endpoints: one gRPC channel per registered endpoint, connectivity followed through the channel's state (READY is
   connected; an IDLE channel is asked to connect again, as the kubelet's ConnEnd handler does). Calls go to the most
-  recent connected endpoint, else the most recent one.
-* Wiping: at start every slice of the node (``spec.nodeName=<node>``), and ``wipe_delay`` seconds after a driver
-  has no connected endpoint its own slices (``spec.driver=<driver>,spec.nodeName=<node>``) — a timer cancelled when
-  an endpoint connects. Both retry with the kubelet's backoff (1 s, x2, jitter 0.2, cap 5 min, 100 steps) after
-  reading the Node (absent: retried too).
-* Health: per registered endpoint a ``v1alpha1.DRAResourceHealth/NodeWatchResources`` stream; each message replaces
-  the devices it names (receive time kept), a device older than its timeout reads Unknown, the end of a stream
+  recent connected endpoint, else the most recent one (before 1.34: the most recent one).
+* Wiping: at start every slice of the node (``spec.nodeName=<node>``), and the slices of a driver that went away
+  (``spec.driver=<driver>,spec.nodeName=<node>``): up to 1.32 at once when its endpoint deregisters, and nothing
+  cancels it; from 1.33 ``wipe_delay`` seconds after it has no endpoint (1.33) or no connected endpoint (1.34+) —
+  a timer cancelled when one registers (connects). Every wipe retries with the kubelet's backoff (1 s, x2, jitter
+  0.2, cap 5 min, 100 steps) after reading the Node (absent: retried too).
+* Health (1.34+): per registered endpoint a ``v1alpha1.DRAResourceHealth/NodeWatchResources`` stream; each message
+  replaces the devices it names (receive time kept), a device older than its timeout reads Unknown, the end of a stream
   clears the driver's cache, and the stream is opened again ``health_retry_period`` (5 s) after it ended.
 """
 
@@ -73,6 +75,7 @@ from agent.sim.kubelet.dra_common import (
     UNHEALTHY,
     UNKNOWN,
     V1_SERVICE,
+    V1ALPHA4_SERVICE,
     WIPE_BACKOFF_CAP,
     WIPE_BACKOFF_FACTOR,
     WIPE_BACKOFF_INITIAL,
@@ -81,7 +84,6 @@ from agent.sim.kubelet.dra_common import (
     RegistrationEvent,
     WipeRecord,
     api_error_text,
-    go_string_list,
 )
 
 if TYPE_CHECKING:
@@ -184,6 +186,7 @@ class _Plugin:
     service: str
     channel: grpc.Channel
     kubelet: DraKubeletEmulator
+    version: str = ""  # the semantic version a <= 1.32 kubelet registered it with
     connected: bool = False
     closed: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
@@ -204,10 +207,33 @@ class _Plugin:
                 pass
 
     def dra_stub(self) -> tuple[Any, Any]:
-        """The DRAPlugin stub and message module of the chosen service."""
+        """The stub and message module of the chosen service. ``v1alpha4.Node`` has the v1beta1 messages (the
+        same fields and numbers) on its own method paths; the emulator has no v1alpha4 module of its own."""
         if self.service == V1_SERVICE:
             return dra_v1_grpc.DRAPluginStub(self.channel), dra_v1
+        if self.service == V1ALPHA4_SERVICE:
+            return _V1alpha4Stub(self.channel), dra_v1beta1
         return dra_v1beta1_grpc.DRAPluginStub(self.channel), dra_v1beta1
+
+
+class _V1alpha4Stub:
+    """``drapbv1alpha4.NodeClient``: NodePrepareResources / NodeUnprepareResources on ``/v1alpha4.Node/``."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        for method, request, response in (
+            ("NodePrepareResources", dra_v1beta1.NodePrepareResourcesRequest, dra_v1beta1.NodePrepareResourcesResponse),
+            (
+                "NodeUnprepareResources",
+                dra_v1beta1.NodeUnprepareResourcesRequest,
+                dra_v1beta1.NodeUnprepareResourcesResponse,
+            ),
+        ):
+            call = channel.unary_unary(
+                f"/{V1ALPHA4_SERVICE}/{method}",
+                request_serializer=request.SerializeToString,
+                response_deserializer=response.FromString,
+            )
+            setattr(self, method, call)
 
 
 @dataclass
@@ -316,7 +342,7 @@ class DraPluginsMixin:
                 self._notify(stub, path, False, text, driver=info.name, endpoint=info.endpoint)
                 return True
             endpoint = info.endpoint or path
-            service, validation = self._validate(info.name, endpoint, list(info.supported_versions))
+            service, version, validation = self._validate(info.name, endpoint, list(info.supported_versions))
             if validation:
                 text = f"RegisterPlugin error -- plugin validation failed with err: {validation}"
                 self._notify(stub, path, False, text, driver=info.name, endpoint=endpoint)
@@ -325,7 +351,7 @@ class DraPluginsMixin:
                 if self._stopping.is_set():
                     return False
                 self._asw[path] = (info.name, endpoint)  # AddPlugin before RegisterPlugin
-            failure = self._add_plugin(info.name, endpoint, service)
+            failure = self._add_plugin(info.name, endpoint, service, version)
             if failure and self._stopping.is_set():
                 return False  # the kubelet is going away: nobody is told anything
             if failure:
@@ -356,18 +382,14 @@ class DraPluginsMixin:
         finally:
             ready.cancel()
 
-    def _validate(self: DraKubeletEmulator, driver: str, endpoint: str, offered: list[str]) -> tuple[str, str]:
-        """``validateSupportedServices``: the first of the plugin's services that the kubelet knows."""
-        prefix = f"invalid supported gRPC versions of DRA driver plugin {driver} at endpoint {endpoint}: "
-        if not offered:
-            return "", prefix + "empty list of supported gRPC services (aka supported versions)"
-        for service in offered:
-            if service in self.supported_services:
-                return service, ""
-        return "", prefix + (
-            f"none of services supported by the plugin ({go_string_list(offered)}) "
-            f"are supported by the kubelet ({go_string_list(self.supported_services)})"
-        )
+    def _validate(self: DraKubeletEmulator, driver: str, endpoint: str, offered: list[str]) -> tuple[str, str, str]:
+        """``ValidatePlugin``: (service, semantic version or "", error or "") by the release's rules."""
+        registered = None
+        if self.rules.one_endpoint_per_driver:
+            with self._cond:
+                held = self._plugins.get(driver, [])
+                registered = held[-1].version if held else None
+        return self.rules.choose(driver, endpoint, offered, registered)
 
     def _notify(
         self: DraKubeletEmulator,
@@ -416,17 +438,26 @@ class DraPluginsMixin:
             self._registration_events.append(RegistrationEvent(kind, socket, at=time.monotonic(), **fields))
             self._changed()
 
-    def _add_plugin(self: DraKubeletEmulator, driver: str, endpoint: str, service: str) -> str:
+    def _add_plugin(self: DraKubeletEmulator, driver: str, endpoint: str, service: str, version: str = "") -> str:
         """``DRAPluginManager.add``: refuse an endpoint registered already, else connect and start the health
-        stream; "" on success."""
+        stream; "" on success. Up to 1.32 the driver's endpoint is replaced (``draPlugins.add``)."""
+        replaced: list[_Plugin] = []
         with self._cond:
             if self._stopping.is_set():
                 return "kubelet is shutting down"
-            for other in self._plugins.get(driver, []):
-                if other.endpoint == endpoint:
-                    return f"endpoint {endpoint} already registered for DRA driver plugin {driver}"
+            if self.rules.one_endpoint_per_driver:
+                replaced = self._plugins.pop(driver, [])
+                if replaced:
+                    log.info("Already registered, previous plugin was replaced driver=%s", driver)
+            else:
+                for other in self._plugins.get(driver, []):
+                    if other.endpoint == endpoint:
+                        name = "DRA driver plugin" if self.rules.follows_connections else "plugin"
+                        return f"endpoint {endpoint} already registered for {name} {driver}"
             channel = grpc.insecure_channel(f"unix:{endpoint}", options=CHANNEL_OPTIONS)
-            plugin = _Plugin(driver=driver, endpoint=endpoint, service=service, channel=channel, kubelet=self)
+            plugin = _Plugin(
+                driver=driver, endpoint=endpoint, service=service, channel=channel, kubelet=self, version=version
+            )
             self._plugins.setdefault(driver, []).append(plugin)
             if self.health:
                 plugin.health_thread = threading.Thread(
@@ -436,6 +467,8 @@ class DraPluginsMixin:
                 plugin.health_thread.start()
             self._sync_locked(driver)
             self._changed()
+        for old in replaced:
+            self._close_plugin(old)
         channel.subscribe(plugin.on_connectivity, try_to_connect=True)  # conn.Connect()
         return ""
 
@@ -451,15 +484,23 @@ class DraPluginsMixin:
         self._event("deregistered", path, driver=driver, endpoint=endpoint)
 
     def _remove_plugin(self: DraKubeletEmulator, driver: str, endpoint: str) -> None:
+        """``remove(driver, endpoint)``; up to 1.32 ``draPlugins.delete(driver)``: whichever endpoint the driver has
+        now goes (a replaced endpoint's socket going takes its successor with it), and its slices are wiped."""
         with self._cond:
             plugins = self._plugins.get(driver, [])
-            index = next((i for i, p in enumerate(plugins) if p.endpoint == endpoint), None)
+            if self.rules.one_endpoint_per_driver:
+                index = len(plugins) - 1 if plugins else None
+            else:
+                index = next((i for i, p in enumerate(plugins) if p.endpoint == endpoint), None)
             if index is None:
                 return
             plugin = plugins.pop(index)
             if not plugins:
                 del self._plugins[driver]
-            self._sync_locked(driver)
+            if self.rules.wipes_at_once:
+                self._wipe_now_locked(driver)
+            else:
+                self._sync_locked(driver)
             self._changed()
         self._close_plugin(plugin)
 
@@ -488,19 +529,27 @@ class DraPluginsMixin:
             self._changed()
 
     def _get_plugin(self: DraKubeletEmulator, driver: str) -> _Plugin | None:
-        """``get``: the most recently added connected endpoint, else the most recent one."""
+        """``get``: the most recently added connected endpoint, else the most recent one (before 1.34 the most
+        recent one, connected or not)."""
         with self._cond:
             plugins = self._plugins.get(driver, [])
-            for plugin in reversed(plugins):
-                if plugin.connected:
-                    return plugin
+            if self.rules.follows_connections:
+                for plugin in reversed(plugins):
+                    if plugin.connected:
+                        return plugin
             return plugins[-1] if plugins else None
 
     # ------------------------------------------------------------------------------------------ wiping
 
     def _sync_locked(self: DraKubeletEmulator, driver: str) -> None:
-        """``sync``: a usable driver cancels its pending wipe; an unusable one gets one unless it has it already."""
-        if any(p.connected for p in self._plugins.get(driver, [])):
+        """``sync`` (1.33+): a usable driver cancels its pending wipe; an unusable one gets one unless it has it
+        already. Usable: an endpoint is connected (1.34+), or registered (1.33). Up to 1.32 nothing is scheduled:
+        ``_remove_plugin`` wipes at once."""
+        if self.rules.wipes_at_once:
+            return
+        plugins = self._plugins.get(driver, [])
+        usable = any(p.connected for p in plugins) if self.rules.follows_connections else bool(plugins)
+        if usable:
             pending = self._pending_wipes.pop(driver, None)
             if pending is not None:
                 pending.timer.cancel()
@@ -520,6 +569,23 @@ class DraPluginsMixin:
         timer.start()
         self._record_wipe("driver", driver, "scheduled", fire_at=fire_at)
         log.info("ResourceSlice wipe scheduled: driver=%s in=%gs", driver, self.wipe_delay)
+
+    def _wipe_now_locked(self: DraKubeletEmulator, driver: str) -> None:
+        """<= 1.32 ``DeRegisterPlugin``: ``go h.wipeResourceSlices(pluginName)`` — at once, with nothing that
+        cancels it but the kubelet stopping (a driver registering again meanwhile loses what it publishes)."""
+        if self._stopping.is_set():
+            return
+        now = time.monotonic()
+        wiper = threading.Thread(
+            target=self._wipe,
+            args=("driver", driver, self._start_wipe_cancel, now),
+            name=f"kubelet-dra-wipe-{driver}",
+            daemon=True,
+        )
+        self._track(wiper)
+        wiper.start()
+        self._record_wipe("driver", driver, "scheduled", fire_at=now)
+        log.info("ResourceSlice wipe started: driver=%s deregistered", driver)
 
     def _wipe_driver(self: DraKubeletEmulator, driver: str, cancel: threading.Event, fire_at: float) -> None:
         if cancel.is_set():

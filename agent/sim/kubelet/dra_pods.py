@@ -7,7 +7,10 @@ take the drivers from the allocation results and look each up (all claims valida
 the pod to each claim's cache entry, skip claims prepared already, then ONE NodePrepareResources per driver with
 this pod's remaining claims (45 s, through the service chosen at registration). An RPC error, an answer for a UID
 not asked for, a non-empty per-claim error or missing entries abort with the kubelet's text; only when every batch
-succeeded are the claims marked prepared. Unprepare: claims other pods still reference only lose this pod; the
+succeeded are the claims marked prepared. Each driver's answer is added to the claim's devices as it arrives: up to
+1.36 appended to what the claim holds (``ClaimInfo.addDevice``; so a claim prepared again — after a kubelet restart,
+or after a batch another driver failed — holds its devices twice, kubernetes#140471), from 1.37 in place of it
+(``resetDevices`` first, kubernetes#140274). Unprepare: claims other pods still reference only lose this pod; the
 others go to one NodeUnprepareResources per driver with the same rules, and leave the cache on success.
 """
 
@@ -126,7 +129,11 @@ class DraPodsMixin:
             answers = self._call(PREPARE, plugin, claims, pod.uid)
             with self._cond:
                 for info in claims:
-                    if info.uid in answers:
+                    if info.uid not in answers:
+                        continue
+                    if self.reprepare_appends:
+                        info.drivers.setdefault(plugin.driver, []).extend(answers[info.uid])
+                    else:
                         info.drivers[plugin.driver] = answers[info.uid]
                 self._changed()
 

@@ -12,8 +12,9 @@ on a second socket. It reaches device plugins only through the wire protocol, th
 * Pod admission follows ``devicesToAllocate``: init-container reuse, the availability check, GetPreferredAllocation
   when the plugin asks for it, then one ``Allocate`` RPC with one ``ContainerAllocateRequest`` per (container,
   resource). ``start_container`` makes the ``PreStartContainer`` call.
-* ``restart`` is a kubelet restart: the checkpoint (allocations and registered resource names) survives, only unix
-  sockets in the directory are deleted, and restored resources read capacity 0 until their plugin registers again.
+* ``restart`` is a kubelet restart: the checkpoint (allocations and registered resource names) survives, every other
+  file in the directory is deleted (``CleanupPluginDirectory``, see ``_prepare_dir``), and restored resources read
+  capacity 0 until their plugin registers again.
 
 The rules and texts come from /work/shared/facts/kubelet-behaviour.md. Where the kubelet's behaviour is random (Go map
 and set order) the emulator is deterministic: resources in request order, devices in the plugin's advertised order.
@@ -21,8 +22,8 @@ There is no topology manager (no NUMA hint), so every device is "no affinity" fo
 
 Choices beyond the kubelet's own rules (all keyword arguments of ``KubeletEmulator``):
 
-* ``start()`` cleans the directory of unix sockets as the kubelet's ``Start`` does (``cleanup_on_start``), so a plugin
-  serving before the emulator starts loses its socket and must serve again and register, as on a real node.
+* ``start()`` cleans the directory as the kubelet's ``Start`` does (``cleanup_on_start``), so a plugin serving before
+  the emulator starts loses its socket and must serve again and register, as on a real node.
 * A replaced registration's stream ending only closes that stream (the fix of PR #135437);
   ``legacy_reregistration_race=True`` reproduces kubelet <= 1.36, where it disconnects the newer registration.
 * ``<dir>/kubelet_internal_checkpoint`` is written in the kubelet's JSON format, with ``Checksum`` 0.
@@ -154,11 +155,16 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
         self._dra = dra
 
     def _dra_pod_resources(self) -> list[pr.PodResources]:
+        """The DRA pods' ``dynamic_resources``, when the DRA side's release fills them (1.34+: the
+        ``KubeletPodResourcesDynamicResources`` gate is beta and on; alpha and off before)."""
         dra = self._dra
-        return dra_pod_resources(dra.pods(), dra.claims()) if dra is not None else []
+        if dra is None or not dra.rules.pod_resources_dynamic:
+            return []
+        return dra_pod_resources(dra.pods(), dra.claims())
 
     def start(self) -> None:
-        """Create the directory (0750), delete stale sockets in it, serve kubelet.sock (and the PodResources socket)."""
+        """Create the directory (0750), delete every file in it but the checkpoint, serve kubelet.sock (and the
+        PodResources socket)."""
         with self._cond:
             if self._running:
                 raise RuntimeError("kubelet emulator already running")
@@ -192,7 +198,8 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
         log.info("Kubelet emulator stopped: dir=%s", self.device_plugin_dir)
 
     def restart(self) -> None:
-        """A kubelet restart: stop, restore from the checkpoint, delete only unix sockets in the dir, serve again."""
+        """A kubelet restart: stop, restore from the checkpoint, delete every file in the dir but the checkpoint,
+        serve again."""
         self.stop()
         with self._cond:
             self._gc_locked()
@@ -226,15 +233,34 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
             d.mkdir(mode=0o750, parents=True, exist_ok=True)
             d.chmod(0o750)
         if cleanup:
-            # CleanupPluginDirectory: remove unix sockets only (plugin sockets and kubelet.sock)
-            for entry in sorted(d.iterdir()):
-                try:
-                    mode = entry.stat().st_mode
-                except OSError:
-                    continue
-                if stat.S_ISSOCK(mode):
-                    entry.unlink(missing_ok=True)
-                    log.info("Deleted socket in device plugin directory: path=%s", entry)
+            self._cleanup_plugin_directory()
+
+    def _cleanup_plugin_directory(self) -> None:
+        """``ManagerImpl.CleanupPluginDirectory`` (``pkg/kubelet/cm/devicemanager/manager.go``, the code of 1.32 and
+        the releases around it): every entry but the checkpoint that ``os.Lstat`` does not call a directory is
+        removed — plugin sockets, the old ``kubelet.sock``, regular files, symlinks (not followed). Directories
+        stay (a plugin keeps its own files in one, e.g. Tessera's ``.tessera/`` lock). The source's comment names
+        golang/go#33357 (no socket mode on Windows) as why it does not check for sockets. One later version of the
+        file checks ``os.Stat`` for ``ModeSocket`` and keeps other files; its release is not known here."""
+        d = self.device_plugin_dir
+        for entry in sorted(d.iterdir()):
+            if entry == self.checkpoint_path:
+                continue
+            try:
+                mode = entry.lstat().st_mode
+            except OSError as exc:
+                log.error("Failed to stat file: path=%s err=%s", entry, exc)
+                continue
+            if stat.S_ISDIR(mode):
+                continue
+            try:
+                entry.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.error("Failed to remove file: path=%s err=%s", entry, exc)
+                continue
+            log.info("Deleted file in device plugin directory: path=%s", entry)
 
     def _serve(self) -> None:
         self._stopping.clear()
