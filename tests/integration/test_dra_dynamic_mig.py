@@ -261,13 +261,27 @@ def test_a_claim_gets_its_mig_device_created_at_the_placement_and_destroyed_afte
 
 
 @pytest.mark.parametrize("world", [MIG_READY], indirect=True)
-def test_a_placement_taken_outside_tessera_fails_the_claim_and_is_left_alone(world: World) -> None:
+@pytest.mark.parametrize(
+    ("profile_id", "placement", "said"),
+    [
+        (19, (0, 1), "overlaps a MIG device that exists"),  # a 1g.10gb inside the claim's placement
+        (5, (0, 4), "is already there and Tessera did not create it"),  # the claim's very profile and placement
+    ],
+    ids=["overlapping", "same-placement"],
+)
+def test_a_placement_taken_outside_tessera_fails_the_claim_and_is_left_alone(
+    world: World, profile_id: int, placement: tuple[int, int], said: str
+) -> None:
+    """Someone runs ``nvidia-smi mig -cgi`` by hand between the claim's allocation and its Prepare. The Prepare
+    fails naming it, and its rollback destroys nothing: not even a device of the claim's own profile found at the
+    claim's own placement, which a rollback that took whatever sits there for its own would destroy."""
     dynamic_world(world)
-    foreign = world.driver.create_gpu_instance(0, 19, (0, 1))  # someone ran nvidia-smi mig -cgi by hand
+    mig_claim(world, "big", "4g.40gb")  # its only placement: memory slices 0-3
+    foreign = world.driver.create_gpu_instance(0, profile_id, placement)
     world.driver.create_compute_instance(0, foreign, 0)
     before = instances(world)
-    mig_claim(world, "big", "4g.40gb")  # its only placement starts at 0
-    with pytest.raises(PodStartError, match="overlaps a MIG device that exists"):
+    assert placement in before
+    with pytest.raises(PodStartError, match=said):
         world.dra.run_pod("default", "big", "pod-2", [("mig", "big")], {"main": [("mig", None)]})
     assert instances(world) == before  # nothing created, the foreign device untouched
     assert list((world.base / "cdi").glob("*.yaml")) == []
