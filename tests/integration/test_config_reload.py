@@ -97,6 +97,7 @@ def test_a_swapped_configmap_is_applied_without_a_restart(world) -> None:
     kubelet.wait_for(lambda: {"nvidia.com/gpu", "nvidia.com/mig-1g.10gb"} <= set(kubelet.resources()), 10, "mixed")
     assert kubelet.capacity("nvidia.com/gpu") == 2
     mig_registrations = kubelet.registrations("nvidia.com/mig-1g.10gb")
+    digest = agent.status.config_digest
 
     configmap.publish({"default": SHARED_GPUS})
     kubelet.wait_for(lambda: kubelet.allocatable("nvidia.com/gpu.shared") == 8, 5, "the shared resource")
@@ -107,6 +108,7 @@ def test_a_swapped_configmap_is_applied_without_a_restart(world) -> None:
     assert not kubelet.stopped("nvidia.com/mig-1g.10gb")
     assert kubelet.allocatable("nvidia.com/mig-1g.10gb") == 2
     assert agent.status.config_name == "default" and agent.status.config_error is None
+    assert agent.status.config_digest not in (None, digest)  # the new text is the one in force
     assert not (kubelet.device_plugin_dir / "nvidia-gpu.sock").exists()
 
 
@@ -144,6 +146,13 @@ def test_the_node_label_chooses_among_named_configs(world) -> None:
 
     agent.post(NodeLabelChanged(CONFIG_LABEL, "no-such-config"))  # a warning, then the fallbacks
     kubelet.wait_for(lambda: agent.status.config_name == "default", 5, "the fallback to default")
+    kubelet.wait_for(lambda: kubelet.allocatable("nvidia.com/mig-1g.10gb") == 2, 5, "the default's MIG resource")
+    assert agent.status.config_error is None  # a label naming no config is not an error
 
-    agent.post(NodeLabelChanged(CONFIG_LABEL, None))
+    agent.post(NodeLabelChanged(CONFIG_LABEL, "small"))
+    kubelet.wait_for(lambda: kubelet.allocatable("nvidia.com/small") == 4, 5, "the labelled config again")
+    agent.post(NodeLabelChanged(CONFIG_LABEL, None))  # the label removed: back to the default
+    kubelet.wait_for(lambda: agent.status.config_name == "default", 5, "the default once the label is gone")
+    kubelet.wait_for(lambda: kubelet.allocatable("nvidia.com/mig-1g.10gb") == 2, 5, "the default's MIG resource")
+    kubelet.wait_for(lambda: kubelet.stopped("nvidia.com/small"), 5, "the labelled config's resource to go")
     assert agent.status.config_error is None

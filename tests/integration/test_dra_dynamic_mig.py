@@ -261,13 +261,27 @@ def test_a_claim_gets_its_mig_device_created_at_the_placement_and_destroyed_afte
 
 
 @pytest.mark.parametrize("world", [MIG_READY], indirect=True)
-def test_a_placement_taken_outside_tessera_fails_the_claim_and_is_left_alone(world: World) -> None:
+@pytest.mark.parametrize(
+    ("profile_id", "placement", "said"),
+    [
+        (19, (0, 1), "overlaps a MIG device that exists"),  # a 1g.10gb inside the claim's placement
+        (5, (0, 4), "GPU instance {id} is already there and Tessera did not create it"),  # its very own placement
+    ],
+    ids=["overlapping", "same-placement"],
+)
+def test_a_placement_taken_outside_tessera_fails_the_claim_and_is_left_alone(
+    world: World, profile_id: int, placement: tuple[int, int], said: str
+) -> None:
+    """Someone runs ``nvidia-smi mig -cgi`` by hand between the claim's allocation and its Prepare. The Prepare
+    fails naming it, and its rollback destroys nothing: not even a device of the claim's own profile found at the
+    claim's own placement, which a rollback that took whatever sits there for its own would destroy."""
     dynamic_world(world)
-    foreign = world.driver.create_gpu_instance(0, 19, (0, 1))  # someone ran nvidia-smi mig -cgi by hand
+    mig_claim(world, "big", "4g.40gb")  # its only placement: memory slices 0-3
+    foreign = world.driver.create_gpu_instance(0, profile_id, placement)
     world.driver.create_compute_instance(0, foreign, 0)
     before = instances(world)
-    mig_claim(world, "big", "4g.40gb")  # its only placement starts at 0
-    with pytest.raises(PodStartError, match="overlaps a MIG device that exists"):
+    assert placement in before
+    with pytest.raises(PodStartError, match=said.format(id=foreign.id)):
         world.dra.run_pod("default", "big", "pod-2", [("mig", "big")], {"main": [("mig", None)]})
     assert instances(world) == before  # nothing created, the foreign device untouched
     assert list((world.base / "cdi").glob("*.yaml")) == []
@@ -438,19 +452,6 @@ def test_a_claims_mig_device_gone_after_a_gpu_recovery_is_reported_unhealthy(wor
     assert world.dra.device_health(DRIVER, NODE, device) == "Unhealthy"  # ...but the claim's MIG device is not back
     world.dra.stop_pod("pod-1")  # nothing left to destroy: Unprepare succeeds
     assert instances(world) == {}
-
-
-@pytest.mark.parametrize("world", [MIG_READY], indirect=True)
-def test_a_mig_device_made_by_hand_at_the_allocated_placement_is_named_and_left_alone(world: World) -> None:
-    dynamic_world(world)
-    claim = mig_claim(world, "small", "1g.10gb")
-    start = int(claim["status"]["allocation"]["devices"]["results"][0]["device"].rsplit("-", 1)[1])
-    foreign = world.driver.create_gpu_instance(0, 19, (start, 1))  # exactly there, the same profile
-    world.driver.create_compute_instance(0, foreign, 0)
-    before = instances(world)
-    with pytest.raises(PodStartError, match=f"GPU instance {foreign.id} is already there and Tessera did not create"):
-        world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
-    assert instances(world) == before
 
 
 @pytest.mark.parametrize("world", [{**MIG_READY, "liveness_seconds": 0.1}], indirect=True)

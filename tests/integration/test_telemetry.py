@@ -206,18 +206,8 @@ class TelemetryNode:
         return samples
 
     def wait_samples(self, predicate: Callable[[Samples], object], timeout: float, what: str) -> Samples:
-        """Scrape until ``predicate(samples)`` holds; the collection runs every 0.2 s."""
-        found: list[Samples] = []
-
-        def check() -> bool:
-            samples = self.scrape()
-            if predicate(samples):
-                found.append(samples)
-                return True
-            return False
-
-        wait_until(check, timeout, what)
-        return found[0]
+        """Scrape until ``predicate(samples)`` holds (``wait_for_samples``); the collection runs every 0.2 s."""
+        return wait_for_samples(self.scrape, predicate, timeout, what)
 
     # ----- pods and processes -----------------------------------------------------------------------------
 
@@ -246,6 +236,34 @@ class TelemetryNode:
         (entry / "stat").write_text(stat_line(pid))
 
 
+def wait_for_samples(
+    scrape: Callable[[], Samples], predicate: Callable[[Samples], object], timeout: float, what: str
+) -> Samples:
+    """Scrape until ``predicate(samples)`` holds and return those samples. A scrape that has not what the predicate
+    needs is "not yet", polled again until ``timeout``: an empty one (nothing collected yet, where a predicate such
+    as "no series of the deleted pod" would hold vacuously) and one without a series ``value`` reads (``NoSeries``).
+    The ``TimeoutError`` names ``what`` and what the last scrape lacked."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape()
+        lacking = "" if samples else "it was empty"
+        if not lacking:
+            try:
+                if predicate(samples):
+                    return samples
+            except NoSeries as missing:
+                lacking = str(missing)
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"timed out after {timeout:g} s waiting for {what}" + (f"; {lacking}" if lacking else "")
+            )
+        time.sleep(0.05)
+
+
+class NoSeries(LookupError):
+    """The scrape has no series of that name and labels (not collected yet, or gone)."""
+
+
 def series(samples: Samples, name: str, **match: str) -> list[tuple[dict[str, str], float]]:
     return [
         (labels, value) for labels, value in samples.get(name, []) if all(labels.get(k) == v for k, v in match.items())
@@ -253,8 +271,12 @@ def series(samples: Samples, name: str, **match: str) -> list[tuple[dict[str, st
 
 
 def value(samples: Samples, name: str, **match: str) -> float:
-    (only,) = series(samples, name, **match)
-    return only[1]
+    """The value of the one series of ``name`` matching the labels; ``NoSeries`` when there is none."""
+    found = series(samples, name, **match)
+    if not found:
+        raise NoSeries(f"no series {name}{match or ''} in the scrape")
+    assert len(found) == 1, f"{len(found)} series {name}{match} where one was expected: {found}"
+    return found[0][1]
 
 
 def maybe(samples: Samples, name: str, **match: str) -> float | None:

@@ -27,7 +27,7 @@ from agent.sim.nvml.driver import SimDriver
 from agent.telemetry.dra_claims import KUBELET_DRA_STATE
 from agent.telemetry.service import TelemetrySettings
 from tests.integration.test_dra_e2e import CONFIG, DEADLINE, DRIVER, GPU_CLASS, NODE, World, poll, start_agent
-from tests.integration.test_telemetry import Samples, cgroup_line, maybe, stat_line
+from tests.integration.test_telemetry import Samples, cgroup_line, maybe, stat_line, wait_for_samples
 
 POD_UID = "7e1f0c2a-5b3d-4c8e-9f10-0a1b2c3d4e5f"
 OTHER_UID = "8e1f0c2a-5b3d-4c8e-9f10-0a1b2c3d4e5f"
@@ -50,17 +50,7 @@ class DraTelemetry:
         return samples
 
     def wait_samples(self, predicate: Callable[[Samples], object], what: str) -> Samples:
-        found: list[Samples] = []
-
-        def check() -> bool:
-            samples = self.scrape()
-            if predicate(samples):
-                found.append(samples)
-                return True
-            return False
-
-        poll(check, what)
-        return found[0]
+        return wait_for_samples(self.scrape, predicate, DEADLINE, what)
 
     def process(self, uid: str, gpu: int, pid: int, used_mib: int, sm: int) -> None:
         entry = self.proc / str(pid)

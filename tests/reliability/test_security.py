@@ -7,9 +7,16 @@ import stat
 from pathlib import Path
 
 import pytest
+import yaml
 
+from agent.config.effective import FlagOverrides, effective
 from agent.config.model import ConfigError, parse_config
+from agent.core.plan import plan
+from agent.core.resources import PlanError
+from agent.gpu.discovery import discover
 from agent.mps.control import pinned_limit_command, thread_percentage_command
+from agent.sim.nvml.install import simulated_node
+from agent.sim.nvml.spec import parse_node_spec
 
 from .nodes import MPS_CONFIG, MPS_NODE, MPS_RESOURCES
 
@@ -67,24 +74,31 @@ HOSTILE = {
     "mpsRoot newline": ({"version": "v1", "flags": {"mpsRoot": "/run/mps\n/etc"}}, "mpsRoot"),
     "nvidiaDriverRoot with ..": ({"version": "v1", "flags": {"nvidiaDriverRoot": "/../../etc"}}, "nvidiaDriverRoot"),
     "activeThreadPercentage 10**9": (_mps(activeThreadPercentage=10**9), "activeThreadPercentage"),
-    "device index huge": (_entry(replicas=2, devices=[10**12]), None),
+    # an index is a well-formed number at parse; one past the node's GPUs is refused when planned (PlanError)
+    "device index huge": (_entry(replicas=2, devices=[10**12]), f"devices[0]: '{10**12}' is not a nvidia.com/gpu"),
 }
 
 
+@pytest.fixture(scope="module")
+def mps_node_inventory():
+    """The inventory of the scenarios' two-GPU node, read through pynvml as the agent reads it."""
+    with simulated_node(parse_node_spec(yaml.safe_load(MPS_NODE))):
+        return discover()
+
+
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_hostile_config_values_are_rejected_naming_the_field(case: str, figures) -> None:
+def test_hostile_config_values_are_rejected_naming_the_field(case: str, mps_node_inventory, figures) -> None:
+    """Refused at parse (ConfigError) or, for what only the node can judge, when planned (PlanError): either way
+    the message names the field; a value that parses and plans is a failure."""
     document, field = HOSTILE[case]
     try:
-        parse_config(document, "hostile")
-    except ConfigError as error:
-        figures.update(rejected=str(error))
-        if field is not None:
-            assert field in str(error), str(error)
+        model, _ = parse_config(document, "hostile")
+        plan(effective(model, FlagOverrides()).plan, mps_node_inventory)
+    except (ConfigError, PlanError) as error:
+        figures.update(rejected=f"{type(error).__name__}: {error}")
+        assert field in str(error), str(error)
         return
-    if field is None:  # an index past the node's GPUs is refused when planned (PlanError), not at parse
-        figures.update(accepted_at_parse="refused at plan time")
-        return
-    pytest.fail(f"{case}: accepted")
+    pytest.fail(f"{case}: accepted and planned")
 
 
 @pytest.mark.parametrize(

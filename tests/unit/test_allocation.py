@@ -321,11 +321,35 @@ ALL_STRATEGIES = (ENVVAR, VOLUME_MOUNTS, CDI_CRI, CDI_ANNOTATIONS)
 NODE = (*GPUS, *(replica(i, n) for i in range(2) for n in range(3)), *(mig_device(2, m) for m in range(3)))
 
 
-def outcome(fn, *args, **kwargs) -> ContainerAllocation | str:
-    try:
-        return fn(*args, **kwargs)
-    except AllocationError as error:
-        return f"AllocationError: {error}"
+def expected_answer(
+    requested: list[str], health: dict[str, bool], strategies: set[DeviceListStrategy], one_replica: bool
+) -> tuple[str, tuple[str, ...]] | tuple[object, ...]:
+    """What the kubelet is told, worked out here from the rules (not through ``validate_request``): a refusal
+    as (its phrase, the IDs it must name), else what the container gets (env, mount paths, CDI names)."""
+    by_id = {d.id: d for d in NODE}
+    if not requested:
+        return "empty allocation request for nvidia.com/gpu", ()
+    if one_replica and len(requested) > 1 and any("::" in i for i in requested):
+        return "maximum request size for shared resources is 1", ()
+    duplicates = tuple(i for n, i in enumerate(requested) if i in requested[:n])
+    if duplicates:
+        return "duplicate device IDs", duplicates
+    unknown = tuple(i for i in requested if i not in by_id)
+    if unknown:
+        return "unknown device IDs", unknown
+    unhealthy = tuple(i for i in requested if not health[i])
+    if unhealthy:
+        return "are Unhealthy and cannot be allocated", unhealthy
+    physical = list(dict.fromkeys(by_id[i].mig_uuid or by_id[i].gpu_uuid for i in requested))
+    names = tuple(f"example.com/gpu={u}" for u in physical)
+    mounts = VOLUME_MOUNTS in strategies
+    visible = "/var/run/nvidia-container-devices" if mounts else ",".join(physical) if ENVVAR in strategies else None
+    return (
+        visible,
+        tuple(f"/var/run/nvidia-container-devices/{u}" for u in physical) if mounts else (),
+        names if CDI_CRI in strategies else (),
+        (",".join(names),) if CDI_ANNOTATIONS in strategies else (),
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -335,21 +359,29 @@ def outcome(fn, *args, **kwargs) -> ContainerAllocation | str:
     strategies=st.sets(st.sampled_from(ALL_STRATEGIES), min_size=1),
     fail_requests_greater_than_one=st.booleans(),
 )
-def test_property_allocator_answers_as_validate_then_build(
+def test_property_allocator_answers_as_the_rules_say(
     requested: list[str], unhealthy: set[str], strategies: set[DeviceListStrategy], fail_requests_greater_than_one: bool
 ) -> None:
-    """The allocator's quick check and precomputed answers change nothing: the same allocation, or the same
-    refusal with the same text, as validate_request followed by container_allocation."""
+    """The allocator (its quick check, then ``validate_request`` on the rare path) refuses exactly the requests
+    the rules refuse, naming every bad ID, and gives any other request exactly its devices."""
     health = {d.id: d.id not in unhealthy for d in NODE}
-    by_id = {d.id: d for d in NODE}
     flag = {"fail_requests_greater_than_one": fail_requests_greater_than_one}
     allocator = Allocator.of(GPU, NODE, health, sorted(strategies), cdi_kind="example.com/gpu", **flag)
-
-    def expected() -> ContainerAllocation:
-        devices = validate_request(GPU, requested, by_id, health, **flag)
-        return container_allocation(GPU, devices, strategies, cdi_kind="example.com/gpu")
-
-    assert outcome(allocator.allocate, requested) == outcome(expected)
+    expected = expected_answer(requested, health, strategies, fail_requests_greater_than_one)
+    try:
+        got = allocator.allocate(requested)
+    except AllocationError as error:
+        phrase, named = expected
+        assert isinstance(phrase, str) and phrase in str(error), (str(error), expected)
+        assert all(i in str(error) for i in named), (str(error), named)
+        return
+    seen = (
+        got.envs.get("NVIDIA_VISIBLE_DEVICES"),
+        tuple(m.container_path for m in got.mounts),
+        got.cdi_devices,
+        tuple(got.annotations.values()),
+    )
+    assert seen == expected
 
 
 def test_allocator_for_mps_clients_matches_the_single_request_answer() -> None:

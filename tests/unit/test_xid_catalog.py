@@ -160,9 +160,22 @@ def test_the_differences_from_nvidias_plugin_are_where_the_catalog_says_applicat
     assert differ == ((RESTART_APP_XIDS | IGNORE_XIDS) - NVIDIA_IGNORED_XIDS) | {109}
 
 
+# docs/health.md's rule, written out here rather than read from the code under test: what the application
+# causes or needs no action leaves the device in service; the reboot class loses the GPU; all else is Unhealthy
+E = XidEffect
+DOCUMENTED_EFFECT = {A.IGNORE: E.IGNORE, A.RESTART_APP: E.APPLICATION, A.WORKFLOW_XID_45: E.APPLICATION,
+                     A.RESTART_BM: E.LOST, A.RESTART_VM: E.LOST}  # fmt: skip
+
+
 def test_the_policy_default_is_the_catalog_default():
+    """A policy built with no flag, env or config gives every XID its catalog action's documented effect."""
     policy = HealthPolicy()
-    assert all(policy.effect(x) is default_effect(x) for x in range(0, 400))
+    expected = {x: DOCUMENTED_EFFECT.get(lookup(x).action, E.UNHEALTHY) for x in [*range(0, 400), 999, 2**32 - 1]}
+    assert {x: policy.effect(x) for x in expected} == expected
+    # the catalog's own facts, spot-checked without the lookup: 45 (killed app) and 94 (contained ECC) stay
+    # in service, 48 (double-bit ECC) and 999 (unnamed) do not, 79 (off the bus) and 151 lose the GPU
+    assert [policy.effect(x) for x in (43, 45, 94, 48, 999, 79, 151)] == [
+        E.IGNORE, E.APPLICATION, E.APPLICATION, E.UNHEALTHY, E.UNHEALTHY, E.LOST, E.LOST]  # fmt: skip
 
 
 # ----- docs/health.md ------------------------------------------------------------------------------------
