@@ -63,7 +63,7 @@ def test_a_stop_ends_the_wait_for_the_lock_at_once_naming_the_holder(tmp_path: P
         except BaseException as error:
             outcome.append(error)
 
-    thread = threading.Thread(target=wait)
+    thread = threading.Thread(target=wait, daemon=True)
     try:
         thread.start()
         stop.set()
