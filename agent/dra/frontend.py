@@ -21,6 +21,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +172,7 @@ class DraFrontEnd:
             self._swept(self._service.sweep_stale_specs())
         else:  # the claims wait on the worker until the other instance lets go
             taking_over = self._service.take_over(self._wait_for_checkpoint, store.load)
-            taking_over.add_done_callback(lambda done: done.cancelled() or self._swept(done.result()))
+            taking_over.add_done_callback(self._taken_over)
         self._publisher = SlicePublisher(self._api_client, s.node_name, s.driver, post=self._post)
         self._publisher.start()
         self._registrar = DraRegistrar(
@@ -191,7 +192,7 @@ class DraFrontEnd:
             driver_dir,
             what=f"the DRA checkpoint and CDI specs of {self.settings.driver}",
             does="works",
-            advice="its claims wait until it lets go",
+            advice="this instance's claims wait until it lets go",
         )
         try:
             self._checkpoint_lock.acquire()
@@ -209,8 +210,20 @@ class DraFrontEnd:
         except LockWaitStopped as error:
             log.info("DRA checkpoint not taken over reason=%r", str(error))
             return False
+        except OSError as error:  # the lock file cannot be used any more: never work a checkpoint not ours
+            log.error("DRA checkpoint cannot be taken over; claims are refused until the agent restarts error=%r",
+                      str(error))  # fmt: skip
+            return False
         log.info("DRA checkpoint taken over from the previous instance lock=%s", self._checkpoint_lock.path)
         return True
+
+    def _taken_over(self, done: Future[list[str] | None]) -> None:
+        if done.cancelled():
+            return
+        if (error := done.exception()) is not None:
+            log.error("DRA checkpoint taken over, its leftovers not swept error=%r", f"{type(error).__name__}: {error}")
+            return
+        self._swept(done.result())
 
     def _swept(self, swept: list[str] | None) -> None:
         """Worker or start: the leftovers of an earlier instance are gone (``swept``: their CDI specs' claims)."""

@@ -107,3 +107,22 @@ def test_during_a_rolling_update_the_new_instance_sweeps_only_once_the_old_one_l
     poll(lambda: not stale.exists(), "the new instance took over and swept")
     assert spec_of(world, uid).exists()  # the late claim's spec is its own: the checkpoint was read again
     assert uid in decode(checkpoint_file(world).read_bytes()).claims
+
+
+def test_a_new_instance_stopped_before_the_old_one_let_go_stops_at_once_and_touches_nothing(world: World) -> None:
+    """A rollout undone (or a node drained) while the new instance still waits for the checkpoint: it stops now,
+    without ever working the checkpoint; the old instance goes on serving its claims."""
+    ready(world)
+    stale = leave_stale_spec(world)
+    registered = registrations(world)
+    new_agent, new_thread = start_agent(world.base, world.api, pod_uid=POD_UID, device_plugin_dir=world.base / "dp-2")
+    try:
+        world.dra.wait_for(lambda: registrations(world) > registered, DEADLINE, "the new instance registered")
+    finally:
+        new_agent.stop()
+        new_thread.join(timeout=5)  # its worker waited for the lock: the stop ends that wait
+    assert not new_thread.is_alive()
+    assert stale.exists()  # the old instance still holds the checkpoint: the new one swept nothing
+    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the old instance still registered")
+    world.claim("kept", [])
+    world.dra.run_pod("default", "kept", "pod-k", [("gpu", "kept")], {"main": [("gpu", None)]})
