@@ -216,6 +216,8 @@ class Agent:
         self._settle_by = 0.0  # what comes second starts by then even if the kubelet has not watched everything
         self._kubelet_known = False  # the watcher has said whether kubelet.sock is there
         self._lock: PluginDirLock | None = None
+        self.stopping = threading.Event()
+        """Set by ``stop()``: a wait that only a stop may cut short (the plugin-directory lock) ends at once."""
         self._internal_errors: dict[str, int] = {}
         self._said_errors: set[tuple[str, str]] = set()
         self._resync_at: float | None = None  # a failed step is retried by a full, idempotent resync
@@ -243,6 +245,7 @@ class Agent:
         self._events.put(event)
 
     def stop(self) -> None:
+        self.stopping.set()  # before the loop hears it: the start may be waiting for the plugin-directory lock
         self.post(Stop())
 
     def responsive(self, timeout: float = 2.0) -> bool:
@@ -433,8 +436,8 @@ class Agent:
             log.warning("device-plugin directory is held by another agent; waiting up to %.0fs error=%r",
                         wait, str(error))  # fmt: skip
             try:
-                lock.acquire(wait=wait)
-            except PluginDirLocked as still:
+                lock.acquire(wait=wait, stop=self.stopping)
+            except PluginDirLocked as still:  # or LockWaitStopped: SIGTERM came first ("stopped while waiting ...")
                 raise AgentExit(str(still)) from None
         self._lock = lock
 

@@ -116,13 +116,14 @@ def _fail_on_init_error(given: bool | None, config: Path | None) -> bool:
         return given
     if config is None or not config.is_file():
         return False
-    import yaml
+    from agent.config.bounded import read_bounded
+    from agent.config.model import ConfigError
+    from agent.config.yaml_limits import load_yaml
 
-    try:
-        with config.open("rb") as stream:
-            document = yaml.safe_load(stream.read(MAX_CONFIG_PEEK))
-    except (OSError, yaml.YAMLError):
-        return False  # the agent reads the config again and names what is wrong with it
+    try:  # within the limits every config is read in (nesting, size, aliases): no RecursionError, no bomb
+        document = load_yaml(read_bounded(config, max_bytes=MAX_CONFIG_PEEK), str(config))
+    except ConfigError:
+        return False  # the agent reads the config again, names what is wrong with it and keeps running
     flags = document.get("flags") if isinstance(document, dict) else None
     value = flags.get("failOnInitError") if isinstance(flags, dict) else None
     return value is True
@@ -233,6 +234,9 @@ def run_agent(
         try:
             agent.run()
         except AgentExit as error:
+            if agent.stopping.is_set():  # SIGTERM during the start (waiting for the plugin-directory lock): done
+                log.info("stopped before the start was over reason=%r", str(error))
+                return 0
             log.error("cannot run error=%r", str(error))
             print(f"tessera: {error}", file=sys.stderr)
             return 1

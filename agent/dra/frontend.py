@@ -3,13 +3,26 @@
 The reconcile loop owns the decisions (which GPUs DRA serves, their health and taints) and hands them over with
 ``update``; this only starts, feeds and stops the three shell pieces in the right order — the service before the
 registration that advertises it, the devices before either, so the first Prepare the kubelet sends finds them.
+
+One instance works the driver's checkpoint and CDI specs at a time: it holds the lock of the driver's plugin
+directory (``<plugins>/<driver>/.tessera/agent.lock``, ``agent.plugin.lock``) from its start to its stop. During
+a rolling update (sockets named by ``POD_UID``) the new instance serves at once, but its claims wait on its worker
+until the old instance has let go; only then does it read the checkpoint again, roll back a Prepare the old one
+left unfinished and remove the CDI specs no recorded claim owns — nothing the old one can still be writing.
+
+Stopping is prompt: a Prepare waiting for its MPS daemon (a state only the stopped reconcile loop would deliver)
+and a wait for the lock end at once; the claim is rolled back (``ClaimWorker``), and the kubelet retries it with
+the next instance.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.core.dra.devices import DraDevice
@@ -20,6 +33,8 @@ if TYPE_CHECKING:
     from agent.ledger import DeviceLedger
 
 log = logging.getLogger(__name__)
+
+LOCK_POLL_SECONDS = 0.2  # how soon a successor notices its predecessor let go of the checkpoint (no event says it)
 
 
 class DraFrontEnd:
@@ -37,6 +52,8 @@ class DraFrontEnd:
         self._mps_cond = threading.Condition()
         self._mps_states: dict[str, tuple[str, str | None]] = {}
         self._mps_root = settings.mps_root
+        self._stopping = threading.Event()  # set by stop(): every wait of a claim worker ends
+        self._checkpoint_lock: Any = None  # agent.plugin.lock.DirLock of the driver's plugin directory
 
     def update(
         self,
@@ -88,11 +105,13 @@ class DraFrontEnd:
 
         def settled() -> bool:
             state, error = self._mps_states.get(key, ("pending", None))
-            return state == "ready" or (state == "down" and error is not None)
+            return state == "ready" or (state == "down" and error is not None) or self._stopping.is_set()
 
         with self._mps_cond:
             if not self._mps_cond.wait_for(settled, timeout):
                 return f"it did not answer within {timeout:.0f} s"
+            if self._stopping.is_set():  # the loop that would say "ready" has stopped: do not wait for it
+                return "the agent is stopping"
             state, error = self._mps_states[key]
         return None if state == "ready" else error
 
@@ -116,10 +135,18 @@ class DraFrontEnd:
             self._registrar.restart()
 
     def stop(self) -> None:
-        """The kubelet hears the driver go (registration socket removed); slices stay for the next agent."""
+        """The kubelet hears the driver go (registration socket removed); slices stay for the next agent.
+
+        The claim worker's waits end first (its MPS daemon, the checkpoint's lock), so the service's stop, which
+        waits for the claim being worked on, is not held up by a wait only the stopped loop could end."""
+        with self._mps_cond:
+            self._stopping.set()
+            self._mps_cond.notify_all()
         for piece in (self._registrar, self._service, self._publisher):
             if piece is not None:
                 piece.stop()
+        if self._checkpoint_lock is not None:
+            self._checkpoint_lock.release()  # after the worker's last write: the next instance takes over
 
     def start(self) -> None:
         """The service (its checkpoint read: which GPUs claims hold) and the slice publisher; the kubelet is
@@ -136,13 +163,15 @@ class DraFrontEnd:
         s = self.settings
         endpoint = dra_socket(s.plugins_dir, s.driver, s.pod_uid)
         endpoint.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        owner = self._lock_checkpoint(endpoint.parent)  # before the checkpoint is read: then it is the last word
+        store = CheckpointStore(checkpoint_path(endpoint.parent))
         self._service = DraService(
             endpoint,
             driver=s.driver,
             pool=s.node_name,
             read_claim=KubernetesClaimReader(self._api_client),
             cdi=CdiStore(s.cdi_root),
-            checkpoints=CheckpointStore(checkpoint_path(endpoint.parent)),
+            checkpoints=store,
             latency=s.latency,
             node_cdi_kind=s.cdi_kind,
             timeslices=NvidiaSmiTimeslices(s.nvidia_smi),
@@ -154,10 +183,11 @@ class DraFrontEnd:
         if self._ledger is not None:
             self._ledger.attach_claims(self._service.checkpoint, s.node_name)
         self._service.start()
-        if s.pod_uid is None:  # one instance per node: a spec no recorded claim owns is a leftover (a crash)
-            swept = self._service.sweep_stale_specs()
-            if swept:
-                log.info("removed CDI specs no prepared claim owns claims=%s", ",".join(swept))
+        if owner:  # no other instance works the checkpoint: what it holds unfinished, or no claim owns, is left over
+            self._swept(self._service.sweep_stale_specs())
+        else:  # the claims wait on the worker until the other instance lets go
+            taking_over = self._service.take_over(self._wait_for_checkpoint, store.load)
+            taking_over.add_done_callback(self._taken_over)
         self._publisher = SlicePublisher(self._api_client, s.node_name, s.driver, post=self._post)
         self._publisher.start()
         self._registrar = DraRegistrar(
@@ -168,3 +198,52 @@ class DraFrontEnd:
             on_status=lambda registered, error: self._post(DraRegistration(registered, error)),
         )
         log.info("DRA driver starting driver=%s node=%s socket=%s", s.driver, s.node_name, endpoint)
+
+    def _lock_checkpoint(self, driver_dir: Path) -> bool:
+        """Take the lock of the driver's plugin directory if it is free; False if another instance holds it."""
+        from agent.plugin.lock import DirLock, DirLocked
+
+        self._checkpoint_lock = DirLock(
+            driver_dir,
+            what=f"the DRA checkpoint and CDI specs of {self.settings.driver}",
+            does="works",
+            advice="this instance's claims wait until it lets go",
+        )
+        try:
+            self._checkpoint_lock.acquire()
+        except DirLocked as error:
+            log.warning("DRA claims wait for the previous instance to stop error=%r", str(error))
+            return False
+        return True
+
+    def _wait_for_checkpoint(self) -> bool:
+        """Worker: True once the lock is this instance's, False when the agent stops first."""
+        from agent.plugin.lock import LockWaitStopped
+
+        try:
+            self._checkpoint_lock.acquire(wait=math.inf, stop=self._stopping, poll=LOCK_POLL_SECONDS)
+        except LockWaitStopped as error:
+            log.info("DRA checkpoint not taken over reason=%r", str(error))
+            return False
+        except OSError as error:  # the lock file cannot be used any more: never work a checkpoint not ours
+            log.error("DRA checkpoint cannot be taken over; claims are refused until the agent restarts error=%r",
+                      str(error))  # fmt: skip
+            return False
+        log.info("DRA checkpoint taken over from the previous instance lock=%s", self._checkpoint_lock.path)
+        return True
+
+    def _taken_over(self, done: Future[list[str] | None]) -> None:
+        if done.cancelled():
+            return
+        if (error := done.exception()) is not None:
+            log.error("DRA checkpoint taken over, its leftovers not swept error=%r", f"{type(error).__name__}: {error}")
+            return
+        self._swept(done.result())
+
+    def _swept(self, swept: list[str] | None) -> None:
+        """Worker or start: the leftovers of an earlier instance are gone (``swept``: their CDI specs' claims)."""
+        if swept is None:
+            return  # stopped before it took over
+        if swept:
+            log.info("removed CDI specs no prepared claim owns claims=%s", ",".join(swept))
+        self._post(DraClaimsChanged())  # the checkpoint may differ from the one read at start

@@ -28,7 +28,7 @@ import os
 import stat
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, ModuleType
@@ -256,6 +256,24 @@ class DraService:
         if self._executor is None:
             return self._claims.sweep()
         return self._executor.submit(self._claims.sweep).result()
+
+    def take_over(self, wait: Callable[[], bool], load: Callable[[], Checkpoint]) -> Future[list[str] | None]:
+        """Another instance works the checkpoint (a rolling update): the worker, before any claim, waits for it
+        (``wait``: True once it is this one's, False when the agent stops first), reads it again (``load``: the
+        other instance wrote it since) and sweeps (``sweep_stale_specs``). The swept claim UIDs, None when the
+        wait was stopped: then nothing queued behind it runs (it would work a checkpoint that is not ours)."""
+        executor = self._executor
+        if executor is None:
+            raise RuntimeError("the DRA service is not started")
+
+        def job() -> list[str] | None:
+            if not wait():
+                executor.shutdown(wait=False, cancel_futures=True)  # the claims queued behind: their calls fail
+                return None
+            self._claims.checkpoint = load()
+            return self._claims.sweep()
+
+        return executor.submit(job)
 
     @property
     def serving(self) -> bool:

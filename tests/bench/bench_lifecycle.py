@@ -11,6 +11,7 @@ of them), with the issue's targets:
 - idle CPU of the agent process after start (utime + stime from /proc/<pid>/stat; 60 s, ``--quick`` 10 s;
   target < 0.1 % of a core)
 - SIGTERM -> exit (< 100 ms), and whether every run exited 0 with its plugin sockets removed
+- SIGTERM -> exit of an agent waiting for the device-plugin directory's lock (another agent holds it; < 1 s, exit 0)
 Floors measured in the same run: ``python -c pass`` (process start and exit) and the bare ``import grpc``.
 
 The agent runs from a copy of this tree's ``agent`` package with its bytecode compiled, as the image has it
@@ -34,6 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from agent.plugin.lock import PluginDirLock
 from agent.sim.kubelet import KubeletEmulator
 
 PACKAGE = Path(__file__).resolve().parents[2] / "agent"  # this tree's, whatever `import agent` finds
@@ -93,6 +95,36 @@ class Run:
     def start(self) -> float:
         """Seconds from process start to the kubelet holding all GPUs healthy from the first ListAndWatch."""
         self.kubelet.start()
+        started = time.perf_counter()
+        self._spawn()
+        try:
+            self.kubelet.wait_for(lambda: self.kubelet.allocatable(RESOURCE) == GPUS, timeout=60, what="registered")
+        except TimeoutError:
+            raise RuntimeError(f"the agent did not register: {self.log_tail()}") from None
+        return time.perf_counter() - started
+
+    def stop_while_waiting_for_the_lock(self) -> tuple[float, bool]:
+        """(seconds from SIGTERM to exit, whether it exited 0) of an agent that waits for the device-plugin
+        directory's lock, held by another agent (this process) as in a rolling update."""
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        holder = PluginDirLock(self.plugin_dir)
+        holder.acquire()
+        try:
+            self._spawn()
+            assert self.agent is not None
+            deadline = time.monotonic() + 60
+            while "held by another agent" not in (self.base / "agent.log").read_text(errors="replace"):
+                if self.agent.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the agent did not wait for the lock: {self.log_tail()}")
+                time.sleep(0.01)
+            started = time.perf_counter()
+            self.agent.send_signal(signal.SIGTERM)
+            code = self.agent.wait(timeout=60)
+            return time.perf_counter() - started, code == 0
+        finally:
+            holder.release()
+
+    def _spawn(self) -> None:
         command = [
             sys.executable, "-m", "agent", "run", "--simulate", "dgx-a100", "--device-plugin-dir", str(self.plugin_dir),
             "--pod-resources-socket", str(self.base / "pr" / "kubelet.sock"), "--log-level", "warning", *self.extra,
@@ -100,14 +132,8 @@ class Run:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # as in the image: a copy without bytecode stays without
         log = (self.base / "agent.log").open("wb")
-        started = time.perf_counter()
         self.agent = subprocess.Popen(command, env=env, cwd=self.package, stdout=log, stderr=log)
         log.close()
-        try:
-            self.kubelet.wait_for(lambda: self.kubelet.allocatable(RESOURCE) == GPUS, timeout=60, what="registered")
-        except TimeoutError:
-            raise RuntimeError(f"the agent did not register: {self.log_tail()}") from None
-        return time.perf_counter() - started
 
     def stop(self) -> tuple[float, bool]:
         """(seconds from SIGTERM to exit, whether it exited 0 with every plugin socket removed)."""
@@ -174,6 +200,11 @@ def main() -> None:
 
         return body
 
+    def lock_wait_round(run: Run) -> None:
+        seconds, clean = run.stop_while_waiting_for_the_lock()
+        add("stop_lock_wait", seconds)
+        results.setdefault("stop_lock_wait_clean", []).append(float(clean))
+
     work = Path(tempfile.mkdtemp(prefix="bench-life", dir="/tmp"))
     packages = {
         True: package_copy(work / "compiled", compiled=True),
@@ -199,6 +230,7 @@ def main() -> None:
             with_run(["--metrics-address", "off"], start_only("start_off"))
             with_run(["--metrics-address", "off", "--config", "{base}/tessera.yaml"], start_only("start_config"))
             with_run(["--metrics-address", "127.0.0.1:0"], start_only("start_source"), compiled=False)
+            with_run(["--metrics-address", "off"], lock_wait_round)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -227,6 +259,10 @@ def main() -> None:
     print(row(f"idle CPU over {idle_seconds:g} s (% of a core)", "idle", "%", "< 0.1 %", scale=1.0, digits=3))
     print(row("SIGTERM -> exit (every run)", "stop", "ms", "< 100 ms"))
     print(f"| exit 0 with plugin sockets removed | {clean_stops}/{stops} | | | {stops} | all |")
+    print(row("SIGTERM -> exit while waiting for the plugin-directory lock", "stop_lock_wait", "ms", "< 1 s"))
+    lock_stops = results["stop_lock_wait_clean"]
+    print(f"| exit 0 after SIGTERM while waiting for the lock | {int(sum(lock_stops))}/{len(lock_stops)} | | | "
+          f"{len(lock_stops)} | all |")  # fmt: skip
 
 
 if __name__ == "__main__":

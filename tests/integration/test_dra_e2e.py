@@ -55,24 +55,24 @@ def start_agent(
     telemetry: TelemetrySettings | None = None,
     health: HealthPolicy | None = None,
     liveness_seconds: float | None = None,
+    **options: object,
 ) -> tuple[Agent, threading.Thread]:
+    """An agent on the world's node and directories; ``options`` replace the defaults (``pod_uid``...)."""
     more = {} if liveness_seconds is None else {"liveness_probe_seconds": liveness_seconds}
-    agent = Agent(
-        AgentOptions(
-            **more,  # type: ignore[arg-type]
-            telemetry=telemetry,
-            health=health or HealthPolicy(),
-            device_plugin_dir=base / "dp",
-            pod_resources_socket=base / "pr" / "kubelet.sock",
-            config_path=base / "config.yaml",
-            node_name=NODE,
-            kubeconfig=str(api.write_kubeconfig(base / "kubeconfig")),
-            dra_registry_dir=base / "registry",
-            dra_plugins_dir=base / "plugins",
-            cdi_root=base / "cdi",
-            sys_root=base / "sys",
-        )
+    defaults: dict[str, object] = dict(
+        telemetry=telemetry,
+        health=health or HealthPolicy(),
+        device_plugin_dir=base / "dp",
+        pod_resources_socket=base / "pr" / "kubelet.sock",
+        config_path=base / "config.yaml",
+        node_name=NODE,
+        kubeconfig=str(api.write_kubeconfig(base / "kubeconfig")),
+        dra_registry_dir=base / "registry",
+        dra_plugins_dir=base / "plugins",
+        cdi_root=base / "cdi",
+        sys_root=base / "sys",
     )
+    agent = Agent(AgentOptions(**{**more, **defaults, **options}))  # type: ignore[arg-type]
     thread = threading.Thread(target=agent.run, name="agent-under-test")
     thread.start()
     assert agent.started.wait(20)

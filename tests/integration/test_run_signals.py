@@ -14,10 +14,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
+from agent.plugin.lock import PluginDirLock
 from agent.sim.kubelet import KubeletEmulator
 
 
@@ -58,4 +60,70 @@ def test_sigterm_stops_the_agent_whichever_thread_receives_it(which: str) -> Non
             process.kill()
             process.wait(timeout=10)
         kubelet.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _start(base: Path, *more: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """``tessera run`` on a simulated dgx-a100 with its device-plugin directory under ``base``; its log file."""
+    log = base / "agent.log"
+    command = [
+        sys.executable, "-m", "agent", "run", "--simulate", "dgx-a100", "--metrics-address", "off",
+        "--device-plugin-dir", str(base / "dp"), "--pod-resources-socket", str(base / "pr" / "kubelet.sock"), *more,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TESSERA_", "DP_"))}
+    with log.open("w") as log_file:
+        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env), log
+
+
+def _wait_for_log(process: subprocess.Popen[bytes], log: Path, text: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text(errors="replace"):
+        assert process.poll() is None, log.read_text(errors="replace")[-2000:]
+        assert time.monotonic() < deadline, f"no {text!r} in the log:\n{log.read_text(errors='replace')[-2000:]}"
+        time.sleep(0.02)
+
+
+def test_sigterm_while_waiting_for_the_plugin_directory_lock_exits_at_once_with_status_0() -> None:
+    """A rolling update: the old agent still holds the directory when the new one starts, and the new one is told
+    to stop while it waits (15 s by default): it goes at once, saying so, and successfully."""
+    base = Path(tempfile.mkdtemp(prefix="trs", dir="/tmp"))
+    (base / "dp").mkdir()
+    predecessor = PluginDirLock(base / "dp")
+    predecessor.acquire()
+    process, log = _start(base)
+    try:
+        _wait_for_log(process, log, "device-plugin directory is held by another agent; waiting")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=5) == 0, log.read_text(errors="replace")[-2000:]  # not 15 s later, nor 1
+        text = log.read_text(errors="replace")
+        assert f"stopped while waiting for the device-plugin directory {base / 'dp'}" in text
+        assert f"pid {os.getpid()}" in text  # who held it
+        assert not list((base / "dp").glob("nvidia-*.sock"))  # it never served the directory it did not hold
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+        predecessor.release()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_config_nested_too_deeply_is_refused_by_name_and_the_agent_runs_on() -> None:
+    """``tessera run --config`` with 2,000 nested lists: no RecursionError at start; the agent says what is wrong
+    with which file, serves what it would serve without a config's sharing (nothing) and stops on SIGTERM."""
+    base = Path(tempfile.mkdtemp(prefix="trs", dir="/tmp"))
+    (base / "dp").mkdir()
+    config = base / "deep.yaml"
+    config.write_text("version: v1\nsharing: " + "[" * 2000 + "]" * 2000 + "\n")
+    process, log = _start(base, "--config", str(config))
+    try:
+        _wait_for_log(process, log, "config rejected")
+        text = log.read_text(errors="replace")
+        assert f"{config}: nested at least" in text and "RecursionError" not in text
+        assert process.poll() is None  # running on, not crashed
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0, log.read_text(errors="replace")[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
         shutil.rmtree(base, ignore_errors=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.plugin.lock import PluginDirLock, PluginDirLocked
+from agent.plugin.lock import LockWaitStopped, PluginDirLock, PluginDirLocked
 
 
 def test_a_second_holder_is_refused_naming_the_first(tmp_path: Path) -> None:
@@ -47,4 +47,33 @@ def test_the_lock_survives_the_kubelet_cleaning_the_directory(tmp_path: Path) ->
         with pytest.raises(PluginDirLocked):
             PluginDirLock(tmp_path).acquire()
     finally:
+        holder.release()
+
+
+def test_a_stop_ends_the_wait_for_the_lock_at_once_naming_the_holder(tmp_path: Path) -> None:
+    """SIGTERM while a predecessor still holds the directory: the waiting agent goes now, not when its wait ends."""
+    holder, waiter = PluginDirLock(tmp_path), PluginDirLock(tmp_path)
+    holder.acquire()
+    stop = threading.Event()
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            waiter.acquire(wait=600, stop=stop)
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    try:
+        thread.start()
+        stop.set()
+        thread.join(timeout=10)  # far below the 600 s the wait would otherwise last
+        assert not thread.is_alive()
+        (error,) = outcome
+        assert isinstance(error, LockWaitStopped) and not waiter.held
+        assert f"stopped while waiting for the device-plugin directory {tmp_path}" in str(error)
+        assert f"pid {os.getpid()}" in str(error)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
         holder.release()
