@@ -419,7 +419,9 @@ class Agent:
                 watcher.stop(timeout=join)
         for feature in (self._mps, self._mig, self._dra):
             if feature is not None:
-                feature.shutdown()
+                feature.shutdown(
+                    wait=join is None or join > 0
+                )  # `tessera run` exits next: no work in flight waited for
         if self._lock is not None:
             self._lock.release()
         log.info("stopped")

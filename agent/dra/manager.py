@@ -409,7 +409,7 @@ class DraManager:
 
         return [DROPPED_GATES[gate] for gate in (self._front.dropped_gates() if self._front is not None else ())]
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: bool = True) -> None:  # the hand-over checks never need waiting for
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._front is not None:
             self._front.stop()

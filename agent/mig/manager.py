@@ -202,8 +202,10 @@ class MigManager:
         log.debug("MIG worker traceback:\n%s", event.traceback)
         self.on_applied(MigApplied(self._generation, f"{event.key} crashed: {event.error}"), now)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the worker; ``wait=False`` (a process that exits next) does not wait for a change in flight: the
+        driver finishes or drops the NVML call, and the next agent converges from a fresh inventory."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
     # ----- worker -----------------------------------------------------------------------------------
 

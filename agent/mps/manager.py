@@ -292,9 +292,10 @@ class MpsManager:
             }
         return status
 
-    def shutdown(self) -> None:
-        """The agent stops; daemons keep serving their clients and are adopted by the next agent."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, wait: bool = True) -> None:
+        """The agent stops; daemons keep serving their clients and are adopted by the next agent (which sets their
+        limits again). ``wait=False`` (a process that exits next) does not wait for a daemon being started."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
         if self._exits is not None:
             self._exits.stop()
 

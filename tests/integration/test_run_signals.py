@@ -127,3 +127,32 @@ def test_a_config_nested_too_deeply_is_refused_by_name_and_the_agent_runs_on() -
             process.kill()
             process.wait(timeout=10)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_sigterm_while_a_mig_change_is_in_the_driver_exits_at_once_with_status_0() -> None:
+    """A MIG mode change takes seconds on real hardware (a driver in trouble, far longer): SIGTERM does not wait for
+    it. The next agent converges from a fresh inventory."""
+    from agent.sim.nvml.control import SimControlClient
+
+    base = Path(tempfile.mkdtemp(prefix="trs", dir="/tmp"))
+    kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock")  # PodResources: nothing allocated
+    kubelet.start()
+    config = base / "config.yaml"
+    config.write_text("version: v1\n")
+    process, log = _start(base, "--config", str(config), "--sim-control", str(base / "ctl.sock"))
+    try:
+        _wait_for_log(process, log, "registered resource=nvidia.com/gpu")
+        SimControlClient(base / "ctl.sock").call("stall", symbol="nvmlDeviceSetMigMode", seconds=60)
+        config.write_text(
+            "version: v1\nmigLayout:\n  config: one\n  layouts:\n    version: v1\n    mig-configs:\n"
+            "      one:\n        - devices: [0]\n          mig-enabled: true\n          mig-devices: {}\n"
+        )
+        _wait_for_log(process, log, "MIG layout change applying")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=5) == 0, log.read_text(errors="replace")[-2000:]  # not after the 60 s call
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+        kubelet.stop()
+        shutil.rmtree(base, ignore_errors=True)

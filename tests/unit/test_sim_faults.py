@@ -700,3 +700,25 @@ def test_control_socket_lists_the_mig_devices(
         for gi, ci in driver.gpus[0].mig_devices()
     ]  # fmt: skip
     assert listed == expected and sorted(m["profile"] for m in listed) == ["1g.10gb", "3g.40gb"]
+
+
+def test_a_stalled_call_blocks_in_the_driver_then_runs(nvml_node: Callable[[object], SimDriver]) -> None:
+    """``stall``: the next call of a symbol blocks (a MIG mode change takes seconds on real hardware), then runs."""
+    driver = nvml_node(gpus("A100-SXM4-80GB"))
+    device = handle(0)
+    driver.stall("nvmlDeviceGetMemoryInfo", 1.5)
+    done = threading.Event()
+    totals: list[int] = []
+
+    def call() -> None:
+        totals.append(pynvml.nvmlDeviceGetMemoryInfo(device).total)
+        done.set()
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert not done.wait(0.3)  # held in the driver
+    assert pynvml.nvmlDeviceGetMemoryInfo(device).total == 81920 * MIB  # only the next call stalls
+    assert done.wait(10) and totals == [81920 * MIB]  # ... and then it runs
+    caller.join(10)
+    with pytest.raises(ValueError, match="at most 3600 seconds"):
+        driver.stall("nvmlDeviceGetMemoryInfo", 10**9)

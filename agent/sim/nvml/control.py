@@ -107,6 +107,10 @@ def _fault_operations(driver: SimDriver) -> _Operations:
             {"symbol": str, "code": str, "times": (int, _NULL), "gpu": int},
         ),
         "clear_injected_errors": (driver.clear_injected_errors, {}),
+        "stall": (
+            lambda symbol, seconds: driver.stall(symbol, float(seconds)),
+            {"symbol": str, "seconds": (float, int)},
+        ),
         "fail_init": (
             lambda code, times=None: driver.fail_init(None if code is None else _code(code), times=times),
             {"code": (str, _NULL), "times": (int, _NULL)},

@@ -301,6 +301,7 @@ class SimDriver:
         self._event_ready = threading.Condition(self.lock)
         self._event_sets: list[SimEventSet] = []
         self._faults: list[_InjectedFault] = []
+        self._stalls: dict[str, float] = {}  # C function -> seconds its next call blocks before it runs
         self._init_failure: _InitFailure | None = None
         self._fault_rate: _FaultRate | None = None
         self._hidden_gi_profiles: set[int] = set()
@@ -312,12 +313,12 @@ class SimDriver:
 
     @property
     def faults_armed(self) -> bool:
-        """Whether any call may fail on purpose (``inject_error`` or ``set_fault_rate``).
+        """Whether any call may fail or stall on purpose (``inject_error``, ``set_fault_rate``, ``stall``).
 
         Read without the lock: the library skips the fault bookkeeping of every call while it is False,
         which is what that bookkeeping would find anyway.
         """
-        return bool(self._faults) or self._fault_rate is not None
+        return bool(self._faults) or self._fault_rate is not None or bool(self._stalls)
 
     # ----- lookups -------------------------------------------------------------------------------
 
@@ -1041,6 +1042,18 @@ class SimDriver:
             raise ValueError(f"times must be at least 1 (or None for until cleared), not {times}")
         with self.lock:
             self._faults.append(_InjectedFault(symbol, code, times, gpu_index))
+
+    def stall(self, symbol: str, seconds: float) -> None:
+        """Make the next call of the C function ``symbol`` block for ``seconds`` before it runs, as a real driver's
+        does: a MIG mode change takes seconds on real hardware, a driver in trouble far longer."""
+        if not 0 < seconds <= 3600:
+            raise ValueError(f"a stall lasts more than 0 and at most 3600 seconds, not {seconds}")
+        with self.lock:
+            self._stalls[symbol] = seconds
+
+    def take_stall(self, symbol: str) -> float:
+        with self.lock:
+            return self._stalls.pop(symbol, 0.0)
 
     def clear_injected_errors(self) -> None:
         """Forget every error queued by ``inject_error``."""

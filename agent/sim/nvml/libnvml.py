@@ -10,6 +10,7 @@ resolves; a handle of a destroyed instance stays invalid, as on the real driver.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -154,6 +155,8 @@ class SimulatedNvmlLibrary:
             if driver.init_count == 0 and symbol not in _CALLABLE_BEFORE_INIT:
                 return _UNINITIALIZED
             if driver.faults_armed:  # else there is nothing to take: skip resolving the handle for it
+                if stalled := driver.take_stall(symbol):
+                    threading.Event().wait(stalled)  # the call blocks in the driver, as a slow real one does
                 injected = driver.take_injected_fault(symbol, self._gpu_index_of(args))
                 if injected is None:
                     injected = driver.take_random_fault(symbol)
