@@ -146,13 +146,19 @@ def test_the_mig_manager_waits_for_a_prepared_claim_that_runs_no_process(sim_nod
 # ----- 2. one GPU, one front end, even in a race ------------------------------------------------------------------
 
 
-def test_a_gpu_handed_back_while_a_prepare_reads_its_claim_is_not_prepared(node: Node) -> None:  # noqa: F811
+def served_by_dra(node: Node) -> DeviceLedger:
+    """The DRA service restarted with a ledger of its own, which says DRA serves every GPU of the node."""
     ledger = DeviceLedger(node.base / "pr.sock")
     ledger.inventory = discover()
-    gpu = node.devices["gpu-0"].uuid
     assert ledger.adopt_for_dra(d.gpu_uuid for d in node.devices.values())
     node.restart(ledger=ledger)
     ledger.attach_claims(node.service.checkpoint, NODE)  # type: ignore[union-attr]
+    return ledger
+
+
+def test_a_gpu_handed_back_while_a_prepare_reads_its_claim_is_not_prepared(node: Node) -> None:  # noqa: F811
+    ledger = served_by_dra(node)
+    gpu = node.devices["gpu-0"].uuid
     released: list[frozenset[str]] = []
     # the config takes GPU 0 from DRA while the Prepare waits for the API server: the loop hands it back
     node.claims.gate = lambda name: released.append(ledger.release_from_dra({gpu}))
@@ -164,12 +170,8 @@ def test_a_gpu_handed_back_while_a_prepare_reads_its_claim_is_not_prepared(node:
 
 
 def test_a_gpu_a_claim_is_being_prepared_on_or_holds_stays_with_dra(node: Node) -> None:  # noqa: F811
-    ledger = DeviceLedger(node.base / "pr.sock")
-    ledger.inventory = discover()
+    ledger = served_by_dra(node)
     gpu = node.devices["gpu-0"].uuid
-    assert ledger.adopt_for_dra(d.gpu_uuid for d in node.devices.values())
-    node.restart(ledger=ledger)
-    ledger.attach_claims(node.service.checkpoint, NODE)  # type: ignore[union-attr]
     held, done = threading.Event(), threading.Event()
 
     def step() -> None:  # a step holds the lock (a MIG change, a Prepare recording PrepareStarted)...
