@@ -146,13 +146,13 @@ def test_the_mig_manager_waits_for_a_prepared_claim_that_runs_no_process(sim_nod
 # ----- 2. one GPU, one front end, even in a race ------------------------------------------------------------------
 
 
-def served_by_dra(node: Node) -> DeviceLedger:
-    """The DRA service restarted with a ledger of its own, which says DRA serves every GPU of the node."""
-    ledger = DeviceLedger(node.base / "pr.sock")
+def served_by_dra(dra: Node) -> DeviceLedger:
+    """The DRA service restarted with a ledger of its own, which says DRA serves every GPU of the dra."""
+    ledger = DeviceLedger(dra.base / "pr.sock")
     ledger.inventory = discover()
-    assert ledger.adopt_for_dra(d.gpu_uuid for d in node.devices.values())
-    node.restart(ledger=ledger)
-    ledger.attach_claims(node.service.checkpoint, NODE)  # type: ignore[union-attr]
+    assert ledger.adopt_for_dra(d.gpu_uuid for d in dra.devices.values())
+    dra.restart(ledger=ledger)
+    ledger.attach_claims(dra.service.checkpoint, NODE)  # type: ignore[union-attr]
     return ledger
 
 
