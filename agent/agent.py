@@ -1124,6 +1124,7 @@ class Agent:
         self._refresh_status()
 
     def _want_registration(self, name: str, *, delay: float = 0.0, unless_watched: bool = False) -> None:
+        """A reason to register ``name`` (a closed stream: ``unless_watched``), weighed when it comes due."""
         self._registrations.want(name, self._clock() + delay, unless_watched=unless_watched)
 
     def _on_worker_crashed(self, event: WorkerCrashed) -> None:

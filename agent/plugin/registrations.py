@@ -6,18 +6,20 @@ the newer (the resource goes unavailable). A restart gives the agent several rea
 milliseconds — the kubelet deletes the plugin sockets (served again at once), listens on a new ``kubelet.sock``,
 and the old kubelet's streams end — and ``Registrations`` makes one Register per resource of them:
 
-- A kubelet is one ``kubelet.sock`` file (device, inode, ctime): a new file is a new kubelet, and every resource
-  registers with it once. A watcher that says again what it said before changes nothing.
+- A kubelet is one ``kubelet.sock`` file (device, inode, mtime): a new file is a new kubelet, and every resource
+  registers with it once. A watcher saying again that the same file is there costs nothing.
 - A reason to register is kept as *due* and weighed when it comes due, not when it is given: a resource
-  registered with the kubelet of now is not registered again, whatever asked and however many asked. A
-  registration in flight when another reason comes counts for it when it succeeds.
-- An attempt knows which ``kubelet.sock`` answered it (the same file before and after the calls): a Register
-  that reached a kubelet before the agent heard of that kubelet's socket is that kubelet's registration.
+  registered with the kubelet of now is not registered again, whatever asked and however many asked. One
+  attempt at a time: reasons that come while it is in flight are weighed after its answer, and it answers
+  every reason given before it went out.
+- An attempt knows which ``kubelet.sock`` accepted it (the one there when the answer came: only a live kubelet
+  accepts): a Register that reached a kubelet before the agent heard of its socket is that kubelet's
+  registration, and the kubelet's socket event then costs no second one.
 - A plugin socket served again by the same server (its streams carry on) registers only if the resource is not
   registered with the kubelet of now: a restarting kubelet deletes the sockets before it listens, and its new
-  ``kubelet.sock`` brings the one Register. A stream the kubelet closed registers again unless the kubelet
-  watches the resource again by then. A new server for a resource (a new resource, or its server started again)
-  registers in any case: the kubelet's stream went with the old server.
+  ``kubelet.sock`` brings the one Register. A stream the kubelet ended registers again after a moment, unless
+  the kubelet watches the resource again by then. A new server for a resource (a new resource, or its server
+  started again) registers in any case: the kubelet's stream went with the old server.
 
 The reconcile loop owns the object and calls it from its one thread; the kubelet's answers come back to the loop as
 ``RegistrationDone`` events, posted from the gRPC loop's thread.
@@ -72,8 +74,8 @@ Register = Callable[[Path, list[tuple[str, str]], Callable[[Answered], None]], N
 class _Resource:
     """One resource's standing with the kubelet."""
 
-    due_at: float | None = None  # when a reason to register comes due; None when there is none
-    unless_watched: bool = False  # a stream closed: registered again even if registered, unless watched again
+    due_at: float | None = None  # then: registered unless registered with the kubelet of then
+    watch_at: float | None = None  # a stream closed; then: registered again unless the kubelet watches it again
     server: int = 0  # which of the resource's servers serves it now (a new one needs its own Register)
     kubelet: int | None = None  # the kubelet (incarnation) it is registered with, for the server of now
     reached: SocketIdentity | None = None  # the kubelet.sock that registration reached, when known
@@ -199,15 +201,20 @@ class Registrations:
         now = self._clock()
         batch: list[tuple[str, str, int]] = []
         for name, resource in self._resources.items():
-            if resource.in_flight or resource.due_at is None or now < resource.due_at:
+            due = resource.due_at is not None and now >= resource.due_at
+            check = resource.watch_at is not None and now >= resource.watch_at
+            if resource.in_flight or not (due or check):
                 continue
             server = servers.get(name)
             if server is None or not server.socket_present():
                 continue
-            unless_watched = resource.unless_watched
-            resource.due_at, resource.unless_watched = None, False
-            if resource.kubelet == self._incarnation and (not unless_watched or server.open_streams):
-                continue  # registered with this kubelet (and watched again, if a stream had closed)
+            if resource.kubelet == self._incarnation and not (check and server.open_streams == 0):
+                if due:  # registered with this kubelet (and watched again, if a stream had closed)
+                    resource.due_at = None
+                if check:
+                    resource.watch_at = None
+                continue
+            resource.due_at = resource.watch_at = None  # this Register answers every reason given so far
             self._attempts += 1
             resource.in_flight, resource.sent_to, resource.sent_for = self._attempts, self._incarnation, resource.server
             batch.append((name, server.socket_path.name, resource.in_flight))
@@ -247,20 +254,19 @@ class Registrations:
             return None
         return min(
             (
-                resource.due_at
+                at
                 for name, resource in self._resources.items()
-                if resource.due_at is not None
-                and not resource.in_flight
-                and (server := servers.get(name)) is not None
-                and server.serving
+                if not resource.in_flight and (server := servers.get(name)) is not None and server.serving
+                for at in (resource.due_at, resource.watch_at)
+                if at is not None
             ),
             default=None,
         )
 
     @staticmethod
     def _want(resource: _Resource, at: float, *, unless_watched: bool = False) -> None:
-        if resource.due_at is None:
-            resource.due_at, resource.unless_watched = at, unless_watched
-        else:  # reasons add up: the earliest time, and a closed stream's condition stays until weighed
-            resource.due_at = min(resource.due_at, at)
-            resource.unless_watched = resource.unless_watched or unless_watched
+        """Reasons add up, each kind at its earliest time: however many there are, one Register at most."""
+        if unless_watched:
+            resource.watch_at = at if resource.watch_at is None else min(resource.watch_at, at)
+        else:
+            resource.due_at = at if resource.due_at is None else min(resource.due_at, at)
