@@ -7,8 +7,10 @@ deleted, ``kubelet.sock`` comes back as a new file); it must register each resou
 kubelet, and pods must get devices afterwards.
 
 In-process agent on a simulated node (one MIG GPU, two whole GPUs: three resources), the kubelet emulator
-counting every Register it accepts. Each order is repeated 20 times: a second Register the agent sends in any
-round shows in the count, which is checked exactly before the next round and at the end.
+counting every Register it accepts. Each order is repeated 20 times: a second Register the agent sends in a round
+shows in the count, checked exactly once the round's pods got their devices (a Register sent at once after the
+first lands by then) and, should it come later, by the next round's exact count. On the code before this room,
+"after-a-kill" and "sockets-deleted-late" fail; the emulator's plain restart did not show the double.
 """
 
 from __future__ import annotations

@@ -290,12 +290,12 @@ def test_an_answer_for_a_resource_removed_meanwhile_is_ignored(node: Node) -> No
     node.registrations.server_started(GPU)
     node.tick()
     node.registrations.forget(GPU)
-    node.registrations.server_started(GPU)  # offered again before the answer came
-    node.answer(socket_identity(node.socket))
-    assert node.registrations.registered() == {MIG}
+    node.registrations.server_started(GPU)  # offered again, and registering, before the first answer came
     node.tick()
+    node.answer(socket_identity(node.socket), error=REFUSED)  # the first answer: for its former self
+    node.tick(0.5)
+    assert node.sent == {GPU: 2}  # the new attempt is still in flight: no retry
     node.answer(socket_identity(node.socket))
-    assert node.sent == {GPU: 2}
     assert node.registrations.registered() == {GPU, MIG}
     node.registrations.forget(MIG)
     node.registrations.want(MIG, node.now, unless_watched=True)  # a stream of a removed resource closed
