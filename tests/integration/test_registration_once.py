@@ -43,8 +43,8 @@ def _plugin_sockets(kubelet: KubeletEmulator) -> list[Path]:
 
 def _dead_kubelet_socket(kubelet: KubeletEmulator) -> None:
     """What a killed kubelet leaves behind: ``kubelet.sock`` on disk with nobody listening (a Register is
-    refused at once). Bound under another name and renamed into place, so it appears in one step."""
-    staged = kubelet.device_plugin_dir / "staged-kubelet"
+    refused at once). Bound beside the directory and renamed into place, so it appears in one step."""
+    staged = kubelet.device_plugin_dir.parent / "staged-kubelet.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
         dead.bind(str(staged))
     os.replace(staged, kubelet.kubelet_socket)
@@ -61,6 +61,7 @@ def restart_after_a_kill(node: Node) -> None:
     kubelet that refuses); the new one deletes every socket, dead kubelet.sock included, and serves a new one."""
     kubelet = node.kubelet
     kubelet.stop()
+    node.wait(lambda: not node.agent.status.kubelet_present, "the kubelet seen gone")
     _dead_kubelet_socket(kubelet)
     node.wait(lambda: node.agent.status.kubelet_present, "the dead kubelet's socket seen")
     kubelet.restart()
