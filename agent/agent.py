@@ -42,7 +42,8 @@ from agent.gpu.health import GpuLost, NvmlEventWatcher, WatchFailed, WatchRestor
 from agent.health_keeper import HealthKeeper, HealthNews
 from agent.ledger import DeviceLedger
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
-from agent.plugin.registration import KUBELET_SOCKET, register_soon
+from agent.plugin.registration import KUBELET_SOCKET
+from agent.plugin.registrations import RegistrationDone, Registrations
 from agent.plugin.server import ResourceServer, send_updates, stop_servers
 from agent.plugin.watch import KubeletSocketChanged, PluginDirChanged, PluginDirWatcher, PluginSocketRemoved
 from agent.status import AgentStatus
@@ -120,13 +121,6 @@ class StreamOpened:
 
 
 @dataclass(frozen=True, slots=True)
-class RegistrationDone:
-    resource: str
-    attempt: int
-    error: str | None
-
-
-@dataclass(frozen=True, slots=True)
 class Stop:
     pass
 
@@ -136,18 +130,6 @@ class Ping:
     """Answered by the loop: proof that it turns (``/healthz``), without waking it when nobody asks."""
 
     answered: threading.Event
-
-
-@dataclass
-class _Registration:
-    """Where one resource stands with the kubelet."""
-
-    due_at: float | None = 0.0  # when to (re)register; None when nothing is due
-    in_flight: int = 0  # the attempt number being made, 0 if none
-    attempts: int = 0  # consecutive failures
-    registered: bool = False
-    last_error: str | None = None
-    unless_watched: bool = False  # due only because a stream closed: not needed if the kubelet watches again
 
 
 class Stoppable(Protocol):
@@ -166,7 +148,7 @@ class Agent:
         self._clock = clock
         self._events: queue.Queue[object] = queue.Queue()
         self._servers: dict[str, ResourceServer] = {}
-        self._registrations: dict[str, _Registration] = {}
+        self._registrations = Registrations(options.kubelet_socket, self.post, clock)  # one Register per kubelet
         self._inventory: Inventory | None = None
         self._plan: ResourcePlan | None = None
         self._loaded: LoadedConfig | None = None
@@ -194,7 +176,6 @@ class Agent:
         self._cordon: Cordon = NO_CORDON
         self._keeper = HealthKeeper(options.health, liveness_seconds=options.liveness_probe_seconds, clock=clock)
         self._snapshots: dict[str, ResourceSnapshot] = {}
-        self._kubelet_present = False
         # per MIG-capable GPU, the inventory's MIG and the driver's, as the last liveness re-check compared them
         self._mig_read: dict[str, tuple[MigNow, MigNow]] = {}
         self._plugin_dir_present: bool | None = None
@@ -288,8 +269,7 @@ class Agent:
         deadlines += [feature.next_deadline() for feature in (self._mps, self._mig, self._dra) if feature is not None]
         if self._settling:
             deadlines.append(self._settle_by)
-        if self._kubelet_present:
-            deadlines += [r.due_at for r in self._registrations.values() if not r.in_flight]
+        deadlines.append(self._registrations.next_deadline(self._servers))
         deadlines += [self._serve_retry_at.get(n, now) for n, server in self._servers.items() if not server.serving]
         nearest = min((d for d in deadlines if d is not None), default=now + SAFETY_SECONDS)
         return min(SAFETY_SECONDS, max(0.0, nearest - now))
@@ -558,12 +538,12 @@ class Agent:
                         "plugin socket removed resource=%s socket=%s; serving it again", name, server.socket_path
                     )
                     if server.restore_socket():  # the same server under its name again: no restart needed
-                        self._want_registration(name)
+                        self._registrations.socket_restored(name)  # its stream carries on
                         continue
                 elif now < self._serve_retry_at.get(name, 0.0):
                     continue  # it could not be served a moment ago: do not retry (and fail) every tick
                 self._restart_server(name)
-        self._start_due_registrations(now)
+        self._registrations.start_due(self._servers)
         if self._settling and ((self._kubelet_known and self._kubelet_served()) or now >= self._settle_by):
             self._settle()
 
@@ -571,14 +551,7 @@ class Agent:
         """The kubelet has what it needs from us: every resource is watched (ListAndWatch open) or failed to
         register. Metrics start only then, so importing and starting them does not hold the GIL while the
         kubelet's first ListAndWatch is answered (``served``)."""
-        if not self._kubelet_present:
-            return True
-        for name, registration in self._registrations.items():
-            server = self._servers.get(name)
-            watched = registration.registered and server is not None and server.open_streams > 0
-            if not (watched or registration.attempts):
-                return False
-        return True
+        return self._registrations.served(self._servers)
 
     def _on_stream_opened(self, resource: str) -> None:
         """Called on a gRPC thread: wake the loop only while what comes second waits for the kubelet."""
@@ -1048,14 +1021,14 @@ class Agent:
         }
         for name in self._servers.keys() - snapshots.keys():
             self._servers.pop(name).stop()
-            self._registrations.pop(name, None)
+            self._registrations.forget(name)
             log.info("resource removed resource=%s", name)
         changed = []
         for name, snapshot in snapshots.items():
             server = self._servers.get(name)
             if server is None:
                 self._servers[name] = self._new_server(snapshot)
-                self._want_registration(name)
+                self._registrations.server_started(name)
             elif snapshot.listing() != server.snapshot.listing() or snapshot.options != server.snapshot.options:
                 changed.append((server, snapshot))
         self._snapshots = snapshots
@@ -1089,61 +1062,23 @@ class Agent:
     def _restart_server(self, name: str) -> None:
         self._servers.pop(name).stop(grace=0)
         self._servers[name] = self._new_server(self._snapshots[name])
-        self._want_registration(name)
+        self._registrations.server_started(name)  # the kubelet's stream went with the old server
 
     # ----- registration ---------------------------------------------------------------------------
 
     def _on_kubelet(self, present: bool) -> None:
-        self._kubelet_present, self._kubelet_known = present, True
-        if not present:
+        self._kubelet_known = True
+        if present:
+            due = self._registrations.kubelet_up()
+            log.info("kubelet is up socket=%s; registering %d resources", self.options.kubelet_socket, due)
+        else:
+            self._registrations.kubelet_gone()
             log.warning("waiting for the kubelet socket=%s", self.options.kubelet_socket)
-            for registration in self._registrations.values():
-                registration.registered = False
-            self._refresh_status()
-            return
-        log.info("kubelet is up socket=%s; registering %d resources", self.options.kubelet_socket, len(self._servers))
-        for name in self._servers:
-            self._want_registration(name, reset_backoff=True)
+        self._refresh_status()
 
-    def _want_registration(
-        self, name: str, *, delay: float = 0.0, reset_backoff: bool = False, unless_watched: bool = False
-    ) -> None:
-        registration = self._registrations.setdefault(name, _Registration())
-        if reset_backoff:
-            registration.attempts = 0
-        if not unless_watched or registration.due_at is None:
-            registration.unless_watched = unless_watched
-        due = self._clock() + delay
-        registration.due_at = due if registration.due_at is None else min(registration.due_at, due)
-
-    def _start_due_registrations(self, now: float) -> None:
-        """Every due registration at once: the kubelet gets them concurrently over one connection, made on the
-        gRPC loop (the kubelet dials back inside Register, which can take seconds: the loop does not wait).
-        The answers come back as ``RegistrationDone`` events."""
-        if not self._kubelet_present:
-            return
-        batch = []
-        for name, registration in self._registrations.items():
-            if registration.in_flight or registration.due_at is None or now < registration.due_at:
-                continue
-            server = self._servers[name]
-            if not server.socket_present():
-                continue  # the tick serves it again first
-            registration.due_at = None
-            if registration.unless_watched and registration.registered and server.open_streams:
-                registration.unless_watched = False  # the stream that closed was the old kubelet's
-                continue
-            registration.unless_watched = False
-            registration.in_flight = registration.attempts + 1
-            batch.append((name, server.socket_path.name, registration.in_flight))
-        if batch:
-            endpoints = [(endpoint, name) for name, endpoint, _ in batch]
-            register_soon(self.options.kubelet_socket, endpoints, lambda answers: self._answered(batch, answers))
-
-    def _answered(self, batch: list[tuple[str, str, int]], answers: dict[str, str | None]) -> None:
-        """On the gRPC loop's thread: the kubelet's answers go to the reconcile loop."""
-        for name, _, attempt in batch:
-            self.post(RegistrationDone(name, attempt, answers.get(name, "no answer from the kubelet")))
+    def _want_registration(self, name: str, *, delay: float = 0.0, unless_watched: bool = False) -> None:
+        """A reason to register ``name`` (a closed stream: ``unless_watched``), weighed when it comes due."""
+        self._registrations.want(name, self._clock() + delay, unless_watched=unless_watched)
 
     def _on_worker_crashed(self, event: WorkerCrashed) -> None:
         """A worker job raised past its own guard: counted, and its owner treats it as a failed attempt."""
@@ -1183,27 +1118,7 @@ class Agent:
         return watcher
 
     def _on_registered(self, done: RegistrationDone) -> None:
-        registration = self._registrations.get(done.resource)
-        if registration is None:
-            return  # the resource went away meanwhile
-        registration.in_flight = 0
-        if done.error is None:
-            registration.registered, registration.attempts, registration.last_error = True, 0, None
-            log.info("registered resource=%s attempt=%d", done.resource, done.attempt)
-        else:
-            registration.registered = False
-            registration.attempts += 1
-            backoff = min(MAX_BACKOFF, 0.5 * 2 ** (registration.attempts - 1))
-            if done.error != registration.last_error or registration.attempts in (1, 5, 10):
-                log.warning(
-                    "registration failed resource=%s attempt=%d retry_in=%.1fs error=%r",
-                    done.resource,
-                    done.attempt,
-                    backoff,
-                    done.error,
-                )
-            registration.last_error = done.error
-            self._want_registration(done.resource, delay=backoff)
+        self._registrations.on_done(done)
         self._refresh_status()
 
     def _refresh_status(self) -> None:
@@ -1216,8 +1131,8 @@ class Agent:
         before = self.status
         self.status = AgentStatus(
             resources=dict(self._snapshots),
-            registered=frozenset(n for n, r in self._registrations.items() if r.registered),
-            kubelet_present=self._kubelet_present,
+            registered=self._registrations.registered(),
+            kubelet_present=self._registrations.kubelet_present,
             config_name=self._loaded.name if self._loaded else None,
             config_digest=self._loaded.digest if self._loaded else None,
             config_error=self._config_error,

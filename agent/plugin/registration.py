@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -22,6 +23,7 @@ import grpc.aio
 from agent.grpc_loop import GrpcLoop, grpc_loop
 from agent.plugin import wire
 from agent.plugin.server import PLUGIN_OPTIONS
+from agent.plugin.watch import SocketIdentity, socket_identity
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
@@ -67,6 +69,30 @@ def register_soon(
 ) -> None:
     """Register like ``register_all``, without waiting: ``answered`` gets the answers on the gRPC loop's thread
     (it only hands them over). An attempt that fails as a whole answers every resource with why."""
+    register_batch_soon(kubelet_socket, endpoints, lambda batch: answered(batch.answers), loop=loop)
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The kubelet's answers to one batch of Registers, and which ``kubelet.sock`` gave them."""
+
+    answers: dict[str, str | None]  # resource -> None (accepted) or why not
+    kubelet: SocketIdentity | None  # the kubelet.sock there when they came (None: none)
+
+
+def register_batch_soon(
+    kubelet_socket: Path,
+    endpoints: Iterable[tuple[str, str]],
+    answered: Callable[[Answered], None],
+    *,
+    loop: GrpcLoop | None = None,
+) -> None:
+    """``register_soon`` that also tells which kubelet answered: a Register that reached a kubelet which had
+    just started (before the agent heard of its ``kubelet.sock``) counts as that kubelet's registration.
+
+    Only a live kubelet accepts a Register, so an accepted one was accepted by the ``kubelet.sock`` there when the
+    answer came — unless in the milliseconds of the call one kubelet accepted it, died, and another started
+    (then the first one's stream ends, and the agent registers again because of that)."""
     endpoints = tuple(endpoints)
 
     async def attempt() -> None:
@@ -74,7 +100,7 @@ def register_soon(
             answers = await _register_all(kubelet_socket, endpoints)
         except Exception as error:  # a bug, not the kubelet: every resource hears of it and is retried
             answers = {resource: f"registration failed: {type(error).__name__}: {error}" for _, resource in endpoints}
-        answered(answers)
+        answered(Answered(answers, socket_identity(kubelet_socket)))
 
     (loop or grpc_loop()).submit(attempt())
 

@@ -69,6 +69,21 @@ def _identity(path: Path) -> _Identity | None:
     return info.st_dev, info.st_ino, info.st_ctime_ns
 
 
+SocketIdentity = tuple[int, int, int]
+
+
+def socket_identity(path: Path) -> SocketIdentity | None:
+    """Which socket file ``path`` names now (device, inode, mtime), ``None`` when none: a kubelet that starts
+    again listens on a new ``kubelet.sock``. A socket's mtime is when it was bound: a chmod, a link or a rename
+    leaves it (they change its ctime), so the same socket keeps its identity; a new one on a reused inode gets
+    a later mtime (unless it is made within the same clock tick, a few milliseconds)."""
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_mtime_ns
+
+
 def _is_socket(path: Path) -> bool | None:
     """``None``: it is gone already."""
     try:
