@@ -37,8 +37,9 @@ from agent.core.mps import MpsDaemonSpec, mps_daemons
 from agent.core.plan import plan
 from agent.core.resources import MigStrategy, PlanError, ResourcePlan, Sharing
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
-from agent.gpu.discovery import MigNow, discover, mig_now
+from agent.gpu.discovery import discover
 from agent.gpu.health import GpuLost, NvmlEventWatcher, WatchFailed, WatchRestored, XidEvent
+from agent.gpu.mig_recheck import MigRecheck
 from agent.health_keeper import HealthKeeper, HealthNews
 from agent.ledger import DeviceLedger
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
@@ -51,11 +52,11 @@ from agent.supervise import Backoff, WorkerCrashed
 from agent.telemetry.service import Telemetry, TelemetrySettings
 
 if TYPE_CHECKING:
-    from agent.core.mig_layout import DesiredLayout
     from agent.dra.manager import DraManager
     from agent.dra.types import DraSettings
     from agent.kube_api import CoreApi
     from agent.mig.manager import MigManager
+    from agent.mig.selection import LayoutSelection
     from agent.mps.manager import MpsManager
     from agent.telemetry.latency import OperationLatency
 
@@ -171,13 +172,13 @@ class Agent:
         # Who holds each device, and which GPUs DRA serves: every destructive step and hand-over asks it, in its
         # critical section (the features above act on their workers; the loop itself never waits for it).
         self._ledger = DeviceLedger(options.pod_resources_socket)
-        self._mig_label: str | None = None
+        self._mig_label: str | None = None  # the node label nvidia.com/mig.config
+        self._layouts: LayoutSelection | None = None  # which MIG layout: loaded with the MIG manager
+        self._mig_recheck = MigRecheck()  # MIG changes no event announces (a reset, a change by hand)
         self._cordon_values: dict[str, str | None] = {}  # cordon annotation key -> value (None: absent)
         self._cordon: Cordon = NO_CORDON
         self._keeper = HealthKeeper(options.health, liveness_seconds=options.liveness_probe_seconds, clock=clock)
         self._snapshots: dict[str, ResourceSnapshot] = {}
-        # per MIG-capable GPU, the inventory's MIG and the driver's, as the last liveness re-check compared them
-        self._mig_read: dict[str, tuple[MigNow, MigNow]] = {}
         self._plugin_dir_present: bool | None = None
         self._serve_errors: dict[str, str] = {}  # resource -> why its socket could not be served
         self._serve_retry_at: dict[str, float] = {}
@@ -709,79 +710,36 @@ class Agent:
 
     # ----- MIG layout ------------------------------------------------------------------------------
 
-    def _desired_layouts(self) -> dict[int, DesiredLayout] | None:
-        """The layout per GPU: from --mig-config or the config's migLayout, named by flag, label or config."""
-        assert self._inventory is not None
-        if not self._mig_configured():
-            return None  # no layout configured: the layout-file parser (pydantic, yaml) is not even imported
-        from agent.core.mig_layout import LayoutError
-        from agent.mig.layout_file import LayoutFileError, layouts_for_node, parse_layout_file, read_layout_file
-
-        section = self._loaded.model.mig_layout if self._loaded else None
-
-        try:
-            if self.options.mig_config is not None:
-                origin, data = str(self.options.mig_config), read_layout_file(self.options.mig_config)
-            else:
-                origin, data = "migLayout.layouts", section.layouts
-            layout_file = parse_layout_file(data, origin)
-            name = self.options.mig_config_name or self._mig_label or (section.config if section else None)
-            if name is None and len(layout_file.mig_configs) == 1:
-                name = next(iter(layout_file.mig_configs))
-            if name is None:
-                return None  # no layout selected for this node: MIG is left as it is (as NVIDIA's mig-manager waits)
-            return layouts_for_node(layout_file, name, self._inventory.gpus)
-        except LayoutFileError as error:  # one error type for _update_mig, which then needs no import
-            raise LayoutError(str(error), error.problems) from error
-
-    def _mig_configured(self) -> bool:
-        """A MIG layout is configured (--mig-config, or the config's migLayout.layouts), selected or not."""
-        section = self._loaded.model.mig_layout if self._loaded else None
-        return self.options.mig_config is not None or (section is not None and section.layouts is not None)
-
     def _update_mig(self, *, publish: bool = True) -> None:
+        """The layout this node wants (``agent.mig.selection``), minus DRA's GPUs, to the MIG manager."""
         assert self._inventory is not None
-        if self._mig is None:
-            if not self._mig_configured():
+        section = self._loaded.model.mig_layout if self._loaded else None
+        if self._mig is None or self._layouts is None:
+            if self.options.mig_config is None and (section is None or section.layouts is None):
                 self._refresh_status()
                 return  # no layout was ever configured: MIG is left as it is, its manager not even loaded
             from agent.mig.manager import MigManager
+            from agent.mig.selection import LayoutSelection
 
             self._mig = MigManager(self.post, self._ledger)
+            self._layouts = LayoutSelection(self.options.mig_config, self.options.mig_config_name)
             self._routes["agent.mig.manager"] = self._mig_event
         from agent.core.mig_layout import LayoutError
 
         before = self._mig.withdrawn
         try:
-            layouts = self._desired_layouts()
-        except LayoutError as error:  # a LayoutFileError too (see _desired_layouts)
+            layouts = self._layouts.desired(section, self._inventory.gpus, self._mig_label)
+        except LayoutError as error:
             self._mig.fail(str(error))
         else:
             if layouts and self._dra is not None:
-                layouts = self._without_dra_gpus(layouts)
+                dra = self._dra.dra_indices(self._inventory)
+                layouts = self._layouts.leaving_alone(layouts, dra, self._dra.dynamic_mig_indices(self._inventory))
             self._mig.desire(layouts, self._inventory, self._clock())
         if publish and self._mig.withdrawn != before:
             self._publish()
         else:
             self._refresh_status()
-
-    def _without_dra_gpus(self, layouts: dict[int, DesiredLayout]) -> dict[int, DesiredLayout]:
-        """A static layout leaves alone every GPU DRA serves (or is taking, or a claim holds): its MIG devices are
-        claims' devices, made per claim with dra.dynamicMig or laid out while the device plugin served it."""
-        assert self._dra is not None and self._inventory is not None
-        dynamic = self._dra.dynamic_mig_indices(self._inventory)
-        owned = self._dra.dra_indices(self._inventory) | dynamic
-        for skipped, why in (
-            (dynamic, "dra.dynamicMig makes their MIG devices per claim"),
-            (owned - dynamic, "DRA serves them (give a GPU back to the device plugin to change its layout)"),
-        ):
-            if skipped & layouts.keys():
-                gpus = ", ".join(map(str, sorted(skipped & layouts.keys())))
-                said = f"the MIG layout leaves GPUs {gpus} alone: {why}"
-                if said not in self._said:
-                    self._said.add(said)
-                    log.warning("%s", said)
-        return {index: layout for index, layout in layouts.items() if index not in owned}
 
     def _rediscover(self, reason: str, *, stale: frozenset[str] = frozenset()) -> None:
         """The node's devices may be different (a MIG change, a reset, a GPU back, a retry): read them again,
@@ -963,27 +921,17 @@ class Agent:
         self._keeper.record_lost(uuids)
 
     def _check_mig_devices(self) -> None:
-        """Read the node again when a GPU's MIG mode or MIG devices are not what the inventory says (``nvidia-smi
-        -r`` destroys them, ``nvidia-smi mig`` makes them): vanished devices leave ListAndWatch, a layout the
-        config wants is made again once nothing runs there, a DRA claim whose MIG device is gone is reported.
-        A difference that stays after a read (a device the inventory leaves out) is not read again; one caught
-        while the agent's own MIG change is under way costs a read the change makes anyway."""
-        gpus = [g for g in self._gpus() if g.mig_capable]
-        read = mig_now([g.uuid for g in gpus]) if gpus else {}  # a lost GPU does not answer: left out
-        differ = []
-        for gpu in gpus:
-            if gpu.uuid not in read:
-                continue  # keeps its last reading
-            compared = (MigNow(gpu.mig_enabled, frozenset(m.uuid for m in gpu.mig_devices)), read[gpu.uuid])
-            if compared[0] != compared[1] and compared != self._mig_read.get(gpu.uuid):
-                differ.append(gpu.uuid)
-            self._mig_read[gpu.uuid] = compared
+        """Read the node again when a GPU's MIG mode or MIG devices are not what the inventory says: vanished devices
+        leave ListAndWatch, a layout the config wants is made again once nothing runs there, a DRA claim whose MIG
+        device is gone is reported. One caught while the agent's own MIG change is under way costs a read the change
+        makes anyway."""
+        differ = self._mig_recheck.differing(self._gpus())
         if differ:
             log.info(
                 "MIG devices differ from the inventory gpus=%s (a GPU reset or a change by hand); reading them again",
-                ",".join(differ),
+                ",".join(sorted(differ)),
             )
-            self._rediscover("MIG devices changed", stale=frozenset(differ))
+            self._rediscover("MIG devices changed", stale=differ)
 
     def _gpus(self) -> tuple:
         return self._inventory.gpus if self._inventory else ()
