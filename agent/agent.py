@@ -993,6 +993,7 @@ class Agent:
             on_stream_closed=lambda resource: self.post(StreamClosed(resource)),
             on_stream_opened=self._on_stream_opened,
             latency=self._latency,
+            on_allocate=self._ledger.note_allocated,
         )
         if not self.options.device_plugin_dir.is_dir():
             return server  # served once the directory appears (the tick sees its socket missing)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ from agent.core.ledger import (
     Drain,
     Hold,
     Ledger,
+    admitting_holds,
     checkpoint_devices,
     claim_holds,
     pod_holds,
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ALLOCATE_GRACE_SECONDS = 10.0  # the kubelet records an allocation right after Allocate answers; this is ample
+
 EMPTY_INVENTORY = Inventory("", "", None, (), ())
 
 
@@ -53,6 +57,7 @@ class DeviceLedger:
         *,
         pod_resources: Callable[[], PodAllocations] | None = None,
         processes: Callable[[Sequence[str], Collection[int]], Mapping[str, tuple[int, ...]]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``pod_resources`` and ``processes`` read the kubelet's PodResources and NVML's processes (by default
         through ``agent.plugin.podresources`` at ``pod_resources_socket`` and ``agent.gpu.processes``); each raises its
@@ -65,6 +70,9 @@ class DeviceLedger:
         self._pool = ""  # the DRA driver's pool (this node's name): its claims in PodResources are ours
         self.inventory: Inventory = EMPTY_INVENTORY  # set by the loop whenever it reads the node (one write)
         self._dra: frozenset[str] = frozenset()  # GPU UUIDs DRA serves; replaced whole, under the lock
+        self._clock = clock
+        self._allocated: dict[str, float] = {}  # advertised device ID -> when an Allocate call asked for it
+        self._allocated_lock = threading.Lock()  # a lock of its own: Allocate never waits for a step
 
     # ----- sources --------------------------------------------------------------------------------------------------
 
@@ -92,6 +100,7 @@ class DeviceLedger:
         holds: list[Hold] = claim_holds(claims, inventory)
         unknown: list[str] = []
         if drain.withdrawn:
+            holds += self._being_allocated(inventory)
             try:
                 answer = self._pod_resources()
             except PodResourcesError as error:
@@ -120,6 +129,24 @@ class DeviceLedger:
         except Exception as error:  # nobody said the devices are free
             return [f"cannot tell whether the devices are free: {type(error).__name__}: {error}"]
         return ledger.blocking(drain, other_than_claim=other_than_claim, for_daemon=for_daemon)
+
+    def note_allocated(self, device_ids: Iterable[str]) -> None:
+        """A gRPC thread, in Allocate: the kubelet is giving these (advertised) devices to a pod. PodResources lists
+        them only once the kubelet has the answer; until then (``ALLOCATE_GRACE_SECONDS`` at most) the ledger holds
+        them itself. Allocate calls this before it reads its snapshot: a hand-over that withdrew a device first is
+        refused by that snapshot, and one whose check comes after this sees the device held."""
+        now = self._clock()
+        with self._allocated_lock:
+            self._allocated.update(dict.fromkeys(device_ids, now))
+
+    def _being_allocated(self, inventory: Inventory) -> list[Hold]:
+        now = self._clock()
+        with self._allocated_lock:
+            for device_id, since in list(self._allocated.items()):
+                if now - since > ALLOCATE_GRACE_SECONDS:
+                    del self._allocated[device_id]
+            recent = list(self._allocated)
+        return admitting_holds(recent, inventory)
 
     def _list_pod_resources(self) -> PodAllocations:
         from agent.plugin.podresources import list_pod_resources  # the stubs load with the first read

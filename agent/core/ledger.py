@@ -185,6 +185,17 @@ def pod_holds(holders: Mapping[str, Holder], inventory: Inventory) -> list[Hold]
     return holds
 
 
+def admitting_holds(device_ids: Iterable[str], inventory: Inventory) -> list[Hold]:
+    """Devices an Allocate call answered for that PodResources does not list yet (the kubelet records them next)."""
+    parents = _parents(inventory)
+    holds = []
+    for device_id in device_ids:
+        physical = device_id.split("::", 1)[0]
+        who = "a pod the kubelet is admitting (Allocate answered, not yet in PodResources)"
+        holds.append(Hold(parents.get(physical, physical), device_id, HoldKind.POD, who))
+    return holds
+
+
 def process_holds(processes: Mapping[str, Iterable[int]], inventory: Inventory) -> list[Hold]:
     """Scope UUID -> the PIDs NVML lists there (compute processes and MPS clients)."""
     parents = _parents(inventory)

@@ -109,11 +109,14 @@ class ResourceServer:
         on_stream_opened: Callable[[str], None] = lambda resource: None,
         loop: GrpcLoop | None = None,
         latency: Any = None,
+        on_allocate: Callable[[list[str]], None] | None = None,
     ) -> None:
         """``latency`` (``agent.telemetry.latency.OperationLatency``) times each Allocate and GetPreferredAllocation
-        call, as the kubelet's ``kubelet_device_plugin_alloc_duration_seconds`` does from its side."""
+        call, as the kubelet's ``kubelet_device_plugin_alloc_duration_seconds`` does from its side. ``on_allocate``
+        hears the device IDs of each Allocate call before its snapshot is read (``DeviceLedger.note_allocated``)."""
         self.resource = snapshot.name
         self.latency = latency
+        self.on_allocate = on_allocate
         self.socket_path = socket_dir / socket_name(snapshot.name)
         self._served = _Served.of(snapshot)
         self._loop = loop or grpc_loop()
@@ -358,11 +361,13 @@ class _DevicePluginHandlers:
             yield message
 
     async def allocate(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        served = self._server._served  # one read: the whole request is answered from one snapshot
         try:
             containers = wire.allocate_request(request)
         except wire.WireError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed AllocateRequest: {error}")
+        if self._server.on_allocate is not None:  # first: a hand-over checking from now on sees these devices held
+            self._server.on_allocate([device for ids in containers for device in ids])
+        served = self._server._served  # one read, after that: the whole request is answered from one snapshot
         if not containers:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"empty allocation request for {served.snapshot.name}"

@@ -259,3 +259,24 @@ def test_a_claims_mig_device_left_by_a_lost_checkpoint_is_destroyed_and_its_plac
     world.agent, world.thread = test_dra_e2e.start_agent(world.base, world.api, liveness_seconds=0.2)
     test_dra_e2e.poll(lambda: instances(world) == {}, "the MIG device nobody recorded destroyed")
     world.api.wait_for(lambda: len(world.devices()) == 27, DEADLINE)
+
+
+def test_a_gpu_allocated_a_moment_before_it_moves_to_dra_waits_though_podresources_does_not_list_it_yet(
+    world: World,
+) -> None:
+    """The kubelet records an allocation only once Allocate has answered: a hand-over check in that gap would find
+    PodResources empty. The ledger holds what Allocate answered for until PodResources lists it."""
+    import grpc
+
+    from agent.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    test_dra_e2e.poll(lambda: world.kubelet.allocatable("nvidia.com/gpu") == 6, "the device plugin serves 6 GPUs")
+    uuid = world.driver.gpus[2].uuid
+    with grpc.insecure_channel(f"unix://{world.base / 'dp' / 'nvidia-gpu.sock'}") as channel:
+        request = api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=[uuid])])
+        api_pb2_grpc.DevicePluginStub(channel).Allocate(request, timeout=10)  # answered; the pod is being admitted
+    (world.base / "config.yaml").write_text("version: v1\ndra:\n  enabled: true\n  gpus: [0, 1, 2]\n")
+    waiting = test_dra_e2e.poll(lambda: world.agent.status.waiting_for.get(f"dra:{uuid}"), "GPU 2 waits")
+    assert "a pod the kubelet is admitting" in " ".join(waiting)  # type: ignore[arg-type]
+    assert world.devices() == ["gpu-0", "gpu-1"]  # not DRA's: a claim could not get it
