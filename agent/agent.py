@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from agent.config.effective import FlagOverrides, effective
 from agent.config.labels import (
@@ -30,7 +30,6 @@ from agent.config.labels import (
 from agent.config.model import ConfigError, ConfigModel, DraSection
 from agent.config.source import LoadedConfig, load_config, read_config_set
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
-from agent.core.cordon import NO_CORDON, Cordon, parse_cordon
 from agent.core.health import HealthPolicy, HealthState
 from agent.core.inventory import Inventory, keep_unanswered
 from agent.core.mps import MpsDaemonSpec, mps_daemons
@@ -42,6 +41,7 @@ from agent.gpu.health import GpuLost, NvmlEventWatcher, WatchFailed, WatchRestor
 from agent.gpu.mig_recheck import MigRecheck
 from agent.health_keeper import HealthKeeper, HealthNews
 from agent.ledger import DeviceLedger
+from agent.node_metadata import NodeMetadata
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
 from agent.plugin.registration import KUBELET_SOCKET
 from agent.plugin.registrations import RegistrationDone, Registrations
@@ -54,7 +54,6 @@ from agent.telemetry.service import Telemetry, TelemetrySettings
 if TYPE_CHECKING:
     from agent.dra.manager import DraManager
     from agent.dra.types import DraSettings
-    from agent.kube_api import CoreApi
     from agent.mig.manager import MigManager
     from agent.mig.selection import LayoutSelection
     from agent.mps.manager import MpsManager
@@ -133,14 +132,6 @@ class Ping:
     answered: threading.Event
 
 
-class Stoppable(Protocol):
-    def stop(self) -> None: ...
-
-
-class Recorder(Stoppable, Protocol):
-    def emit(self, type_: str, reason: str, action: str, note: str) -> None: ...
-
-
 class Agent:
     """Discovers the node, serves its resources to the kubelet and keeps them healthy and registered."""
 
@@ -155,12 +146,10 @@ class Agent:
         self._loaded: LoadedConfig | None = None
         self._effective = effective(ConfigModel(), self._overrides())
         self._config_error: str | None = None
-        self._config_label: str | None = None
         self._said: set[str] = set()  # warnings already logged, so a reload does not repeat them
         self._config_watcher: ConfigWatcher | None = None
-        self._label_watcher: Stoppable | None = None
-        self._recorder: Recorder | None = None  # Kubernetes Events on the Node, when there is an API to send to
-        self._kube_api: CoreApi | None = None  # when there is a node name and an API
+        follow_labels = bool(options.config_path and options.config_path.is_dir())  # labels pick the config
+        self._node = NodeMetadata(options.node_name, options.kubeconfig, follow_labels=follow_labels)
         # The features a config may ask for are loaded when it first does (their modules are not even imported
         # before): the MPS manager with the first MPS daemon (of a resource or a DRA claim), the MIG manager
         # with the first MIG layout, the DRA front end with a config that gives it GPUs. Each one's events are
@@ -172,11 +161,8 @@ class Agent:
         # Who holds each device, and which GPUs DRA serves: every destructive step and hand-over asks it, in its
         # critical section (the features above act on their workers; the loop itself never waits for it).
         self._ledger = DeviceLedger(options.pod_resources_socket)
-        self._mig_label: str | None = None  # the node label nvidia.com/mig.config
         self._layouts: LayoutSelection | None = None  # which MIG layout: loaded with the MIG manager
         self._mig_recheck = MigRecheck()  # MIG changes no event announces (a reset, a change by hand)
-        self._cordon_values: dict[str, str | None] = {}  # cordon annotation key -> value (None: absent)
-        self._cordon: Cordon = NO_CORDON
         self._keeper = HealthKeeper(options.health, liveness_seconds=options.liveness_probe_seconds, clock=clock)
         self._snapshots: dict[str, ResourceSnapshot] = {}
         self._plugin_dir_present: bool | None = None
@@ -319,7 +305,7 @@ class Agent:
         self._inventory = Inventory("", "", None, (), ())
         self._take_lock()
         self._read_inventory("start")
-        self._start_node_api()
+        self._node.start(self.post, self._inventory)
         self._guarded("config", self._apply_config)
         self._publish()
         if self.options.config_path is not None:
@@ -353,7 +339,7 @@ class Agent:
                 self,
                 self.options.device_plugin_dir,
                 self.options.pod_resources_socket,
-                node_api=self._kube_api,
+                node_api=self._node.api,
                 latency=self._latency,
                 claims=lambda: self._dra.prepared_claim_devices() if self._dra is not None else (),  # type: ignore[misc]
             )
@@ -389,8 +375,7 @@ class Agent:
             telemetry,
             self._kubelet_watcher,
             self._config_watcher,
-            self._label_watcher,
-            self._recorder,
+            *self._node.threads(),
         ):
             if watcher is None:
                 continue
@@ -451,20 +436,19 @@ class Agent:
             case ConfigSourceChanged():
                 self._apply_config()
             case NodeLabelChanged(key=key, value=value) if key == CONFIG_LABEL:
-                if value != self._config_label:
+                if value != self._node.config_label:
                     log.info("node label changed key=%s value=%s", key, value)
-                    self._config_label = value
+                    self._node.config_label = value
                     self._apply_config()
             case NodeLabelChanged(key=key, value=value) if key == MIG_CONFIG_LABEL:
-                if value != self._mig_label:
+                if value != self._node.mig_label:
                     log.info("node label changed key=%s value=%s", key, value)
-                    self._mig_label = value
+                    self._node.mig_label = value
                     self._update_mig()
             case NodeLabelChanged():
                 pass
             case NodeAnnotationChanged(key=key, value=value) if key in CORDON_ANNOTATIONS:
-                self._cordon_values[key] = value
-                if self._update_cordon():
+                if self._node.on_annotation(key, value, self._inventory):
                     self._publish()
             case _ if type(event).__module__ in self._routes:  # a feature's own news (MPS, MIG, DRA)
                 self._routes[type(event).__module__](event)
@@ -592,80 +576,6 @@ class Agent:
             )
         return given
 
-    def _start_node_api(self) -> None:
-        """Follow this node's metadata, when there is a node name and a Kubernetes API to ask: its config
-        labels (when the configs come from a directory) and its per-GPU cordon annotations. Both are read
-        once before anything is advertised, so a cordoned GPU is never offered, not even for a moment."""
-        if not self.options.node_name:
-            return
-        from agent.config.node_label import NodeLabelError, NodeLabelWatcher, load_kube_api, read_node_metadata
-
-        try:
-            api = load_kube_api(self.options.kubeconfig)
-        except Exception as error:  # no API is a degraded mode, not a failure: the other selectors still work
-            log.warning("cannot reach the Kubernetes API; node labels and GPU cordons are off error=%r", str(error))
-            return
-        if api is None:
-            return
-        self._kube_api = api
-        self._start_recorder(api)
-        follow_labels = bool(self.options.config_path and self.options.config_path.is_dir())
-        try:
-            labels, annotations = read_node_metadata(api, self.options.node_name)
-        except NodeLabelError as error:
-            log.warning("cannot read the node's labels; trying again in the background error=%r", str(error))
-        else:
-            if follow_labels:
-                self._config_label, self._mig_label = labels.get(CONFIG_LABEL), labels.get(MIG_CONFIG_LABEL)
-            self._cordon_values = {key: annotations.get(key) for key in CORDON_ANNOTATIONS}
-            self._update_cordon()
-        self._label_watcher = NodeLabelWatcher(
-            api,
-            self.options.node_name,
-            [CONFIG_LABEL, MIG_CONFIG_LABEL] if follow_labels else [],
-            self.post,
-            annotation_keys=CORDON_ANNOTATIONS,
-        )
-        self._label_watcher.start()
-
-    def _start_recorder(self, api: CoreApi) -> None:
-        """Events on the Node for what an operator must see (``kubectl describe node``); sent by a thread of
-        their own, rate-limited and aggregated, so the loop never waits for the API server."""
-        from agent.events import EventRecorder
-
-        assert self.options.node_name is not None
-        try:
-            recorder = EventRecorder(api.api_client, self.options.node_name)
-            recorder.start()
-        except Exception as error:  # Events are a courtesy: without them the log says the same
-            log.warning("no Kubernetes Events; the log has what they would say error=%r", str(error))
-            return
-        self._recorder = recorder
-
-    def _announce(self, before: AgentStatus, after: AgentStatus) -> None:
-        if self._recorder is None or before is after:
-            return
-        from agent.core.announce import announcements
-
-        for said in announcements(before, after):  # reasons and actions are valid by construction (a test)
-            self._recorder.emit(said.type, said.reason, said.action, said.note)
-
-    def _update_cordon(self) -> bool:
-        """What the cordon annotations name on the current inventory; True when that changed (to publish)."""
-        cordon = parse_cordon(self._cordon_values, self._inventory) if self._inventory else NO_CORDON
-        if cordon == self._cordon:
-            return False
-        for unit in sorted(cordon.units - self._cordon.units):
-            log.warning("GPU cordoned unit=%s by=%s; its devices are Unhealthy (reason cordoned) until the entry "
-                        "is removed, running pods are untouched", unit, ",".join(cordon.sources[unit]))  # fmt: skip
-        for unit in sorted(self._cordon.units - cordon.units):
-            log.info("GPU cordon lifted unit=%s", unit)
-        for problem in cordon.problems:
-            if problem not in self._cordon.problems:
-                log.warning("cordon entry ignored problem=%s", problem)
-        self._cordon = cordon
-        return True
-
     def _apply_config(self, *, force: bool = False) -> None:
         """Load the config for this node; apply it if it is valid here, else keep the last good one.
 
@@ -728,7 +638,7 @@ class Agent:
 
         before = self._mig.withdrawn
         try:
-            layouts = self._layouts.desired(section, self._inventory.gpus, self._mig_label)
+            layouts = self._layouts.desired(section, self._inventory.gpus, self._node.mig_label)
         except LayoutError as error:
             self._mig.fail(str(error))
         else:
@@ -770,7 +680,7 @@ class Agent:
 
             self._dra = DraManager(
                 self._dra_settings,
-                lambda: self._kube_api.api_client if self._kube_api is not None else None,
+                lambda: self._node.api.api_client if self._node.api is not None else None,
                 self.post,
                 self.options.pod_resources_socket,
                 self._ledger,
@@ -838,7 +748,7 @@ class Agent:
             )  # fmt: skip
         self._health = _without_vanished_mig_faults(self._health, inventory)
         self._record_lost([uuid for uuid in lost if uuid not in self._health.faults])  # before its XID 79 arrives
-        self._update_cordon()  # indices and MIG UUIDs may name other devices now
+        self._node.recut_cordon(inventory)  # indices and MIG UUIDs may name other devices now
         if inventory.failures:
             delay = self._rediscover_backoff.next_delay()
             self._rediscover_at = self._clock() + delay
@@ -863,7 +773,7 @@ class Agent:
         return load_config(
             read_config_set(path),
             requested=self.options.config_name,
-            label=self._config_label,
+            label=self._node.config_label,
             gpu_products=[g.name for g in self._gpus()],
         )
 
@@ -951,14 +861,14 @@ class Agent:
         mps = self._mps.withdrawn() if self._mps is not None else frozenset()
         visible = self._plan.without(mig | mps | stale | dra)
         if self._dra is not None:
-            self._dra.publish(self._inventory, self._health, self._cordon.units)
+            self._dra.publish(self._inventory, self._health, self._node.cordon.units)
         snapshots = build_snapshots(
             visible,
             self._health,
             self._inventory,
             self._effective.allocation,
             unavailable=self._mps.unavailable() if self._mps is not None else frozenset(),
-            cordoned=self._cordon.units,
+            cordoned=self._node.cordon.units,
             previous=self._snapshots,
         )
         snapshots = {
@@ -984,7 +894,7 @@ class Agent:
         updated = [server for server, snapshot in changed if server.update(snapshot)]
         if updated:
             send_updates(updated)  # the kubelet next: the events, logs and NVML reads that follow come after
-        self._announce(before, self.status)
+        self._node.announce(before, self.status)
 
     def _new_server(self, snapshot: ResourceSnapshot) -> ResourceServer:
         server = ResourceServer(
@@ -1072,11 +982,11 @@ class Agent:
 
     def _refresh_status(self) -> None:
         before = self._set_status()
-        self._announce(before, self.status)
+        self._node.announce(before, self.status)
 
     def _set_status(self) -> AgentStatus:
         """Build the status from the state now (it is one attribute: readers see the old one or the new one);
-        returns the one it replaced, for ``_announce``."""
+        returns the one it replaced, for the Events it calls for (``NodeMetadata.announce``)."""
         before = self.status
         self.status = AgentStatus(
             resources=dict(self._snapshots),
@@ -1097,8 +1007,8 @@ class Agent:
             stale_gpus=self._stale_gpus,
             discovery_error=self._discovery_error,
             faults=self._health.faults,
-            cordoned=self._cordon.sources,
-            cordon_problems=self._cordon.problems,
+            cordoned=self._node.cordon.sources,
+            cordon_problems=self._node.cordon.problems,
             dra=self._dra.status() if self._dra else None,
         )
         return before
