@@ -1,4 +1,4 @@
-"""Compare a compiled kubelet API proto with its fact table in shared/facts (kubelet-api.json, dra-api.json).
+"""Compare a compiled kubelet API proto with its fact table in tests/data (kubelet-api.json, dra-api.json).
 
 A fact table describes each proto by package, messages (fields with name, number, type, label, json_name),
 enums and services (rpcs with method path, request, response and streaming flags), dumped from the upstream
@@ -7,15 +7,15 @@ descriptors. The wire tests assert that the descriptors of our generated stubs s
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
-import pytest
 from google.protobuf.descriptor import FieldDescriptor, FileDescriptor
 from google.protobuf.descriptor_pb2 import FileDescriptorProto
 
 ROOT = Path(__file__).parents[2]
-FACTS_DIR = ROOT.parent / "shared" / "facts"
+FACTS_DIR = ROOT / "tests" / "data"  # copies of the project's facts, with their sources (tests/data/README.md)
 
 _SCALARS = {
     FieldDescriptor.TYPE_STRING: "string",
@@ -49,10 +49,11 @@ def field_type(field: FieldDescriptor) -> str:
 
 
 def load_facts(file_name: str) -> dict:
-    """A whole fact file; the test is skipped when shared/facts is not beside this checkout."""
+    """A whole fact file, refused when it is no longer the copy recorded in tests/data/SHA256SUMS."""
     path = FACTS_DIR / file_name
-    if not path.exists():
-        pytest.skip("shared/facts is not beside this checkout")
+    recorded = dict(line.split("  ", 1)[::-1] for line in (FACTS_DIR / "SHA256SUMS").read_text().splitlines())
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == recorded[file_name], f"{path} differs from the copy of the facts (tests/data/README.md)"
     return json.loads(path.read_text())
 
 

@@ -1,9 +1,9 @@
 """MIG rules of the simulated driver, checked through real pynvml against the MIG facts.
 
 Every test installs a simulated node beneath pynvml, calls the same pynvml functions the agent would call
-on a real GPU, and compares what comes back with ``mig-profiles.json`` (the shared facts) and the rules in
-``mig-mps.md``. Nothing here reaches into the simulator to check its state; the driver object is only used
-for what a test would do to a real node (start a process).
+on a real GPU, and compares what comes back with ``agent/data/mig-profiles.json`` (the MIG facts) and the rules
+of NVIDIA's MIG user guide and mig-parted. Nothing here reaches into the simulator to check its state; the driver
+object is only used for what a test would do to a real node (start a process).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from agent.sim.nvml.spec import SimSpecError, build_driver, parse_node_spec
 
 MIB = 1 << 20
 GIB = 1 << 30
-SHARED_FACTS = Path(__file__).parents[3] / "shared" / "facts" / "mig-profiles.json"
-PACKAGED_FACTS = Path(agent.data.__file__).parent / "mig-profiles.json"
-FACTS: dict[str, Any] = json.loads((SHARED_FACTS if SHARED_FACTS.is_file() else PACKAGED_FACTS).read_text())
+PACKAGED_FACTS = Path(agent.data.__file__).parent / "mig-profiles.json"  # the facts' table (agent/data/README.md)
+FACTS: dict[str, Any] = json.loads(PACKAGED_FACTS.read_text())
 
 # NVML_GPU_INSTANCE_PROFILE_* indices (what GetGpuInstanceProfileInfo takes) and profile ids (what Create takes).
 INDEX_1_SLICE = pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE  # 0
