@@ -45,7 +45,8 @@ from agent.node_metadata import NodeMetadata
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
 from agent.plugin.registration import KUBELET_SOCKET
 from agent.plugin.registrations import RegistrationDone, Registrations
-from agent.plugin.server import ResourceServer, send_updates, stop_servers
+from agent.plugin.server import send_updates
+from agent.plugin.servers import ResourceServers
 from agent.plugin.watch import KubeletSocketChanged, PluginDirChanged, PluginDirWatcher, PluginSocketRemoved
 from agent.status import AgentStatus
 from agent.supervise import Backoff, WorkerCrashed
@@ -65,7 +66,6 @@ SAFETY_SECONDS = 30.0  # the loop wakes at least this often with nothing to do: 
 TELEMETRY_WAIT_SECONDS = 2.0  # metrics (what comes second) start once the kubelet is served, or after this
 STREAM_RETRY_DELAY = 0.2  # after a closed stream, give a restarting kubelet a moment to clean up
 MAX_BACKOFF = 30.0
-SERVE_RETRY_SECONDS = 1.0  # a socket that could not be served is tried again this often
 
 
 class AgentExit(RuntimeError):
@@ -139,7 +139,6 @@ class Agent:
         self.options = options
         self._clock = clock
         self._events: queue.Queue[object] = queue.Queue()
-        self._servers: dict[str, ResourceServer] = {}
         self._registrations = Registrations(options.kubelet_socket, self.post, clock)  # one Register per kubelet
         self._inventory: Inventory | None = None
         self._plan: ResourcePlan | None = None
@@ -166,8 +165,6 @@ class Agent:
         self._keeper = HealthKeeper(options.health, liveness_seconds=options.liveness_probe_seconds, clock=clock)
         self._snapshots: dict[str, ResourceSnapshot] = {}
         self._plugin_dir_present: bool | None = None
-        self._serve_errors: dict[str, str] = {}  # resource -> why its socket could not be served
-        self._serve_retry_at: dict[str, float] = {}
         self._event_watcher: NvmlEventWatcher | None = None
         self._kubelet_watcher: PluginDirWatcher | None = None  # kubelet.sock, plugin sockets, the directory
         self._config_errors = 0
@@ -180,6 +177,15 @@ class Agent:
             from agent.telemetry.latency import OperationLatency
 
             self._latency = OperationLatency()
+        self._servers = ResourceServers(
+            options.device_plugin_dir,
+            self._registrations,
+            clock=clock,
+            on_stream_closed=lambda resource: self.post(StreamClosed(resource)),
+            on_stream_opened=self._on_stream_opened,
+            on_allocate=self._ledger.note_allocated,
+            latency=self._latency,
+        )
         self._settling = False  # started, the kubelet not served yet: what comes second (metrics) waits
         self._settle_by = 0.0  # what comes second starts by then even if the kubelet has not watched everything
         self._kubelet_known = False  # the watcher has said whether kubelet.sock is there
@@ -256,8 +262,8 @@ class Agent:
         deadlines += [feature.next_deadline() for feature in (self._mps, self._mig, self._dra) if feature is not None]
         if self._settling:
             deadlines.append(self._settle_by)
-        deadlines.append(self._registrations.next_deadline(self._servers))
-        deadlines += [self._serve_retry_at.get(n, now) for n, server in self._servers.items() if not server.serving]
+        deadlines.append(self._registrations.next_deadline(self._servers.servers))
+        deadlines += self._servers.retry_deadlines()
         nearest = min((d for d in deadlines if d is not None), default=now + SAFETY_SECONDS)
         return min(SAFETY_SECONDS, max(0.0, nearest - now))
 
@@ -363,8 +369,7 @@ class Agent:
         for them; MPS daemons keep serving."""
         self.started.set()  # a caller waiting for the start learns that it is over
         self.served.set()
-        stop_servers(self._servers.values(), grace=0)  # together: every stream ends at once
-        self._servers.clear()
+        self._servers.stop_all()
         join = self.options.thread_join_seconds
         if self._event_watcher is not None:
             self._event_watcher.stop(timeout=join)
@@ -516,19 +521,8 @@ class Agent:
             if self._settling:
                 self._settle()  # nothing to register with: metrics and health say why
             return
-        for name, server in list(self._servers.items()):
-            if not server.socket_present():
-                if server.serving:
-                    log.warning(
-                        "plugin socket removed resource=%s socket=%s; serving it again", name, server.socket_path
-                    )
-                    if server.restore_socket():  # the same server under its name again: no restart needed
-                        self._registrations.socket_restored(name)  # its stream carries on
-                        continue
-                elif now < self._serve_retry_at.get(name, 0.0):
-                    continue  # it could not be served a moment ago: do not retry (and fail) every tick
-                self._restart_server(name)
-        self._registrations.start_due(self._servers)
+        self._servers.serve_missing(now)
+        self._registrations.start_due(self._servers.servers)
         if self._settling and ((self._kubelet_known and self._kubelet_served()) or now >= self._settle_by):
             self._settle()
 
@@ -536,7 +530,7 @@ class Agent:
         """The kubelet has what it needs from us: every resource is watched (ListAndWatch open) or failed to
         register. Metrics start only then, so importing and starting them does not hold the GIL while the
         kubelet's first ListAndWatch is answered (``served``)."""
-        return self._registrations.served(self._servers)
+        return self._registrations.served(self._servers.servers)
 
     def _on_stream_opened(self, resource: str) -> None:
         """Called on a gRPC thread: wake the loop only while what comes second waits for the kubelet."""
@@ -877,51 +871,13 @@ class Agent:
             if snapshot.sharing is not Sharing.MPS or (self._mps is not None and self._mps.advertised(name))
             # an MPS resource is advertised once its daemons have their limits in place, then clients connect
         }
-        for name in self._servers.keys() - snapshots.keys():
-            self._servers.pop(name).stop()
-            self._registrations.forget(name)
-            log.info("resource removed resource=%s", name)
-        changed = []
-        for name, snapshot in snapshots.items():
-            server = self._servers.get(name)
-            if server is None:
-                self._servers[name] = self._new_server(snapshot)
-                self._registrations.server_started(name)
-            elif snapshot.listing() != server.snapshot.listing() or snapshot.options != server.snapshot.options:
-                changed.append((server, snapshot))
+        changed = self._servers.apply(snapshots)
         self._snapshots = snapshots
         before = self._set_status()  # what `tessera status` says never lags what the kubelet hears
         updated = [server for server, snapshot in changed if server.update(snapshot)]
         if updated:
             send_updates(updated)  # the kubelet next: the events, logs and NVML reads that follow come after
         self._node.announce(before, self.status)
-
-    def _new_server(self, snapshot: ResourceSnapshot) -> ResourceServer:
-        server = ResourceServer(
-            snapshot,
-            self.options.device_plugin_dir,
-            on_stream_closed=lambda resource: self.post(StreamClosed(resource)),
-            on_stream_opened=self._on_stream_opened,
-            latency=self._latency,
-            on_allocate=self._ledger.note_allocated,
-        )
-        if not self.options.device_plugin_dir.is_dir():
-            return server  # served once the directory appears (the tick sees its socket missing)
-        try:
-            server.start()
-        except OSError as error:
-            if self._serve_errors.get(snapshot.name) != str(error):  # said once, not at every retry
-                log.error("cannot serve resource=%s socket=%s error=%r", snapshot.name, server.socket_path, str(error))
-            self._serve_errors[snapshot.name] = str(error)
-            self._serve_retry_at[snapshot.name] = self._clock() + SERVE_RETRY_SECONDS
-        else:
-            self._serve_errors.pop(snapshot.name, None)
-        return server
-
-    def _restart_server(self, name: str) -> None:
-        self._servers.pop(name).stop(grace=0)
-        self._servers[name] = self._new_server(self._snapshots[name])
-        self._registrations.server_started(name)  # the kubelet's stream went with the old server
 
     # ----- registration ---------------------------------------------------------------------------
 
