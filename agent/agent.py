@@ -39,8 +39,9 @@ from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snaps
 from agent.gpu.discovery import discover
 from agent.gpu.health import GpuLost, NvmlEventWatcher, WatchFailed, WatchRestored, XidEvent
 from agent.gpu.mig_recheck import MigRecheck
-from agent.health_keeper import HealthKeeper, HealthNews
+from agent.health_keeper import HealthKeeper
 from agent.ledger import DeviceLedger
+from agent.news import News
 from agent.node_metadata import NodeMetadata
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
 from agent.plugin.registration import KUBELET_SOCKET
@@ -156,7 +157,7 @@ class Agent:
         self._mps: MpsManager | None = None
         self._mig: MigManager | None = None
         self._dra: DraManager | None = None
-        self._routes: dict[str, Callable[[object], None]] = {}  # event module -> the feature that handles it
+        self._routes: dict[str, Callable[[object, float], News]] = {}  # event module -> (event, now) -> what to do
         # Who holds each device, and which GPUs DRA serves: every destructive step and hand-over asks it, in its
         # critical section (the features above act on their workers; the loop itself never waits for it).
         self._ledger = DeviceLedger(options.pod_resources_socket)
@@ -456,50 +457,9 @@ class Agent:
                 if self._node.on_annotation(key, value, self._inventory):
                     self._publish()
             case _ if type(event).__module__ in self._routes:  # a feature's own news (MPS, MIG, DRA)
-                self._routes[type(event).__module__](event)
+                self._act(self._routes[type(event).__module__](event, self._clock()))
             case _:
                 log.error("unknown event %r", event)
-
-    def _mps_event(self, event: object) -> None:
-        """A daemon ready, failed, exited or stopped; a retiring daemon's devices still in use."""
-        from agent.mps.exits import ProcessExited
-        from agent.mps.manager import MpsDaemonFailed, MpsDaemonReady, MpsDaemonStopped, MpsDrainChecked
-
-        assert self._mps is not None
-        match event:
-            case MpsDaemonReady():
-                if self._mps.on_ready(event):
-                    self._tell_dra_mps()
-                    self._publish()
-            case MpsDaemonFailed():
-                if self._mps.on_failed(event, self._clock()):
-                    self._tell_dra_mps()
-                    self._publish()
-            case ProcessExited():
-                if self._mps.on_exited(event, self._clock()):
-                    self._publish()
-            case MpsDaemonStopped():
-                if self._mps.on_stopped(event):
-                    self._publish()
-            case MpsDrainChecked():
-                self._mps.on_drain_checked(event, self._clock())
-                self._refresh_status()
-
-    def _mig_event(self, event: object) -> None:
-        """A pending layout change's devices checked, or the change applied (or not)."""
-        from agent.mig.manager import MigApplied, MigBusyChecked
-
-        assert self._mig is not None
-        match event:
-            case MigBusyChecked():
-                self._mig.on_busy_checked(event, self._clock())
-                self._refresh_status()
-            case MigApplied():
-                self._mig.on_applied(event, self._clock())
-                if event.busy:
-                    self._refresh_status()
-                else:
-                    self._rediscover("MIG change", stale=self._uuids_of(self._mig.changing_gpus))
 
     def _tick(self) -> None:
         now = self._clock()
@@ -511,7 +471,7 @@ class Agent:
         if self._mps is not None and self._mps.tick(now):
             self._publish()
         if self._mig is not None and self._mig.tick(now):
-            self._rediscover("MIG reset check", stale=self._uuids_of(self._mig.changing_gpus))
+            self._rediscover("MIG reset check", stale=self._mig.changing_uuids)
         if self._dra is not None and self._inventory is not None and self._dra.tick(now, self._inventory):
             self._publish()  # a GPU leaving DRA is free of claims: the device plugin offers it again
         if self._keeper.liveness_due(now):
@@ -627,7 +587,7 @@ class Agent:
 
             self._mig = MigManager(self.post, self._ledger)
             self._layouts = LayoutSelection(self.options.mig_config, self.options.mig_config_name)
-            self._routes["agent.mig.manager"] = self._mig_event
+            self._routes["agent.mig.manager"] = self._mig.on_event
         from agent.core.mig_layout import LayoutError
 
         before = self._mig.withdrawn
@@ -679,7 +639,7 @@ class Agent:
                 self.options.pod_resources_socket,
                 self._ledger,
             )
-            self._routes["agent.dra.types"] = self._dra_event
+            self._routes["agent.dra.types"] = self._dra.on_event
         driver = section.driver_name if section is not None else "gpu.nvidia.com"
         self._dra.configure(
             enabled,
@@ -757,9 +717,6 @@ class Agent:
             self._event_watcher.set_gpus([g.uuid for g in inventory.gpus])
         return True
 
-    def _uuids_of(self, gpu_indexes: tuple[int, ...]) -> frozenset[str]:
-        return frozenset(g.uuid for g in self._gpus() if g.index in gpu_indexes)
-
     def _load_config(self) -> LoadedConfig:
         path = self.options.config_path
         if path is None:
@@ -800,20 +757,24 @@ class Agent:
             self._refresh_status()
 
     def _on_watch_restored(self, gpu_uuid: str) -> None:
-        self._apply_health(self._keeper.on_watch_restored(gpu_uuid))
+        self._act(self._keeper.on_watch_restored(gpu_uuid))
 
     def _probe_faults(self, now: float) -> None:
-        self._apply_health(self._keeper.probe(now, self._gpus(), self._event_watcher))
+        self._act(self._keeper.probe(now, self._gpus(), self._event_watcher))
 
-    def _apply_health(self, news: HealthNews) -> None:
-        if news.back:
-            # A GPU that was lost may come back changed (a reset loses its MIG instances): read it before
-            # anything of it is advertised again.
-            self._rediscover("GPU back", stale=news.back)
+    def _act(self, news: News) -> None:
+        """What a room asked for, strongest first. A GPU back from the bus may come back changed (a reset loses
+        its MIG instances): it is read again before anything of it is advertised."""
+        if news.mps and self._plan is not None:  # DRA's claims need other MPS daemons
+            self._reconcile_mps(self._plan, Path(self._effective.allocation.mps_root))
+        if news.dra_mps:
+            self._tell_dra_mps()
+        if news.reread is not None:
+            self._rediscover(news.reread, stale=news.stale)
         elif news.publish:
             self._publish()
         elif news.status:
-            self._refresh_status()  # what still blocks recovery is in the status
+            self._refresh_status()
 
     def _check_liveness(self, now: float) -> None:
         """Catch what no event reaches us for: a GPU that fell off the bus, MIG devices a reset or a hand changed."""
@@ -901,7 +862,7 @@ class Agent:
         now = self._clock()
         if event.owner == "mig" and self._mig is not None:
             self._mig.on_crashed(event, now)
-            self._rediscover("MIG worker crash", stale=self._uuids_of(self._mig.changing_gpus))
+            self._rediscover("MIG worker crash", stale=self._mig.changing_uuids)
         elif event.owner == "mps" and self._mps is not None:
             if self._mps.on_crashed(event, now):
                 self._publish()
@@ -977,7 +938,7 @@ class Agent:
 
             options = self.options
             self._mps = MpsManager(options.mps_control, self.post, self._ledger, options.mps_keeper)
-            self._routes["agent.mps.manager"] = self._routes["agent.mps.exits"] = self._mps_event
+            self._routes["agent.mps.manager"] = self._routes["agent.mps.exits"] = self._mps.on_event
         if self._mps is not None:
             self._mps.reconcile(specs, root, self._clock())
         self._tell_dra_mps()
@@ -986,39 +947,6 @@ class Agent:
         if self._dra is not None:
             status = self._mps.status() if self._mps is not None else {}
             self._dra.mps_changed(status, self._effective.allocation.mps_root)
-
-    def _dra_event(self, event: object) -> None:
-        """The DRA front end's news (a handover answer, a registration verdict, slices published or not, claims
-        prepared or unprepared): each is in the status."""
-        from agent.dra.types import (
-            DraClaimsChanged,
-            DraHandoverChecked,
-            DraRegistration,
-            DraUnclaimedSwept,
-            SlicesFailed,
-            SlicesPublished,
-        )
-
-        assert self._dra is not None
-        if isinstance(event, DraClaimsChanged) and self._plan is not None:  # a claim's MPS daemon may be new or gone
-            self._reconcile_mps(self._plan, Path(self._effective.allocation.mps_root))
-            if self._dra.made_mig_changed():  # a MIG device made or destroyed for a claim: the node changed
-                self._rediscover("a DRA claim's MIG device was made or destroyed")
-                return
-        if isinstance(event, DraUnclaimedSwept):
-            if self._dra.on_swept(event.destroyed, event.waiting, self._clock()):
-                self._rediscover("MIG devices no claim made were destroyed")
-                return
-        elif isinstance(event, DraHandoverChecked):
-            if self._dra.on_checked(event, self._clock()):
-                self._publish()
-                return
-        elif isinstance(event, DraRegistration):
-            self._dra.registered = event.registered
-            self._dra.error = None if event.registered else f"the kubelet refused the driver: {event.error}"
-        elif isinstance(event, SlicesPublished | SlicesFailed):
-            self._dra.on_slices(isinstance(event, SlicesPublished), getattr(event, "error", ""))
-        self._refresh_status()
 
     def _waiting_for(self) -> dict[str, tuple[str, ...]]:
         waiting = {f"mps:{key}": why for key, why in self._mps.waiting_for().items()} if self._mps is not None else {}

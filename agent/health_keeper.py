@@ -3,7 +3,7 @@
 The loop hands the keeper the watcher's events (``XidEvent``, ``WatchFailed``, ``GpuLost``,
 ``WatchRestored``) and its ticks; the keeper holds the ``HealthState`` and the policy, counts XIDs, checks
 quiet faults for recovery on the driver's evidence and re-checks that every GPU still answers (a GPU can
-fall off the bus without an event reaching us). Each step says what it asks of the loop (``HealthNews``):
+fall off the bus without an event reaching us). Each step says what it asks of the loop (``News``):
 publish, refresh the status, or read the node again for GPUs back from the bus. The keeper runs on the
 loop's thread only; the state it holds is the loop's.
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from agent.core.health import (
@@ -42,6 +41,7 @@ from agent.core.health import (
 )
 from agent.core.inventory import Gpu, Inventory
 from agent.gpu.health import Evidence, XidEvent, probe, read_ecc_uncorrected, recovery_evidence
+from agent.news import News
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +50,6 @@ class Watcher(Protocol):
     """What the keeper asks of the NVML event watcher (``agent.gpu.health.NvmlEventWatcher``)."""
 
     def gpu_back(self, uuid: str) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class HealthNews:
-    """What a health step asks of the loop."""
-
-    publish: bool = False  # device health changed: recompute what the kubelet sees
-    status: bool = False  # only what the status says changed (a count, what blocks a recovery)
-    back: frozenset[str] = frozenset()  # lost GPUs answering again: read them before anything of them is offered
 
 
 class HealthKeeper:
@@ -119,16 +110,16 @@ class HealthKeeper:
             log.warning("GPU lost gpu=%s reason=%s", uuid, GPU_LOST_REASON)
         self.state = record_fault(self.state, [uuid], GPU_LOST_REASON, self._clock(), lost=True)
 
-    def on_watch_restored(self, gpu_uuid: str) -> HealthNews:
+    def on_watch_restored(self, gpu_uuid: str) -> News:
         """The watcher sees the GPU again: a fault that waited only for that goes; an XID or a loss the evidence
         has not cleared yet stays."""
         before = self.state
         self.state = watch_restored(before, gpu_uuid)
         if self.state is before:
-            return HealthNews()
+            return News()
         cleared = sorted(before.faults.keys() - self.state.faults.keys())
         log.info("GPU health watched again gpu=%s healthy_again=%s", gpu_uuid, ",".join(cleared) or "-")
-        return HealthNews(publish=bool(cleared), status=True)
+        return News(publish=bool(cleared), status=True)
 
     def record_lost(self, uuids: Sequence[str]) -> None:
         """GPUs found lost without the watcher saying so (a read of the node, the liveness re-check)."""
@@ -138,7 +129,7 @@ class HealthKeeper:
 
     # ----- the clock -------------------------------------------------------------------------------
 
-    def probe(self, now: float, gpus: Sequence[Gpu], watcher: Watcher | None) -> HealthNews:
+    def probe(self, now: float, gpus: Sequence[Gpu], watcher: Watcher | None) -> News:
         """Faulty units quiet for long enough are checked for recovery: only on evidence (the recovery action,
         pending remaps and retirements, ECC growth, the device answering) is the cause cleared, and a GPU back
         from the bus stays Unhealthy until ``watcher`` says it watches it again."""
@@ -170,7 +161,7 @@ class HealthKeeper:
                 self.state = probe_failed(
                     self.state, unit, now, blockers=evidence.reasons, ecc_baseline=evidence.ecc_uncorrected
                 )
-        return HealthNews(publish=publish, status=bool(checked), back=frozenset(back))
+        return News(reread="GPU back" if back else None, stale=frozenset(back), publish=publish, status=bool(checked))
 
     def liveness_due(self, now: float) -> bool:
         """Is the liveness re-check due (then it is scheduled next ``liveness_seconds`` on)?"""

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ALLOCATE_GRACE_SECONDS = 10.0  # the kubelet records an allocation right after Allocate answers; this is ample
+ALLOCATE_GRACE_SECONDS = 5.0  # the kubelet records an allocation right after Allocate answers; this is ample
 
 EMPTY_INVENTORY = Inventory("", "", None, (), ())
 
@@ -100,14 +100,15 @@ class DeviceLedger:
         holds: list[Hold] = claim_holds(claims, inventory)
         unknown: list[str] = []
         if drain.withdrawn:
-            holds += self._being_allocated(inventory)
             try:
                 answer = self._pod_resources()
             except PodResourcesError as error:
                 unknown.append(f"cannot tell whether pods hold the devices: {error}")
             else:
+                self._recorded_by_kubelet(answer.devices)
                 holds += pod_holds(answer.devices, inventory)
                 holds += claim_pod_holds(answer.claims, self._pool, claims, inventory)
+            holds += self._being_allocated(inventory)  # what Allocate answered for and PodResources does not list
         if drain.scopes:
             try:
                 holds += process_holds(self._processes(sorted(drain.scopes), exclude_pids), inventory)
@@ -138,6 +139,13 @@ class DeviceLedger:
         now = self._clock()
         with self._allocated_lock:
             self._allocated.update(dict.fromkeys(device_ids, now))
+
+    def _recorded_by_kubelet(self, listed: Collection[str]) -> None:
+        """Devices PodResources lists are the kubelet's word from now on: noted allocations of them end (a pod that
+        ends is then free at once, not after the grace)."""
+        with self._allocated_lock:
+            for device_id in self._allocated.keys() & set(listed):
+                del self._allocated[device_id]
 
     def _being_allocated(self, inventory: Inventory) -> list[Hold]:
         now = self._clock()

@@ -28,7 +28,16 @@ from agent.core.dra.partitions import Unclaimed
 from agent.core.health import HealthState
 from agent.core.inventory import Gpu, Inventory
 from agent.core.ledger import Drain
-from agent.dra.types import DraHandoverChecked, DraSettings, DraUnclaimedSwept
+from agent.dra.types import (
+    DraClaimsChanged,
+    DraHandoverChecked,
+    DraRegistration,
+    DraSettings,
+    DraUnclaimedSwept,
+    SlicesFailed,
+    SlicesPublished,
+)
+from agent.news import PUBLISH, STATUS, News
 from agent.supervise import submit
 
 if TYPE_CHECKING:
@@ -361,6 +370,29 @@ class DraManager:
             moved = True
             log.info("GPU moved to DRA gpu=%s", uuid)
         return moved
+
+    def on_event(self, event: object, now: float) -> News:
+        """The DRA front end's news (claims prepared or unprepared, a hand-over answer, MIG devices no claim made
+        swept, a registration verdict, slices published or not)."""
+        match event:
+            case DraClaimsChanged():  # a claim's MPS daemon may be new or gone; a MIG device made or destroyed for it
+                if self.made_mig_changed():
+                    return News(reread="a DRA claim's MIG device was made or destroyed", mps=True)
+                return News(status=True, mps=True)
+            case DraUnclaimedSwept(destroyed=destroyed, waiting=waiting):
+                if self.on_swept(destroyed, waiting, now):
+                    return News(reread="MIG devices no claim made were destroyed")
+            case DraHandoverChecked():
+                if self.on_checked(event, now):
+                    return PUBLISH
+            case DraRegistration(registered=registered, error=error):
+                self.registered = registered
+                self.error = None if registered else f"the kubelet refused the driver: {error}"
+            case SlicesPublished():
+                self.on_slices(True)
+            case SlicesFailed(error=error):
+                self.on_slices(False, error)
+        return STATUS
 
     def on_crashed(self, key: str, now: float) -> None:
         if key == "unclaimed":

@@ -36,6 +36,7 @@ from agent.core.mig_layout import (
     diff_node,
 )
 from agent.gpu.mig import create_instance, destroy_instance, set_mig_mode
+from agent.news import STATUS, News
 from agent.supervise import WorkerCrashed, submit
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ class MigManager:
         self.drain = Drain()
         self.waiting_for: tuple[str, ...] = ()  # why a pending change does not go ahead
         self._operations: dict[int, tuple[Operation, ...]] = {}
+        self.changing_uuids: frozenset[str] = frozenset()  # the GPUs the current change operates on
         self._generation = 0
         self._in_flight = False
         self._next_check = 0.0
@@ -115,6 +117,7 @@ class MigManager:
             summary = "; ".join(f"GPU {i}: {len(ops)} operations" for i, ops in sorted(operations.items()))
             log.info("MIG layout change planned %s", summary)
         self._operations = operations
+        self.changing_uuids = frozenset(g.uuid for g in inventory.gpus if g.index in operations)
         self.drain = mig_drain(operations, inventory)
         if self.state not in (MigState.APPLYING, MigState.FAILED, MigState.RESET_REQUIRED):
             self.state = MigState.PENDING
@@ -127,11 +130,7 @@ class MigManager:
 
     def _reset(self, state: MigState | None, error: str | None) -> None:
         self.state, self.error, self.drain, self._operations, self.waiting_for = state, error, Drain(), {}, ()
-
-    @property
-    def changing_gpus(self) -> tuple[int, ...]:
-        """The GPU indexes the current change operates on."""
-        return tuple(sorted(self._operations))
+        self.changing_uuids = frozenset()
 
     @property
     def withdrawn(self) -> frozenset[str]:
@@ -196,6 +195,16 @@ class MigManager:
         else:
             self.state, self.error, self._failures, self.waiting_for = MigState.SUCCESS, None, 0, ()
             log.info("MIG layout change applied generation=%d", event.generation)
+
+    def on_event(self, event: object, now: float) -> News:
+        """The worker's news: a pending change's devices checked, or the change applied (or not)."""
+        if isinstance(event, MigBusyChecked):
+            self.on_busy_checked(event, now)
+        elif isinstance(event, MigApplied):
+            self.on_applied(event, now)
+            if not event.busy:  # the devices changed (or may have): read them, the changed GPUs withdrawn till then
+                return News(reread="MIG change", stale=self.changing_uuids)
+        return STATUS
 
     def on_crashed(self, event: WorkerCrashed, now: float) -> None:
         """A worker job raised past its own guard: treat it as a failed attempt, retried with backoff."""

@@ -45,6 +45,7 @@ from agent.mps.control import (
     thread_percentage_command,
 )
 from agent.mps.exits import ProcessExited, ProcessExitWatcher
+from agent.news import NOTHING, PUBLISH, STATUS, News
 from agent.supervise import WorkerCrashed, submit
 
 if TYPE_CHECKING:
@@ -205,6 +206,22 @@ class MpsManager:
     def on_stopped(self, event: MpsDaemonStopped) -> bool:
         """The retired daemon is gone: its devices may be advertised again (by a successor)."""
         return self._retiring.pop(event.key, None) is not None
+
+    def on_event(self, event: object, now: float) -> News:
+        """A daemon ready, failed, exited or stopped; a retiring daemon's devices still in use."""
+        match event:
+            case MpsDaemonReady():
+                return News(publish=True, dra_mps=True) if self.on_ready(event) else NOTHING
+            case MpsDaemonFailed():
+                return News(publish=True, dra_mps=True) if self.on_failed(event, now) else NOTHING
+            case ProcessExited():
+                return PUBLISH if self.on_exited(event, now) else NOTHING
+            case MpsDaemonStopped():
+                return PUBLISH if self.on_stopped(event) else NOTHING
+            case MpsDrainChecked():
+                self.on_drain_checked(event, now)
+                return STATUS
+        return NOTHING
 
     def on_crashed(self, event: WorkerCrashed, now: float) -> bool:
         """A worker job raised past its guard: a retiring daemon checks again later, a starting one failed."""

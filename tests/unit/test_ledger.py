@@ -9,7 +9,7 @@ from agent.core.dra.mps import MpsRecord
 from agent.core.inventory import Inventory
 from agent.core.ledger import Drain
 from agent.ledger import ALLOCATE_GRACE_SECONDS, DeviceLedger
-from agent.plugin.podresources import PodAllocations
+from agent.plugin.podresources import DeviceHolder, PodAllocations
 
 from .builders import a100
 
@@ -18,11 +18,17 @@ INVENTORY = Inventory("", "", None, (a100(0, GPU0), a100(1, GPU1)), ())
 WHOLE = Drain(frozenset({GPU0}), frozenset({GPU0}))
 
 
-def ledger(claims: dict[str, PreparedClaim] | None = None, now: list[float] | None = None) -> DeviceLedger:
+def ledger(
+    claims: dict[str, PreparedClaim] | None = None,
+    now: list[float] | None = None,
+    listed: dict[str, DeviceHolder] | None = None,
+) -> DeviceLedger:
+    """A ledger of GPU 0 and 1 whose kubelet lists ``listed`` (a test may change it) and whose clock is ``now``."""
     clock = now if now is not None else [0.0]
+    pods = listed if listed is not None else {}
     book = DeviceLedger(
         Path("/nonexistent"),
-        pod_resources=lambda: PodAllocations({}, {}),
+        pod_resources=lambda: PodAllocations(dict(pods), {}),
         processes=lambda uuids, exclude: {u: () for u in uuids},
         clock=lambda: clock[0],
     )
@@ -60,3 +66,14 @@ def test_a_claim_does_not_block_its_own_step_and_an_mps_quit_waits_only_for_its_
 def test_an_admin_access_claim_is_a_holder_too() -> None:
     book = ledger({"uid-m": claim("monitor", admin=True)})
     assert book.why_busy(WHOLE) == [f"{GPU0} held by claim default/monitor (DRA admin-access claim)"]
+
+
+def test_a_noted_allocation_ends_once_podresources_lists_the_device() -> None:
+    """From then on the kubelet's word counts: a pod that ends frees its GPU at once, not after the grace."""
+    listed: dict[str, DeviceHolder] = {}
+    book = ledger(listed=listed)
+    book.note_allocated([GPU0])
+    listed[GPU0] = DeviceHolder("default", "train", "main", "nvidia.com/gpu")
+    assert book.why_busy(WHOLE) == [f"{GPU0} held by default/train (main) (device-plugin pod)"]  # listed once
+    listed.clear()  # the pod ended
+    assert book.why_busy(WHOLE) == []
