@@ -309,6 +309,11 @@ INT64_BOUND = "the most allowed here is 9223372036854775807 (2^63 - 1, the large
             id="default limit 1e10000000",
         ),
         pytest.param(
+            {"defaultPinnedDeviceMemoryLimit": "1e100000000"},
+            f"defaultPinnedDeviceMemoryLimit: '1e100000000' is too large: {INT64_BOUND}",
+            id="one more digit",
+        ),
+        pytest.param(
             {"defaultPerDevicePinnedMemoryLimit": {"0": HUGE}},
             f"sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[0]: '{HUGE}' is too large: {INT64_BOUND}",
             id="per-device limit 1e10000000",
