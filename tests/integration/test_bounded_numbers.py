@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import _parser, main
+from agent.cli import _parser
 from agent.run import OptionsError, build_options
 from agent.sim.kubelet.dra_common import PodStartError
 
@@ -124,8 +124,8 @@ def test_a_number_flag_refuses_infinity_nan_and_out_of_range_by_name(
     flag: str, value: str, error: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as usage:
-        main(["run", flag, value])
-    assert usage.value.code == 2  # before anything starts
+        _parser().parse_args(["run", flag, value])
+    assert usage.value.code == 2  # before anything starts (tessera run exits 2)
     assert f"argument {flag}: {error}" in capsys.readouterr().err
 
 
@@ -134,7 +134,7 @@ def test_a_number_flags_env_twin_is_refused_by_its_name(
 ) -> None:
     monkeypatch.setenv("TESSERA_HEALTH_RECOVERY_SECONDS", "inf")
     with pytest.raises(SystemExit) as usage:
-        main(["run"])
+        _parser().parse_args(["run"])
     assert usage.value.code == 2
     err = capsys.readouterr().err
     assert "argument --health-recovery-seconds: 'inf' is not a finite number" in err
