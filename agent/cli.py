@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -35,6 +35,9 @@ EXIT_BUSY = 4  # mig apply: processes run where the change would destroy somethi
 EXIT_NOT_APPLIED = 5  # mig assert: the node differs from the layout; mig apply: a MIG mode change waits for a reset
 EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug, not bad input
 EXIT_INTERRUPTED = 130
+# the bounds of the number flags (seconds, percent): a week is longer than any interval anyone means
+MAX_SECONDS = 7 * 24 * 3600
+MIN_METRICS_INTERVAL = 0.1
 
 
 def _env_flag(
@@ -42,6 +45,21 @@ def _env_flag(
 ) -> None:
     action = parser.add_argument(flag, default=os.environ.get(env, default), help=f"{help} [env {env}]", **kwargs)
     action.env = env  # type: ignore[attr-defined]  # for _check_env_choices
+
+
+def _number(env: str, minimum: float, maximum: float, unit: str) -> Callable[[str], float]:
+    """An argparse ``type`` for a number flag (and its env twin): finite, from ``minimum`` to ``maximum``. ``inf``,
+    ``nan`` and ``1e400`` are refused with the flag's name (argparse prefixes it), never passed on to a timer."""
+
+    def number(text: str) -> float:
+        from agent.core.quantity import QuantityError, parse_number
+
+        try:
+            return parse_number(text, minimum=minimum, maximum=maximum)
+        except QuantityError as error:
+            raise argparse.ArgumentTypeError(f"{error} {unit} [env {env}]") from None
+
+    return number
 
 
 def _node_flag(parser: argparse.ArgumentParser) -> None:
@@ -312,7 +330,7 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         "--metrics-interval",
         "TESSERA_METRICS_INTERVAL",
         default="10",
-        type=float,
+        type=_number("TESSERA_METRICS_INTERVAL", MIN_METRICS_INTERVAL, MAX_SECONDS, "seconds"),
         help="seconds between metric collections (a scrape serves the last one)",
     )
     _env_flag(
@@ -320,7 +338,7 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         "--idle-threshold",
         "TESSERA_IDLE_THRESHOLD",
         default="5",
-        type=float,
+        type=_number("TESSERA_IDLE_THRESHOLD", 0, 100, "percent"),
         help="utilization percent under which an allocated device counts as idle",
     )
     _env_flag(
@@ -371,7 +389,7 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         "--health-recovery-seconds",
         "TESSERA_HEALTH_RECOVERY_SECONDS",
         default="60",
-        type=float,
+        type=_number("TESSERA_HEALTH_RECOVERY_SECONDS", 0, MAX_SECONDS, "seconds (0 = never)"),
         help="quiet time after a critical XID before a device is checked for recovery (on evidence); 0 = never",
     )
     _log_flags(parser)

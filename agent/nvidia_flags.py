@@ -417,14 +417,24 @@ def _checked(setting: NvidiaSetting, name: str, text: str) -> str:
     return value
 
 
+_MAX_INT_TEXT = 70  # the longest int64 in Go's base-0 syntax: 0b and 63 binary digits, a sign
+
+
 def _ints(setting: NvidiaSetting, name: str, text: str) -> str:
     """urfave/cli's IntSlice, then NVIDIA's IMEX rule: ``[]`` or ``[0]``. The result is "" or "0"."""
     ids: list[int] = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
+        shown = repr(part) if len(part) <= _MAX_INT_TEXT else f"{part[:_MAX_INT_TEXT]!r}..."
+        out_of_range = f"{name}: {shown} is out of range (Go reads a 64-bit integer); give channel IDs such as 0"
+        if len(part) > _MAX_INT_TEXT:  # before int(): thousands of digits are refused by Python, or slow
+            raise NvidiaFlagError(out_of_range)
         try:
-            ids.append(int(part, 10) if part.lstrip("+-").isdigit() else int(part, 0))
+            value = int(part, 10) if part.lstrip("+-").isdigit() else int(part, 0)
         except ValueError:
-            raise NvidiaFlagError(f"{name}: {part!r} is not an integer; give channel IDs such as 0") from None
+            raise NvidiaFlagError(f"{name}: {shown} is not an integer; give channel IDs such as 0") from None
+        if not -(1 << 63) <= value < 1 << 63:
+            raise NvidiaFlagError(out_of_range)
+        ids.append(value)
     if ids not in ([], [0]):
         found = "[" + " ".join(str(i) for i in ids) + "]"  # as Go prints a slice
         raise NvidiaFlagError(f"{name}: {setting.invalid.format(value=found)}; remove it")

@@ -79,28 +79,26 @@ def normalise_resource_name(value: str) -> str:
     return name
 
 
-_QUANTITY = r"^(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?$"
-_QUANTITY_BYTES = {
-    None: 1,
-    "Ki": 1 << 10,
-    "Mi": 1 << 20,
-    "Gi": 1 << 30,
-    "Ti": 1 << 40,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-}
+MAX_MEMORY_MIB = 1 << 24  # 16Ti: a memory limit beyond any GPU's memory
 
 
 def quantity_mib(text: str) -> int:
-    """A Kubernetes quantity (``10Gi``, ``512Mi``, ``20G``, bytes) in whole MiB, at least 1."""
-    match = re.match(_QUANTITY, text.strip())
-    if match is None:
-        raise ValueError(f"{text!r} is not a memory quantity; write e.g. 10Gi, 512Mi or 20G")
-    mib = int(match[1]) * _QUANTITY_BYTES[match[2]] // (1 << 20)
-    if not 1 <= mib <= 1 << 24:
-        raise ValueError(f"{text!r} is out of range: use between 1Mi and 16Ti")
+    """A Kubernetes quantity (``10Gi``, ``512Mi``, ``20G``, ``1.5Gi``, bytes) in whole MiB (rounded down), 1Mi to 16Ti.
+
+    Read by ``agent.core.quantity``, which bounds it before any arithmetic (``1e10000000`` is refused at once)."""
+    from agent.core.quantity import QuantityError, quantity_value
+
+    span = "use between 1Mi and 16Ti"
+    try:
+        amount = quantity_value(text, what="memory quantity", hint="write e.g. 10Gi, 512Mi or 20G")
+    except QuantityError as error:
+        if not error.out_of_range:
+            raise ValueError(str(error)) from None
+        amount = None
+    mib = None if amount is None else amount // (1 << 20)
+    if mib is None or not 1 <= mib <= MAX_MEMORY_MIB:
+        shown = repr(text) if len(text) <= 40 else f"{text[:40]!r}..."
+        raise ValueError(f"{shown} is out of range: {span}")
     return mib
 
 

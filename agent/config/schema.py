@@ -328,14 +328,16 @@ class DraSection(_Section):
     def _default_share(cls, value: object) -> object:
         if value is None:
             return None
-        from agent.core.dra.opaque import parse_quantity
         from agent.core.dra.shares import MEMORY_STEP
+        from agent.core.quantity import parse_quantity
 
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise ValueError("write a memory size such as 10Gi")
-        amount = parse_quantity(str(value))
+        # bounded before any arithmetic: "1e10000000" is refused at once, naming the bound (QuantityError)
+        amount = parse_quantity(value, what="memory size", hint="write a whole number of GiB such as 10Gi")
         if amount <= 0 or amount.denominator != 1 or amount % MEMORY_STEP:
-            raise ValueError(f"{value!r} is not a whole number of GiB (1Gi, 10Gi, …): shares come in 1Gi steps")
+            shown = repr(value) if isinstance(value, int) or len(value) <= 40 else f"{value[:40]!r}..."
+            raise ValueError(f"{shown} is not a whole number of GiB (1Gi, 10Gi, …): shares come in 1Gi steps")
         return int(amount)
 
     @model_validator(mode="after")

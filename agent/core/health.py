@@ -415,7 +415,8 @@ def parse_xid_list(text: str) -> tuple[frozenset[int], bool, list[str]]:
 
 
 def _is_number(text: str) -> bool:
-    return text.isascii() and text.isdigit()  # isdigit() alone accepts '\u00b2', which int() rejects
+    # isdigit() alone accepts '\u00b2', which int() rejects; 20 digits bound int() (Python refuses 4,300 and more)
+    return text.isascii() and text.isdigit() and len(text) <= 20
 
 
 def parse_xid_key(key: object) -> range:

@@ -291,3 +291,93 @@ def test_kubernetes_quantities(text: str, value: int | Fraction):
 def test_not_quantities(text: str):
     with pytest.raises(ValueError, match="is not a quantity"):
         parse_quantity(text)
+
+
+# ----- numbers a claim writes: bounded before any arithmetic, always the config's own error ----------------------
+
+HUGE = "1e10000000"
+INT64_BOUND = "the most allowed here is 9223372036854775807 (2^63 - 1, the largest int64)"
+
+
+@pytest.mark.timeout(10)  # the unbounded parser held the GIL 9-34 s on "1e10000000", then raised a bare ValueError
+@pytest.mark.parametrize(
+    ("mps", "message"),
+    [
+        pytest.param(
+            {"defaultPinnedDeviceMemoryLimit": HUGE},
+            f"sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: '{HUGE}' is too large: {INT64_BOUND}",
+            id="default limit 1e10000000",
+        ),
+        pytest.param(
+            {"defaultPinnedDeviceMemoryLimit": "1e100000000"},
+            f"defaultPinnedDeviceMemoryLimit: '1e100000000' is too large: {INT64_BOUND}",
+            id="one more digit",
+        ),
+        pytest.param(
+            {"defaultPerDevicePinnedMemoryLimit": {"0": HUGE}},
+            f"sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[0]: '{HUGE}' is too large: {INT64_BOUND}",
+            id="per-device limit 1e10000000",
+        ),
+        pytest.param(
+            {"defaultPinnedDeviceMemoryLimit": "-" + HUGE},
+            f"defaultPinnedDeviceMemoryLimit: '-{HUGE}' is too small",
+            id="negative",
+        ),
+        pytest.param(
+            {"defaultPinnedDeviceMemoryLimit": "9" * 5000},
+            f"defaultPinnedDeviceMemoryLimit: '{'9' * 40}'... (5000 characters) is too large: {INT64_BOUND}",
+            id="5000 digits",
+        ),
+        pytest.param(
+            {"defaultPinnedDeviceMemoryLimit": 10**30},
+            f"defaultPinnedDeviceMemoryLimit: {10**30} is too large: {INT64_BOUND}",
+            id="JSON integer 10**30",
+        ),
+        pytest.param(
+            {"defaultPinnedDeviceMemoryLimit": 1e308},
+            f"defaultPinnedDeviceMemoryLimit: '1e+308' is too large: {INT64_BOUND}",
+            id="JSON number 1e308",
+        ),
+        pytest.param(
+            {"defaultPinnedDeviceMemoryLimit": "1e-10000000"},
+            "defaultPinnedDeviceMemoryLimit: invalid limit: 1e-10000000 is below the minimum of 1Mi",
+            id="1e-10000000 is 1n",
+        ),
+        pytest.param(
+            {"defaultActiveThreadPercentage": 10**1000},
+            "active thread percentage must not be greater than 100",
+            id="percentage 10**1000",
+        ),
+    ],
+)
+def test_huge_numbers_are_the_configs_error_naming_the_field_and_the_bound(mps: dict, message: str) -> None:
+    for config in (gpu_config, mig_config):
+        parameters = config(sharing={"strategy": "MPS", "mpsConfig": mps})
+        for sent in (parameters, json.dumps(parameters).encode()):  # parsed from the claim, or raw as sent
+            with pytest.raises(OpaqueConfigError) as refused:
+                decode(sent)
+            assert message in str(refused.value)
+
+
+def test_a_json_number_too_big_for_a_float_is_no_quantity() -> None:
+    raw = json.dumps(gpu_config(sharing={"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": 0}}))
+    with pytest.raises(OpaqueConfigError, match=r"defaultPinnedDeviceMemoryLimit: inf is not a quantity"):
+        decode(raw.replace(": 0}", ": 1e10000000}").encode())  # Python's JSON reads it as inf
+
+
+def test_a_device_index_thousands_of_digits_long_is_an_invalid_index() -> None:
+    key = "9" * 5000  # int() of it raised ValueError: an internal error, retried for ever
+    mps = decode(
+        gpu_config(sharing={"strategy": "MPS", "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {key: "1Gi"}}})
+    ).sharing.mps  # type: ignore[union-attr]
+    with pytest.raises(OpaqueConfigError, match=r"invalid device index '9{40}'\.\.\. \(5000 characters\): the config"):
+        pinned_memory_limits(mps, ["GPU-a"])  # type: ignore[arg-type]
+
+
+def test_whatever_fails_inside_decoding_is_the_configs_error_never_an_internal_one() -> None:
+    nested: dict[str, object] = {}
+    inner = nested
+    for _ in range(100_000):  # deeper than Python's recursion limit: json.dumps raises RecursionError
+        inner["a"] = inner = {}
+    with pytest.raises(OpaqueConfigError, match="parameters cannot be decoded: RecursionError"):
+        decode(gpu_config(note=nested))

@@ -27,7 +27,12 @@ multiUser`` (added on NVIDIA's main after v0.4.1) is accepted so configs written
 Whether a decoded sharing setting is *applied* is not this module's business: ``agent.core.dra.claims`` answers
 any sharing with a per-claim error until issue 16 brings sharing through DRA.
 
-Pure: no I/O. Errors are ``OpaqueConfigError`` with a message that names the field and the fix.
+Numbers are bounded before any arithmetic (``agent.core.quantity``): ``"1e10000000"`` as a limit is refused at
+once, naming the field and the bound, where exact arithmetic would hold the GIL for seconds.
+
+Pure: no I/O. Errors are ``OpaqueConfigError`` with a message that names the field and the fix; nothing a claim
+holds raises anything else (a ``ValueError`` or ``ArithmeticError`` no check foresaw becomes one too), so a bad
+config is always the claim's own, final error, never an internal one the kubelet would retry forever.
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from fractions import Fraction
 from math import ceil
 from typing import Any, Literal
+
+from agent.core.quantity import QuantityError, parse_quantity
 
 API_GROUP = "resource.nvidia.com"
 API_VERSION = f"{API_GROUP}/v1beta1"
@@ -114,6 +121,11 @@ _TOP_FIELDS = ("apiVersion", "kind", "sharing")
 
 def decode(parameters: bytes | str | Mapping[str, Any]) -> DeviceConfig:
     """Decode ``opaque.parameters``: raw JSON as sent, or the value already parsed from the claim's JSON."""
+    with _config_errors("parameters cannot be decoded"):
+        return _decode(parameters)
+
+
+def _decode(parameters: bytes | str | Mapping[str, Any]) -> DeviceConfig:
     document = _load(parameters)
     if not isinstance(document, Mapping):
         raise OpaqueConfigError(f"parameters must be a JSON object, got {_json_type(document)}")
@@ -152,52 +164,54 @@ def pinned_memory_limits(mps: MpsConfig, uuids: Sequence[str]) -> dict[str, str]
     The default applies to every device, then per-device entries override it; a key is a UUID of one of the
     devices or an index into ``uuids``. Returns ``{uuid: "<MiB>M"}``.
     """
+    with _config_errors("sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit cannot be resolved"):
+        return _pinned_memory_limits(mps, uuids)
+
+
+def _pinned_memory_limits(mps: MpsConfig, uuids: Sequence[str]) -> dict[str, str]:
     limits = dict.fromkeys(uuids, mps.default_pinned_device_memory_limit) if uuids else {}
     limits = {u: v for u, v in limits.items() if v is not None}
     for key, value in mps.default_per_device_pinned_memory_limit.items():
         if key in uuids:
             limits[key] = value
             continue
-        if not re.fullmatch(r"[+-]?\d+", key):
+        if not re.fullmatch(r"[+-]?[0-9]+", key):  # Go's strconv.Atoi: ASCII digits
             raise OpaqueConfigError(
-                f"sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: invalid device: {key!r} is neither an index "
-                f"nor the UUID of one of the claim's devices ({', '.join(uuids) or 'none'})"
+                f"sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: invalid device: {_shown(key)} is neither an "
+                f"index nor the UUID of one of the claim's devices ({', '.join(uuids) or 'none'})"
             )
-        index = int(key)
-        if not 0 <= index < len(uuids):
+        # bounded before int(): a claim's key may be thousands of digits long
+        index = int(key) if len(key.lstrip("+-").lstrip("0")) <= _MAX_INDEX_DIGITS else None
+        if index is None or not 0 <= index < len(uuids):
+            shown = _shown(key) if index is None else index
             raise OpaqueConfigError(
-                f"sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: invalid device index {index}: "
+                f"sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: invalid device index {shown}: "
                 f"the config applies to {len(uuids)} device(s), indices 0 to {len(uuids) - 1}"
             )
         limits[uuids[index]] = value
     return limits
 
 
-def parse_quantity(text: str) -> Fraction:
-    """A Kubernetes quantity (``1Gi``, ``512Mi``, ``1e9``, ``1.5G``, ``100m``) as an exact number."""
-    match = _QUANTITY.fullmatch(text.strip())
-    if match is None:
-        raise ValueError(f"{text!r} is not a quantity: write e.g. 1Gi, 512Mi, 2G or 1073741824")
-    sign, number, suffix = match["sign"], match["number"], match["suffix"]
-    if number in {"", "."}:
-        raise ValueError(f"{text!r} is not a quantity: it has no digits")
-    value = Fraction(number)
-    if suffix in _BINARY_SI:
-        value *= 1024 ** _BINARY_SI[suffix]
-    elif suffix in _DECIMAL_SI:
-        value *= Fraction(10) ** _DECIMAL_SI[suffix]
-    elif suffix[:1] in {"e", "E"} and re.fullmatch(r"[eE][+-]?\d+", suffix):
-        value *= Fraction(10) ** int(suffix[1:])
-    else:
-        raise ValueError(f"{text!r} is not a quantity: unknown suffix {suffix!r} (use Ki, Mi, Gi, k, M, G, e<n>, ...)")
-    return -value if sign == "-" else value
-
-
 # ----- decoding helpers -------------------------------------------------------------------------------------------
 
-_QUANTITY = re.compile(r"(?P<sign>[+-]?)(?P<number>\d*\.?\d*)(?P<suffix>[eE][+-]?\d+|[a-zA-Z]*)")
-_BINARY_SI = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
-_DECIMAL_SI = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_MAX_INDEX_DIGITS = 9  # a device index within a claim (at most 32 devices); more digits are out of range anyway
+_SHOWN = 40  # characters of an offending value shown in a message
+
+
+@contextmanager
+def _config_errors(what: str) -> Iterator[None]:
+    """Whatever a claim's values make fail is that claim's config error, never an internal (retried) one."""
+    try:
+        yield
+    except OpaqueConfigError:
+        raise
+    except (ValueError, ArithmeticError, RecursionError) as error:
+        detail = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        raise OpaqueConfigError(f"{what}: {detail}") from None
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= _SHOWN else f"{text[:_SHOWN]!r}... ({len(text)} characters)"
 
 
 def _load(parameters: bytes | str | Mapping[str, Any]) -> Any:
@@ -343,13 +357,14 @@ def _megabytes(raw: Any, path: str) -> str:
     if isinstance(raw, bool) or not isinstance(raw, str | int | float):
         raise OpaqueConfigError(f"{path}: expected a quantity such as 1Gi, got {_json_type(raw)}")
     try:
-        value = parse_quantity(str(raw))
-    except ValueError as error:
+        value = parse_quantity(raw)  # bounded: the most is the int64 maximum, refused before any arithmetic
+    except QuantityError as error:
         raise OpaqueConfigError(f"{path}: {error}") from None
     mib = ceil(value) // MIB if value > 0 else 0  # Go: Value() rounds up, then integer division by 1024 twice
     if mib < 1:
         # decision: refused here, at decode; NVIDIA refuses it when it starts the MPS daemon
-        raise OpaqueConfigError(f"{path}: invalid limit: {raw} is below the minimum of 1Mi")
+        shown = f"{raw[:_SHOWN]}..." if isinstance(raw, str) and len(raw) > _SHOWN else raw  # parsed: int64 at most
+        raise OpaqueConfigError(f"{path}: invalid limit: {shown} is below the minimum of 1Mi")
     return f"{mib}M"
 
 
@@ -365,10 +380,13 @@ def _json_type(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return f"boolean {json.dumps(value)}"
+    if isinstance(value, int) and value.bit_length() > 128:  # repr() of a 5,000-digit int raises ValueError
+        return f"a number of about {int(value.bit_length() * 0.30103)} digits"
     if isinstance(value, int | float):
         return f"number {value!r}"
     if isinstance(value, str):
-        return f"string {json.dumps(value)}"
+        shown = json.dumps(value[:_SHOWN])
+        return f"string {shown}" if len(value) <= _SHOWN else f"string {shown}... ({len(value)} characters)"
     if isinstance(value, Mapping):
         return "an object"
     if isinstance(value, list | tuple):
