@@ -3,8 +3,9 @@
 The DRA service takes any ``ClaimReader``: a callable ``(namespace, name, uid) -> dict | None`` that returns the
 claim as ``resource.k8s.io/v1`` JSON (camelCase keys, as the API server sends it), ``None`` when the API server
 says it does not exist, and raises ``ClaimsUnavailable`` when the API server cannot be asked (down, timing out,
-refusing us). The split matters to the kubelet's user: "not found" means the claim was deleted before Prepare; an
-outage means nothing is wrong with the claim and the kubelet's retry will succeed once the API server is back.
+refusing us) and ``ClaimUnreadable`` when what it sent for the claim cannot be decoded. The split matters to the
+kubelet's user: "not found" means the claim was deleted before Prepare; an outage means nothing is wrong with the
+claim and the kubelet's retry will succeed once the API server is back; an unreadable claim must be fixed.
 Both become a per-claim error; neither fails the rest of the batch.
 
 ``KubernetesClaimReader`` is that callable over the official Kubernetes client. The UID is not compared here:
@@ -23,6 +24,11 @@ READ_TIMEOUT = 10.0  # the kubelet gives a whole NodePrepareResources call 45 s 
 
 class ClaimsUnavailable(Exception):
     """The API server could not be asked for a claim; the message says why. Retrying later may succeed."""
+
+
+class ClaimUnreadable(Exception):
+    """The API server answered with a claim that cannot be read (a number too long for JSON decoding, say): the
+    claim's fault, not the server's; asking again gives the same answer."""
 
 
 class ClaimReader(Protocol):
@@ -58,6 +64,10 @@ class KubernetesClaimReader:
             raise ClaimsUnavailable(
                 f"the API server answered HTTP {error.status}{reason} for ResourceClaim {namespace}/{name}"
             ) from None
+        except ValueError as error:  # the body did not decode (json: a number over Python's 4,300 digits, say)
+            raise ClaimUnreadable(
+                f"ResourceClaim {namespace}/{name} cannot be read as JSON ({_short(error)}); fix or re-create the claim"
+            ) from None
         except Exception as error:  # urllib3 connection errors and timeouts, TLS trouble: the server is unreachable
             raise ClaimsUnavailable(
                 f"the API server could not be reached for ResourceClaim {namespace}/{name}: "
@@ -66,3 +76,8 @@ class KubernetesClaimReader:
         if not isinstance(claim, dict):
             raise ClaimsUnavailable(f"the API server sent something other than an object for {namespace}/{name}")
         return claim
+
+
+def _short(error: Exception, limit: int = 120) -> str:
+    text = str(error) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -52,7 +52,7 @@ from agent.core.dra.mps import MpsRecord, client_edits, mps_record, share_record
 from agent.core.dra.opaque import OpaqueConfigError
 from agent.dra.cdi_store import CdiStore, CdiStoreError
 from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
-from agent.dra.claims_api import ClaimReader, ClaimsUnavailable
+from agent.dra.claims_api import ClaimReader, ClaimsUnavailable, ClaimUnreadable
 from agent.dra.devnodes import DeviceNodes
 from agent.dra.partitions import PartitionError
 from agent.dra.timeslices import TimesliceFailed
@@ -200,6 +200,8 @@ class ClaimWorker:
             claim = self._read_claim(ref.namespace, ref.name, ref.uid)
         except ClaimsUnavailable as error:
             return ClaimError(ref, f"cannot read the claim: {error}; the kubelet retries", True)
+        except ClaimUnreadable as error:
+            return ClaimError(ref, str(error))
         plan = plan_prepare(
             ref,
             claim,

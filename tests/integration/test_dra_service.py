@@ -30,7 +30,7 @@ from agent.core.dra.devices import DraDevice, dra_devices
 from agent.core.dra.opaque import API_VERSION
 from agent.dra.cdi_store import CdiStore
 from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore, checkpoint_path
-from agent.dra.claims_api import ClaimsUnavailable, KubernetesClaimReader
+from agent.dra.claims_api import ClaimsUnavailable, ClaimUnreadable, KubernetesClaimReader
 from agent.dra.devnodes import capability_files, default_device_nodes
 from agent.dra.names import dra_socket
 from agent.dra.service import DraService
@@ -451,6 +451,24 @@ def test_an_api_server_outage_fails_each_claim_retriably_and_the_retry_succeeds(
     assert [entry_error(response, n) for n in (1, 2)] == ["", ""]
 
 
+def test_a_claim_the_api_server_sends_unreadable_is_the_claims_error_not_an_outage(
+    node: Node, caplog: pytest.LogCaptureFixture
+):
+    node.claims.add(claim(1, "gpu-0"), claim(2, "gpu-1"))
+
+    def unreadable(name: str) -> None:
+        if name == "claim-1":
+            raise ClaimUnreadable("ResourceClaim ml/claim-1 cannot be read as JSON (Exceeds the limit …)")
+
+    node.claims.gate = unreadable
+    with caplog.at_level(logging.WARNING, logger="agent.dra.prepare"):
+        response = node.kubelet.prepare(ref(1), ref(2))
+    assert "ResourceClaim ml/claim-1 cannot be read as JSON" in entry_error(response, 1)
+    assert "internal error" not in entry_error(response, 1) and "retries" not in entry_error(response, 1)
+    assert "retriable=False" in caplog.text
+    assert entry_error(response, 2) == ""  # the other claim of the batch is prepared
+
+
 def test_an_unwritable_cdi_directory_is_a_per_claim_error_naming_it(node: Node):
     (node.base / "file").write_text("a regular file, so nothing can be created under it (even by root)")
     node.restart(cdi=CdiStore(node.base / "file" / "cdi"))
@@ -698,11 +716,11 @@ def test_stopping_ends_the_health_stream_and_removes_the_socket(node: Node):
 
 
 class _ApiServer(BaseHTTPRequestHandler):
-    answers: dict[str, tuple[int, dict[str, Any]]] = {}
+    answers: dict[str, tuple[int, dict[str, Any] | bytes]] = {}
 
     def do_GET(self) -> None:
         status, body = self.answers.get(self.path, (404, {"kind": "Status", "code": 404, "reason": "NotFound"}))
-        data = json.dumps(body).encode()
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -725,12 +743,17 @@ def test_the_kubernetes_reader_tells_not_found_from_an_outage():
         _ApiServer.answers = {
             "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/claim-1": (200, claim(1, "gpu-0")),
             "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/claim-3": (503, {"kind": "Status", "code": 503}),
-        }
+            # a number no JSON decoder here reads (Python's limit: 4,300 digits): the claim's fault, not an outage
+            "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/claim-4": (200, b'{"spec": {"x": 1' + b"0" * 5000
+                                                                                + b"}}"),
+        }  # fmt: skip
         try:
             assert reader("ml", "claim-1", uid(1)) == claim(1, "gpu-0")
             assert reader("ml", "claim-2", uid(2)) is None
             with pytest.raises(ClaimsUnavailable, match=r"HTTP 503 .*ml/claim-3"):
                 reader("ml", "claim-3", uid(3))
+            with pytest.raises(ClaimUnreadable, match="ResourceClaim ml/claim-4 cannot be read as JSON"):
+                reader("ml", "claim-4", uid(4))
         finally:
             server.shutdown()
             server.server_close()
