@@ -24,8 +24,8 @@ Where NVIDIA is silent or would crash, this module decides (each noted where it 
 below 1 MiB are refused at decode time (NVIDIA refuses them when it starts the MPS daemon), and ``mpsConfig.
 multiUser`` (added on NVIDIA's main after v0.4.1) is accepted so configs written for newer releases decode.
 
-Whether a decoded sharing setting is *applied* is not this module's business: ``agent.core.dra.claims`` answers
-any sharing with a per-claim error until issue 16 brings sharing through DRA.
+Applying a decoded sharing setting is not this module's business: ``agent.core.dra.claims`` plans it for each
+device (time-slicing on whole GPUs, MPS on GPUs and MIG devices) and ``agent.dra.prepare`` applies it.
 
 Numbers are bounded before any arithmetic (``agent.core.quantity``): ``"1e10000000"`` as a limit is refused at
 once, naming the field and the bound, where exact arithmetic would hold the GIL for seconds.
