@@ -239,7 +239,8 @@ class ClaimWorker:
         try:
             for planned in plan.devices:
                 if (intent := planned_mig(planned)) is not None:
-                    created[planned.device] = self._partitions.create(intent)
+                    with self._section():  # MIG changes, of any room, one at a time in the ledger's section
+                        created[planned.device] = self._partitions.create(intent)
                 if planned.timeslice is not None:
                     with self._section():
                         self._timeslices.apply(planned.info.uuid, planned.timeslice)
@@ -397,7 +398,8 @@ class ClaimWorker:
                     self._reset_timeslice(ref.uid, device)
                 mig = device.mig if done is None else done.created.get(device.device)
                 if mig is not None:
-                    self._partitions.destroy(mig)
+                    with self._section():  # it checks that no process runs there, and destroys, in one step
+                        self._partitions.destroy(mig)
         except (CdiStoreError, PartitionError, TimesliceFailed) as error:
             log.error("cannot roll back claim=%s/%s uid=%s error=%r", ref.namespace, ref.name, ref.uid, str(error))
             return str(error)
@@ -449,7 +451,8 @@ class ClaimWorker:
                 if device.timeslice is not None:
                     self._reset_timeslice(ref.uid, device)
                 if device.mig is not None:
-                    self._partitions.destroy(device.mig)  # the record stays until it is gone: the kubelet retries
+                    with self._section():  # it checks that no process runs there, and destroys, in one step
+                        self._partitions.destroy(device.mig)  # the record stays until it is gone: the kubelet retries
         except (CdiStoreError, PartitionError, TimesliceFailed, CheckpointSaveError) as error:
             return _failed_unprepare(ref, str(error))
         if claim is None:

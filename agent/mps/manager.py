@@ -352,8 +352,9 @@ class MpsManager:
         try:
             adopted = control.pid() is not None and control.answers()
             if not adopted:
-                for uuid in spec.visible_devices:
-                    _compute_mode(uuid, EXCLUSIVE_PROCESS)
+                with self._ledger.section():  # a compute-mode change, as every mutating step, in the ledger's section
+                    for uuid in spec.visible_devices:
+                        _compute_mode(uuid, EXCLUSIVE_PROCESS)
                 if self._keeper is None:
                     control.start()  # in this container: the daemon ends when it does
                 else:  # in the keeper's container: the daemon outlives this one
