@@ -5,6 +5,17 @@ ListAndWatch stream, a registration result, the clock — arrives as an event on
 consumes them in order, recomputes the plan and device health with the pure core, and applies the
 difference: it starts and stops resource servers, hands them new immutable snapshots, and (re)registers
 resources with the kubelet. gRPC handler threads only read the snapshots they are given.
+
+Like the kubelet's sync loop driving its managers, the loop dispatches each concern to a room of its own and
+acts on what the room answers (``agent.news.News``: read the node again, publish, or refresh the status):
+
+- registration with the kubelet: ``agent.plugin.registrations``; the resource servers: ``agent.plugin.servers``;
+- device health (XIDs, lost GPUs, recovery, the liveness re-check): ``agent.health_keeper``;
+- the node's labels, cordon annotations and Events: ``agent.node_metadata``;
+- MIG layouts: ``agent.mig.selection`` (which layout) and ``agent.mig.manager`` (getting there); MPS daemons:
+  ``agent.mps.manager``; the DRA front end and GPU hand-overs: ``agent.dra.manager``;
+- below them all, the ledger of who holds each device (``agent.ledger``): every destructive step and hand-over
+  asks it, in its critical section.
 """
 
 from __future__ import annotations
