@@ -89,7 +89,9 @@ class DraManager:
         self._dynamic_mig: object = None  # the config's dra.dynamicMig
         self._gpu_shares: object = None  # the config's dra.gpuShares
         self._default_share: int | None = None  # ... and dra.defaultShare (bytes)
-        self._seen_made: set[str] = set()  # MIG devices made for claims that the inventory has shown
+        self._seen_made: set[str] = set()  # MIG devices made for claims that a read after their making covered
+        self._first_read: dict[str, Inventory | None] = {}  # made MIG device -> the loop's inventory when first known
+        self._published: Inventory | None = None  # the inventory of the last publish
         self._last_made: frozenset[str] = frozenset()
         self._pcie_roots: dict[str, str | None] = {}  # by PCI bus ID, read once per GPU (None: sysfs does not say)
         self._leaving_check = 0.0
@@ -315,11 +317,19 @@ class DraManager:
         return changed
 
     def _vanished(self, inventory: Inventory) -> dict[str, str]:
-        """Prepared dynamic-MIG devices whose MIG device the inventory had and has no more (a GPU reset). One the
-        inventory has not shown yet (just made, not read again) is not gone."""
+        """Prepared dynamic-MIG devices whose MIG device is gone (a GPU reset). A device is judged by a read of the
+        node made after it was made: one the inventory shows, or any inventory read after the one current when the
+        device was first known (the loop reads the node again after every claim's MIG device is made, so a reset
+        right after its making is caught too). One made and not read again yet is not gone."""
         made = self._front.made_mig_devices() if self._front is not None else {}
+        made_uuids = set(made.values())
         present = {mig.uuid for gpu in inventory.gpus for mig in gpu.mig_devices}
-        self._seen_made = (self._seen_made | (set(made.values()) & present)) & set(made.values())
+        for uuid in made_uuids - self._first_read.keys():  # known from the checkpoint alone (an agent restart)
+            self._first_read[uuid] = inventory  # (this inventory may have been read before the device was made)
+        read_since = {uuid for uuid in made_uuids if self._first_read[uuid] is not inventory}
+        self._seen_made = (self._seen_made | (made_uuids & present) | read_since) & made_uuids
+        self._first_read = {uuid: first for uuid, first in self._first_read.items() if uuid in made_uuids}
+        self._published = inventory
         return {name: uuid for name, uuid in made.items() if uuid in self._seen_made and uuid not in present}
 
     def next_deadline(self) -> float | None:
@@ -376,7 +386,9 @@ class DraManager:
         swept, a registration verdict, slices published or not)."""
         match event:
             case DraClaimsChanged():  # a claim's MPS daemon may be new or gone; a MIG device made or destroyed for it
-                if self.made_mig_changed():
+                if self.made_mig_changed():  # the node is read again now: that read comes after the making
+                    for uuid in self._last_made - self._first_read.keys():
+                        self._first_read[uuid] = self._published
                     return News(reread="a DRA claim's MIG device was made or destroyed", mps=True)
                 return News(status=True, mps=True)
             case DraUnclaimedSwept(destroyed=destroyed, waiting=waiting):

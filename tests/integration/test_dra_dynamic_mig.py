@@ -463,3 +463,20 @@ def test_a_claims_mig_device_destroyed_by_a_gpu_reset_by_hand_is_reported_unheal
     assert world.dra.device_health(DRIVER, NODE, "gpu-1") == "Healthy"  # the other GPU was not touched
     world.dra.stop_pod("pod-1")  # nothing left to destroy: Unprepare succeeds
     assert instances(world) == {}
+
+
+@pytest.mark.parametrize("world", [MIG_READY], indirect=True)
+def test_a_claims_mig_device_reset_away_before_the_agent_read_the_node_again_is_reported_unhealthy(
+    world: World,
+) -> None:
+    """The agent reads the node again after making a claim's MIG device; a reset that comes first (nothing
+    announces it) leaves that read without the device, and the claim is told it lost it all the same."""
+    dynamic_world(world)
+    claim = mig_claim(world, "small", "2g.20gb")
+    device = claim["status"]["allocation"]["devices"]["results"][0]["device"]
+    world.driver.stall("nvmlSystemGetNVMLVersion", 2.0)  # the next read of the node is slow to start...
+    world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
+    world.driver.reset_gpu(0)  # ... and the GPU is reset before it reads: it never sees the device
+    world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, device) == "Unhealthy", DEADLINE, "gone")
+    world.dra.stop_pod("pod-1")  # nothing left to destroy: Unprepare succeeds
+    assert instances(world) == {}
