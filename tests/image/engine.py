@@ -169,7 +169,13 @@ class Engine:
         self.conf = base / "containers.conf"
         # podman's default nofile limit (1048576) is above the hard limit root has here and cannot raise:
         # runc fails "error setting rlimit type 7: operation not permitted" unless it sets none
-        self.conf.write_text("[containers]\ndefault_ulimits = []\n")
+        self.conf.write_text(
+            "[containers]\ndefault_ulimits = []\n"
+            # podman's own state, events and networks beside the storage, not in /run/libpod and /etc/containers
+            f'[engine]\ntmp_dir = "{base / "libpod"}"\nevents_logger = "file"\n'
+            f'events_logfile_path = "{base / "events.log"}"\n'
+            f'[network]\nnetwork_config_dir = "{base / "networks"}"\n'
+        )
         self.env = {**os.environ, "CONTAINERS_CONF": str(self.conf)}
         self.storage = ["--storage-driver", storage_driver()]
         self.storage += ["--root", str(base / "root"), "--runroot", str(base / "runroot")]
