@@ -66,7 +66,8 @@ def test_image_adds_less_than_100_mib_to_its_base(image: Image) -> None:
 
 def test_image_holds_the_agent_and_nothing_to_build_or_install_with(image: Image) -> None:
     """The agent's interpreter has no pip (nothing installs at run time), no compiler is on PATH, and the
-    agent's package, its simulators' data and the console scripts are there, but not the repository's tests."""
+    agent's package, its simulators' data and the console scripts are there, but not the repository's tests;
+    and the container is confined as the DaemonSet's is."""
     probe = textwrap.dedent(
         """
         import importlib.resources, importlib.util, shutil
@@ -75,6 +76,8 @@ def test_image_holds_the_agent_and_nothing_to_build_or_install_with(image: Image
         print("compilers", [c for c in ("gcc", "cc", "g++", "clang", "make") if shutil.which(c)])
         print("scripts", [s for s in ("tessera", "tessera-sim-mps-control") if shutil.which(s)])
         print("tests", importlib.util.find_spec("tests") is not None)
+        import os, re
+        print("confined", os.access("/", os.W_OK), re.search(r"CapEff:\\s+(\\w+)", open("/proc/self/status").read())[1])
         """
     )
     command = image.engine.podman_command(
@@ -87,6 +90,7 @@ def test_image_holds_the_agent_and_nothing_to_build_or_install_with(image: Image
         "compilers []",
         "scripts ['tessera', 'tessera-sim-mps-control']",
         "tests False",
+        "confined False 0000000000000000",  # the root filesystem read-only, no capability left
     ]
 
 
