@@ -1,4 +1,4 @@
-"""The Dockerfile, read as text (no container engine here): pinned base image, multi-stage, no compilers in
+"""The Dockerfile, read as text (tests/image builds and runs it): pinned base image, multi-stage, no compilers in
 the final image, the console script as entrypoint, OCI labels, and a build context (.dockerignore) that
 holds exactly what the wheel is built from - which is then built, as the builder stage would."""
 
@@ -140,9 +140,10 @@ def test_multi_stage_with_a_builder():
     assert len(stages) >= 2
     builder, final = stages[0], stages[-1]
     assert builder.name == "builder" and final.name != "builder"
-    # the final stage gets the wheels from the builder only; it copies nothing from the source tree
-    assert not final.args("COPY") and not final.args("ADD")
-    assert any("from=builder" in run for run in final.args("RUN"))
+    # the final stage gets the installed tree from the builder only; it copies nothing from the source tree
+    copies = final.args("COPY")
+    assert copies and not final.args("ADD")
+    assert all(copy.split()[0] == "--from=builder" for copy in copies), copies
 
 
 def test_base_images_are_pinned_to_a_patch_version():
@@ -162,8 +163,10 @@ def test_every_copy_source_exists_and_is_in_the_build_context():
     copied = 0
     for stage in stages:
         for instruction in stage.args("COPY") + stage.args("ADD"):
+            if any(w.startswith("--from") for w in instruction.split()):
+                assert stage is stages[-1], "only the final stage copies from the builder"
+                continue
             words = [w for w in instruction.split() if not w.startswith("--")]
-            assert not any(w.startswith("--from") for w in instruction.split()), "only the final stage uses the builder"
             for source in words[:-1]:
                 path = ROOT / source
                 assert path.exists(), f"COPY {source}: no such file"
