@@ -59,4 +59,5 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
 # the DaemonSet: no capabilities (drop ALL), no privilege escalation, a read-only root filesystem.
 USER 0:0
 EXPOSE 9479
-ENTRYPOINT ["tessera", "run"]
+ENTRYPOINT ["tessera"]
+CMD ["run"]

@@ -183,14 +183,18 @@ def test_build_context_is_only_what_the_wheel_needs():
         assert dockerignore_excludes(outside), outside
 
 
-def test_entrypoint_is_the_console_script():
+def test_entrypoint_is_the_console_script_and_run_its_default_command():
+    """`podman run IMAGE` runs the agent; `podman run IMAGE demo` (or `plan ...`) runs that command instead, as
+    the arguments after the image replace CMD only."""
     _, stages = parse()
     (entrypoint,) = stages[-1].args("ENTRYPOINT")
-    command = json.loads(entrypoint)  # exec form: signals reach the agent, no shell in between
-    assert command == ["tessera", "run"]
+    (cmd,) = stages[-1].args("CMD")
+    program, default = json.loads(entrypoint), json.loads(cmd)  # exec form: signals reach the agent, no shell
+    assert program == ["tessera"] and default == ["run"]
     assert project()["scripts"]["tessera"] == "agent.cli:main"
-    result = subprocess.run([sys.executable, "-m", "agent", *command[1:], "--help"], capture_output=True, check=False)
-    assert result.returncode == 0
+    for arguments in (default, ["demo"], ["plan", "--node", "t4x4"]):
+        result = subprocess.run([sys.executable, "-m", "agent", *arguments, "--help"], capture_output=True, check=False)
+        assert result.returncode == 0, (arguments, result.stderr)
 
 
 def test_no_compilers_in_the_final_stage():

@@ -652,7 +652,8 @@ def test_every_environment_variable_is_a_flag_twin_of_tessera_run(rendered):
     c = container(rendered["base"])
     assert env(c)["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert env(c)["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
-    assert "args" not in c and "command" not in c  # the image's entrypoint, `tessera run`
+    # the image's entrypoint (`tessera`) with `run`, said in the manifest rather than left to the image's CMD
+    assert "command" not in c and c["args"] == ["run"]
 
 
 def test_scheduling_and_rollout(rendered):
