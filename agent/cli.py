@@ -38,6 +38,7 @@ EXIT_INTERRUPTED = 130
 # the bounds of the number flags (seconds, percent): a week is longer than any interval anyone means
 MAX_SECONDS = 7 * 24 * 3600
 MIN_METRICS_INTERVAL = 0.1
+DEFAULT_STATUS_SOCKET = "/run/tessera-agent/status.sock"  # `tessera run` serves /status there, `tessera status` asks
 MIN_KUBERNETES = (1, 34)  # resource.k8s.io/v1 (DRA's GA API, what the DRA front end publishes) is served from 1.34
 DEFAULT_KUBERNETES = "1.35"
 DRA_ONLY_FLAGS = ("node_name", "node_uid", "kubernetes_version")  # `tessera plan` flags that only --dra reads
@@ -221,11 +222,13 @@ def _parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="what the running agent on this node is doing (asks it; no NVML)")
     _env_flag(
         status,
-        "--metrics-address",
-        "TESSERA_METRICS_ADDRESS",
-        default=":9479",
-        help="where the running agent serves /status: its --metrics-address (HOST:PORT or :PORT)",
+        "--status-socket",
+        "TESSERA_STATUS_SOCKET",
+        default=DEFAULT_STATUS_SOCKET,
+        help="the running agent's status socket: its --status-socket (on the node, or in its container)",
     )
+    # /status left the metrics port: an old command line gets an error saying where it went, not "unrecognized"
+    status.add_argument("--metrics-address", help=argparse.SUPPRESS)
     _env_flag(status, "--format", "TESSERA_FORMAT", default="text", choices=["text", "json"], help="output format")
     status.add_argument(
         "--idle",
@@ -372,7 +375,15 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         "--metrics-address",
         "TESSERA_METRICS_ADDRESS",
         default=":9479",
-        help="where /metrics, /healthz and /readyz are served (HOST:PORT or :PORT; 'off' for none)",
+        help="where /metrics, /healthz and /readyz are served (HOST:PORT or :PORT; 'off' for none, and no /status)",
+    )
+    _env_flag(
+        parser,
+        "--status-socket",
+        "TESSERA_STATUS_SOCKET",
+        default=DEFAULT_STATUS_SOCKET,
+        help="the unix socket (mode 0600) where /status is served for `tessera status` on this node, never on the "
+        "metrics port ('off' for none)",
     )
     _env_flag(
         parser,
@@ -610,13 +621,20 @@ def _status(args: argparse.Namespace) -> int:
     from agent.status_client import StatusUnavailable, fetch_status
     from agent.status_report import render_idle, render_text
 
-    if args.metrics_address == "off":
+    if args.metrics_address is not None:
         print(
-            "tessera: an agent with metrics off serves no /status; give the agent's --metrics-address", file=sys.stderr
+            "tessera: /status is no longer served on the metrics port (it answers anyone in the cluster): the agent "
+            f"serves it on a unix socket on its node; give --status-socket (default {DEFAULT_STATUS_SOCKET}), and "
+            "run this on the node or in the agent's container (kubectl exec -n tessera-system ds/tessera -- "
+            "tessera status)",
+            file=sys.stderr,
         )
-        return EXIT_INVALID
+        return EXIT_USAGE
+    if args.status_socket in ("", "off", "none"):
+        print("tessera: --status-socket off names no socket; give the agent's --status-socket", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        document = fetch_status(args.metrics_address)
+        document = fetch_status(args.status_socket)
     except StatusUnavailable as error:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_INVALID
