@@ -16,13 +16,11 @@ import logging
 import os
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +34,7 @@ from agent.gpu.discovery import DiscoveryError, discover
 from agent.sim.nvml.driver import SimDriver
 from agent.sim.nvml.install import simulated_node
 from agent.sim.nvml.spec import NodeSpec, SimSpecError, load_node_spec, preset_names
+from agent.terminate import EXIT_TERMINATED, Terminated, terminated_on_sigterm
 
 if TYPE_CHECKING:
     from agent.sim.kubelet.common import Pod
@@ -46,7 +45,6 @@ if TYPE_CHECKING:
 EXIT_PLAN_ERROR = 1  # as `tessera plan`: this node cannot take this MIG strategy or config
 EXIT_USAGE = 2  # as every `tessera` command: a bad flag or input
 EXIT_STOPPED = 1  # as `tessera plan | head`: the reader of the output went away before the end
-EXIT_TERMINATED = 128 + signal.SIGTERM  # stopped by SIGTERM, after cleaning up (the shell's convention: 143)
 
 RECOVERY_SECONDS = 2.0
 PRODUCTION_RECOVERY_SECONDS = HealthPolicy().quiet_seconds  # what `tessera run` waits (60 s)
@@ -85,7 +83,7 @@ def run_demo(node: str, mig_strategy: str) -> int:
         spec = load_node_spec(node)
     except SimSpecError as error:
         return _fail(_node_problem(node, str(error)), EXIT_USAGE)
-    with _terminated_on_sigterm():
+    with terminated_on_sigterm():
         try:
             return _run_in(node, spec, strategy)
         except Terminated:  # everything is stopped and the work directory gone (the finally blocks ran)
@@ -93,32 +91,6 @@ def run_demo(node: str, mig_strategy: str) -> int:
                 sys.stdout.flush()
             return _fail("demo stopped by SIGTERM; the agent, the kubelet emulator and its files are gone",
                          EXIT_TERMINATED)  # fmt: skip
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived: unwinds the demo like Ctrl-C does, so every ``finally`` stops what it started and the
-    work directory is removed (Python's default for SIGTERM ends the process at once, leaving
-    ``/tmp/tessera-demo-*`` behind). A BaseException, so that no ``except Exception`` on the way swallows it."""
-
-
-@contextlib.contextmanager
-def _terminated_on_sigterm() -> Iterator[None]:
-    """While the demo runs, SIGTERM raises :class:`Terminated` in the main thread; a second SIGTERM during the
-    clean-up is ignored (the clean-up finishes). Off the main thread (the demo run by a test in a thread) signal
-    handlers cannot be set, and nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_in(node: str, spec: NodeSpec, strategy: MigStrategy) -> int:

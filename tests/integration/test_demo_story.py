@@ -81,9 +81,9 @@ def test_a_mig_enabled_gpu_handed_over_whole_is_said_to_be_unusable() -> None:
     assert "`tessera plan --node demo --mig-strategy none --config demo-time-slicing.yaml`" in out
 
 
-def _demo_directories(pid: int) -> set[Path]:
-    """The /tmp/tessera-demo-* directories whose unix sockets the process holds open (the kubelet emulator's and
-    the agent's), found through its file descriptors, not by listing /tmp (other runs may be there too)."""
+def _demo_directories(pid: int, prefix: str) -> set[Path]:
+    """The /tmp/<prefix>* directories whose unix sockets the process holds open (the kubelet emulator's and the
+    agent's), found through its file descriptors, not by listing /tmp (other runs may be there too)."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -95,17 +95,28 @@ def _demo_directories(pid: int) -> set[Path]:
     found = set()
     for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
         fields = line.split()
-        if len(fields) >= 8 and fields[6] in inodes and "/tessera-demo-" in fields[7]:
+        if len(fields) >= 8 and fields[6] in inodes and f"/{prefix}" in fields[7]:
             path = Path(fields[7])
-            found.add(next(p for p in path.parents if p.name.startswith("tessera-demo-")))
+            found.add(next(p for p in path.parents if p.name.startswith(prefix)))
     return found
 
 
-def test_sigterm_stops_the_demo_and_leaves_no_directory_behind() -> None:
+@pytest.mark.parametrize(
+    ("args", "prefix", "step", "said"),
+    [
+        ((), "tessera-demo-", "[3/5]", "demo stopped by SIGTERM"),
+        (("--dra",), "tessera-dra-", "[3/8]", "demo --dra stopped by SIGTERM"),
+    ],
+    ids=["device-plugin", "dra"],
+)
+def test_sigterm_stops_the_demo_and_leaves_no_directory_behind(
+    args: tuple[str, ...], prefix: str, step: str, said: str
+) -> None:
     env = {**_env(), "PYTHONUNBUFFERED": "1"}  # each line as it is printed, to send SIGTERM mid-demo
     with subprocess.Popen(
-        [sys.executable, "-m", "agent", "demo"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
-    ) as process:
+        [sys.executable, "-m", "agent", "demo", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+    ) as process:  # fmt: skip
         assert process.stdout is not None and process.stderr is not None
         directories: set[Path] = set()
         deadline = time.monotonic() + TIMEOUT
@@ -116,12 +127,12 @@ def test_sigterm_stops_the_demo_and_leaves_no_directory_behind() -> None:
                 assert selector.select(timeout=deadline - time.monotonic()), "no output from the demo"
                 line = process.stdout.readline()
                 assert line, f"the demo ended early: {process.stderr.read()}"
-                if line.startswith("[3/5]"):
-                    directories = _demo_directories(process.pid)
+                if line.startswith(step):
+                    directories = _demo_directories(process.pid, prefix)
         assert len(directories) == 1 and all(d.is_dir() for d in directories), directories
         process.send_signal(signal.SIGTERM)
         code = process.wait(timeout=TIMEOUT)
         stderr = process.stderr.read()
     assert code == 128 + signal.SIGTERM, stderr
-    assert "demo stopped by SIGTERM" in stderr and "Traceback" not in stderr
+    assert said in stderr and "Traceback" not in stderr
     assert not any(d.exists() for d in directories), directories
