@@ -82,4 +82,5 @@ ENV PATH=/opt/tessera/bin:$PATH
 # the DaemonSet: no capabilities (drop ALL), no privilege escalation, a read-only root filesystem.
 USER 0:0
 EXPOSE 9479
-ENTRYPOINT ["tessera", "run"]
+ENTRYPOINT ["tessera"]
+CMD ["run"]

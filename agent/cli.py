@@ -38,6 +38,10 @@ EXIT_INTERRUPTED = 130
 # the bounds of the number flags (seconds, percent): a week is longer than any interval anyone means
 MAX_SECONDS = 7 * 24 * 3600
 MIN_METRICS_INTERVAL = 0.1
+DEFAULT_STATUS_SOCKET = "/run/tessera-agent/status.sock"  # `tessera run` serves /status there, `tessera status` asks
+MIN_KUBERNETES = (1, 34)  # resource.k8s.io/v1 (DRA's GA API, what the DRA front end publishes) is served from 1.34
+DEFAULT_KUBERNETES = "1.35"
+DRA_ONLY_FLAGS = ("node_name", "node_uid", "kubernetes_version")  # `tessera plan` flags that only --dra reads
 
 
 def _env_flag(
@@ -60,6 +64,43 @@ def _number(env: str, minimum: float, maximum: float, unit: str) -> Callable[[st
             raise argparse.ArgumentTypeError(f"{error} {unit} [env {env}]") from None
 
     return number
+
+
+def _kubernetes_version(text: str) -> str:
+    """``1.35``, ``v1.35.2`` or ``v1.35.0-gke.1`` as ``1.35``; a version the DRA front end cannot serve is refused,
+    naming the range it can: ResourceSlices are ``resource.k8s.io/v1``, which API servers serve from 1.34."""
+    import re
+
+    match = re.fullmatch(r"v?(\d{1,3})\.(\d{1,3})(?:\.\d{1,4})?(?:[-+][0-9A-Za-z.+-]{0,64})?", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Kubernetes version; give {MIN_KUBERNETES[0]}.{MIN_KUBERNETES[1]} or later, e.g. "
+            f"{DEFAULT_KUBERNETES} (or v{DEFAULT_KUBERNETES}.2)"
+        )
+    version = (int(match[1]), int(match[2]))
+    if version[0] != MIN_KUBERNETES[0] or version < MIN_KUBERNETES:
+        raise argparse.ArgumentTypeError(
+            f"Kubernetes {version[0]}.{version[1]} is not supported: Tessera's DRA driver publishes "
+            f"resource.k8s.io/v1 ResourceSlices, served from Kubernetes {MIN_KUBERNETES[0]}.{MIN_KUBERNETES[1]} on; "
+            f"give {MIN_KUBERNETES[0]}.{MIN_KUBERNETES[1]} or a later 1.x"
+        )
+    return f"{version[0]}.{version[1]}"
+
+
+def _node_uid(text: str) -> str:
+    """A Node's ``metadata.uid``: the API server's UIDs are RFC 4122 UUIDs, in their 36-character form."""
+    import uuid
+
+    try:
+        canonical = str(uuid.UUID(text))
+    except ValueError:
+        canonical = ""
+    if canonical != text.lower():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Node UID (a UUID such as 4f5b1c2e-8d3a-4b6f-9e1d-2a3b4c5d6e7f): "
+            "kubectl get node NAME -o jsonpath='{.metadata.uid}' prints it"
+        )
+    return text.lower()
 
 
 def _node_flag(parser: argparse.ArgumentParser) -> None:
@@ -111,11 +152,16 @@ def _parser() -> argparse.ArgumentParser:
         help="print the ResourceSlices the DRA driver would publish (the config's dra.gpus, else every GPU)",
     )
     plan.add_argument("--node-name", help="with --dra: the Node (pool and nodeName; default: the node spec's name)")
-    plan.add_argument("--node-uid", help="with --dra: the Node's UID for ownerReferences (kubectl get node N -o ...)")
+    plan.add_argument(
+        "--node-uid",
+        type=_node_uid,
+        help="with --dra: the Node's UID for ownerReferences (kubectl get node N -o jsonpath='{.metadata.uid}')",
+    )
     plan.add_argument(
         "--kubernetes-version",
-        default="1.35",
-        help="with --dra: the API server's version; 1.34 puts counters and devices in one slice (default 1.35)",
+        type=_kubernetes_version,
+        help=f"with --dra: the API server's version, {MIN_KUBERNETES[0]}.{MIN_KUBERNETES[1]} or later; "
+        f"1.34 puts counters and devices in one slice (default {DEFAULT_KUBERNETES})",
     )
 
     mig = commands.add_parser("mig", help="MIG layouts in mig-parted's format: export, assert, apply")
@@ -138,7 +184,11 @@ def _parser() -> argparse.ArgumentParser:
 
     validate = commands.add_parser("validate", help="check sharing configs before they reach a node (exit 0: valid)")
     validate.add_argument("path", help="a config file, a directory of named configs, or a ConfigMap manifest")
-    validate.add_argument("--strict", action="store_true", help="unknown keys are errors, not warnings")
+    validate.add_argument(
+        "--strict",
+        action="store_true",
+        help="every warning is an error: unknown keys, resources no device is advertised as, flags not honoured",
+    )
     validate.add_argument("--config-name", help="check only this config of a directory or manifest")
 
     inventory = commands.add_parser("inventory", help="list the node's GPUs and MIG devices (like nvidia-smi -L)")
@@ -172,11 +222,13 @@ def _parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="what the running agent on this node is doing (asks it; no NVML)")
     _env_flag(
         status,
-        "--metrics-address",
-        "TESSERA_METRICS_ADDRESS",
-        default=":9479",
-        help="where the running agent serves /status: its --metrics-address (HOST:PORT or :PORT)",
+        "--status-socket",
+        "TESSERA_STATUS_SOCKET",
+        default=DEFAULT_STATUS_SOCKET,
+        help="the running agent's status socket: its --status-socket (on the node, or in its container)",
     )
+    # /status left the metrics port: an old command line gets an error saying where it went, not "unrecognized"
+    status.add_argument("--metrics-address", help=argparse.SUPPRESS)
     _env_flag(status, "--format", "TESSERA_FORMAT", default="text", choices=["text", "json"], help="output format")
     status.add_argument(
         "--idle",
@@ -323,7 +375,15 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         "--metrics-address",
         "TESSERA_METRICS_ADDRESS",
         default=":9479",
-        help="where /metrics, /healthz and /readyz are served (HOST:PORT or :PORT; 'off' for none)",
+        help="where /metrics, /healthz and /readyz are served (HOST:PORT or :PORT; 'off' for none, and no /status)",
+    )
+    _env_flag(
+        parser,
+        "--status-socket",
+        "TESSERA_STATUS_SOCKET",
+        default=DEFAULT_STATUS_SOCKET,
+        help="the unix socket (mode 0600) where /status is served for `tessera status` on this node, never on the "
+        "metrics port ('off' for none)",
     )
     _env_flag(
         parser,
@@ -424,6 +484,20 @@ def _check_env_choices(parser: argparse.ArgumentParser, args: argparse.Namespace
             parser.error(f"{getattr(action, 'env', action.dest)}={value!r} is not one of: {', '.join(action.choices)}")
 
 
+def _check_plan_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``tessera plan``'s --dra flags without --dra would be ignored: a usage error, not silence."""
+    if args.command != "plan" or args.dra:
+        return
+    given = [f"--{name.replace('_', '-')}" for name in DRA_ONLY_FLAGS if getattr(args, name) is not None]
+    if given:
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        subparsers.choices["plan"].error(
+            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} read only with --dra (the ResourceSlices "
+            "preview); add --dra, or leave "
+            f"{'it' if len(given) == 1 else 'them'} out"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. Bad input is one line on stderr and a documented exit status; an exception nobody
     expected is one line too ("internal error", exit 70), with the traceback only when debugging
@@ -432,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.exit_when_done = argv is None  # the process's own command line: `tessera run` may end the process
     _check_env_choices(parser, args)
+    _check_plan_flags(parser, args)
     try:
         return _command(args)
     except KeyboardInterrupt:
@@ -546,13 +621,20 @@ def _status(args: argparse.Namespace) -> int:
     from agent.status_client import StatusUnavailable, fetch_status
     from agent.status_report import render_idle, render_text
 
-    if args.metrics_address == "off":
+    if args.metrics_address is not None:
         print(
-            "tessera: an agent with metrics off serves no /status; give the agent's --metrics-address", file=sys.stderr
+            "tessera: /status is no longer served on the metrics port (it answers anyone in the cluster): the agent "
+            f"serves it on a unix socket on its node; give --status-socket (default {DEFAULT_STATUS_SOCKET}), and "
+            "run this on the node or in the agent's container (kubectl exec -n tessera-system ds/tessera -- "
+            "tessera status)",
+            file=sys.stderr,
         )
-        return EXIT_INVALID
+        return EXIT_USAGE
+    if args.status_socket in ("", "off", "none"):
+        print("tessera: --status-socket off names no socket; give the agent's --status-socket", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        document = fetch_status(args.metrics_address)
+        document = fetch_status(args.status_socket)
     except StatusUnavailable as error:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_INVALID
@@ -581,7 +663,7 @@ def _mig(args: argparse.Namespace) -> int:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_USAGE
     except (NvmlUnavailable, DiscoveryError) as error:
-        print(f"tessera: {error}", file=sys.stderr)
+        print(f"tessera: {error}{_local_hint(args) if isinstance(error, NvmlUnavailable) else ''}", file=sys.stderr)
         return EXIT_NVML
 
 
@@ -598,13 +680,23 @@ def _describe(args: argparse.Namespace) -> int:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_USAGE
     except (NvmlUnavailable, DiscoveryError) as error:
-        print(f"tessera: {error}{_local_hint(args)}", file=sys.stderr)
+        print(f"tessera: {error}{_local_hint(args) if isinstance(error, NvmlUnavailable) else ''}", file=sys.stderr)
         return EXIT_NVML
     return _print_inventory(inventory, args)
 
 
 def _local_hint(args: argparse.Namespace) -> str:
-    return "" if args.node != "local" else " (to try Tessera without a GPU, use --node dgx-a100)"
+    """What to try without a GPU, in the terms of the command that failed: ``run`` simulates a node with
+    ``--simulate``, the commands that read a node (``plan``, ``inventory``, ``mig``) with ``--node``."""
+    if args.command == "run":
+        return " Without a GPU: `tessera run --simulate dgx-a100`, or `tessera demo`"
+    if getattr(args, "node", None) != "local":
+        return ""
+    return f" Without a GPU: `tessera {_command_words(args)} --node dgx-a100` (a simulated node), or `tessera demo`"
+
+
+def _command_words(args: argparse.Namespace) -> str:
+    return f"mig {args.mig_command}" if args.command == "mig" else str(args.command)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -638,7 +730,8 @@ def _run_agent(args: argparse.Namespace, *, collector_paused: bool) -> int:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_PLAN_ERROR
     except (NvmlUnavailable, DiscoveryError) as error:
-        print(f"tessera: {error}", file=sys.stderr)
+        hint = _local_hint(args) if isinstance(error, NvmlUnavailable) and not args.simulate else ""
+        print(f"tessera: {error}{hint}", file=sys.stderr)
         return EXIT_NVML
 
 
@@ -680,7 +773,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"tessera: {error}", file=sys.stderr)
         return EXIT_USAGE
     except (NvmlUnavailable, DiscoveryError) as error:
-        print(f"tessera: {error}{_local_hint(args)}", file=sys.stderr)
+        print(f"tessera: {error}{_local_hint(args) if isinstance(error, NvmlUnavailable) else ''}", file=sys.stderr)
         return EXIT_NVML
     except MigOperationError as error:
         print(f"tessera: the simulated node refused the MIG layout: {error}", file=sys.stderr)
@@ -792,7 +885,8 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
         devices = dra_devices(
             inventory, gpu_uuids=chosen, dynamic_mig=dynamic, shared=shared, default_share=default_share
         )
-        layout = layout_for(f"v{args.kubernetes_version.lstrip('v')}.0")
+        kubernetes = args.kubernetes_version or DEFAULT_KUBERNETES
+        layout = layout_for(f"v{kubernetes}.0")
         slices = resource_slices(
             node_name, args.node_uid or PLACEHOLDER_NODE_UID, driver, devices, 1, layout,
             counter_sets=counter_sets(devices),
@@ -803,8 +897,7 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
     kept = [str(g.index) for g in inventory.gpus if g.uuid not in chosen]
     if kept:
         notes.append(f"GPUs {', '.join(kept)} stay with the device plugin (tessera plan without --dra shows them)")
-    parts = args.kubernetes_version.lstrip("v").split(".")
-    minor = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else PARTITIONABLE_DEVICES_ON
+    minor = int(kubernetes.split(".")[1])  # _kubernetes_version: "1.<minor>"
     if dynamic and minor < PARTITIONABLE_DEVICES_ON:
         notes.append(
             f"dynamic MIG publishes partitionable devices: Kubernetes 1.{minor} needs the DRAPartitionableDevices "

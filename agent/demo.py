@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from agent.gpu.discovery import DiscoveryError, discover
 from agent.sim.nvml.driver import SimDriver
 from agent.sim.nvml.install import simulated_node
 from agent.sim.nvml.spec import NodeSpec, SimSpecError, load_node_spec, preset_names
+from agent.terminate import EXIT_TERMINATED, Terminated, terminated_on_sigterm
 
 if TYPE_CHECKING:
     from agent.sim.kubelet.common import Pod
@@ -48,6 +50,7 @@ RECOVERY_SECONDS = 2.0
 PRODUCTION_RECOVERY_SECONDS = HealthPolicy().quiet_seconds  # what `tessera run` waits (60 s)
 KUBELET_STATUS_SYNC_SECONDS = 10  # a kubelet publishes new capacity at its next node-status sync (10 s default)
 CONFIG_NAME = "demo-time-slicing"
+CONFIG_FILE = f"{CONFIG_NAME}.yaml"  # what the demo tells a reader to save its config as, for `tessera plan`
 SHARING_CONFIG = """version: v1
 sharing:
   timeSlicing:
@@ -80,8 +83,20 @@ def run_demo(node: str, mig_strategy: str) -> int:
         spec = load_node_spec(node)
     except SimSpecError as error:
         return _fail(_node_problem(node, str(error)), EXIT_USAGE)
-    workdir = Path(tempfile.mkdtemp(prefix="tessera-demo-", dir="/tmp"))
+    with terminated_on_sigterm():
+        try:
+            return _run_in(node, spec, strategy)
+        except Terminated:  # everything is stopped and the work directory gone (the finally blocks ran)
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.flush()
+            return _fail("demo stopped by SIGTERM; the agent, the kubelet emulator and its files are gone",
+                         EXIT_TERMINATED)  # fmt: skip
+
+
+def _run_in(node: str, spec: NodeSpec, strategy: MigStrategy) -> int:
+    workdir: Path | None = None
     try:
+        workdir = Path(tempfile.mkdtemp(prefix="tessera-demo-", dir="/tmp"))
         with contextlib.ExitStack() as stack:
             try:
                 driver = stack.enter_context(simulated_node(spec))
@@ -100,7 +115,8 @@ def run_demo(node: str, mig_strategy: str) -> int:
                     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 return EXIT_STOPPED
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _fail(message: str, code: int) -> int:
@@ -127,6 +143,7 @@ class _Demo:
         self.kubelet = KubeletEmulator(workdir / "device-plugins", workdir / "pod-resources" / "kubelet.sock")
         self.shared_gpu = _last_whole_gpu(driver)
         self.config_text: str | None = None
+        self.warnings: tuple[str, ...] = ()  # the plan's, as `tessera plan` prints them (problem() reads them)
         config_dir = None
         if self.shared_gpu is not None:  # time-slice one whole GPU, to show sharing next to dedicated GPUs
             self.config_text = SHARING_CONFIG.format(index=self.shared_gpu)
@@ -161,6 +178,7 @@ class _Demo:
             return f"node {self.node!r} with --mig-strategy {self.strategy.value}: {error}"
         except (ConfigError, DiscoveryError) as error:
             return f"node {self.node!r}: {error}"
+        self.warnings = result.warnings
         if not result.resources:
             why = "; ".join(result.warnings) or "it has no GPUs"
             return (
@@ -187,8 +205,26 @@ class _Demo:
             self.kubelet.stop()
         sockets = sorted(p.name for p in self.options.device_plugin_dir.glob("nvidia-*.sock"))
         print(f"\nAgent stopped; plugin sockets left behind: {', '.join(sockets) or 'none'}.")
+        self._show_plan_command()
         print("Done. Next: `tessera plan --node dgx-a100` to see another node, or run the tests (README).")
         return 0
+
+    def plan_command(self) -> str:
+        """The ``tessera plan`` command that shows what this demo's agent advertised (its config saved as
+        ``CONFIG_FILE``); the MIG strategy is given, since the demo's default (mixed) is not plan's (none)."""
+        words = ["tessera", "plan", "--node", self.node, "--mig-strategy", self.strategy.value]
+        if self.config_text is not None:
+            words += ["--config", CONFIG_FILE]
+        return shlex.join(words)
+
+    def _show_plan_command(self) -> None:
+        print("\nThe same resources, without running anything:", end=" ")
+        if self.config_text is None:
+            print(f"`{self.plan_command()}`")
+            return
+        print(f"save the demo's sharing config as {CONFIG_FILE}")
+        print("\n".join(f"      {line}" for line in self.config_text.splitlines()))
+        print(f"  and run `{self.plan_command()}`")
 
     def _frame(self) -> None:
         """What this run is made of, before anything happens: node, sharing config, MIG strategy, timings."""
@@ -201,7 +237,8 @@ class _Demo:
             config = (
                 f"{CONFIG_NAME}: GPU {self.shared_gpu} time-sliced ×4 as nvidia.com/gpu.shared, the others dedicated\n"
                 f"{'':18}(built into the demo, agent/demo.py; on a cluster, the node label "
-                f"nvidia.com/device-plugin.config picks it)"
+                f"nvidia.com/device-plugin.config picks it;\n{'':18}printed at the end, with the `tessera plan` "
+                "command that shows what it advertises)"
             )
         else:
             config = "none, every device dedicated (the demo time-slices a GPU only when the node has two whole GPUs)"
@@ -213,6 +250,8 @@ class _Demo:
             f"  timings         health recovery after {RECOVERY_SECONDS:.0f} s without errors "
             f"(shortened from {PRODUCTION_RECOVERY_SECONDS:.0f} s for the demo)"
         )
+        for warning in self.warnings:  # what `tessera plan` warns about this node and strategy
+            print(f"  warning         {warning}")
 
     def _show_node(self) -> None:
         print(f"\n[1/5] The node's GPUs, as the agent finds them through NVML (driver {self.driver.driver_version}):")
@@ -280,6 +319,12 @@ class _Demo:
         allocation = created.containers["main"][resource]
         env = dict(allocation.response.envs).get("NVIDIA_VISIBLE_DEVICES", "")
         print(f"      {label} -> NVIDIA_VISIBLE_DEVICES={env}")
+        whole_mig = [g for g in self.driver.gpus if g.mig_current and g.uuid in env.split(",")]
+        for gpu in whole_mig:  # mig-strategy none: a MIG-enabled GPU handed over whole
+            print(
+                f"{'':21}(GPU {gpu.index} has MIG enabled: CUDA in this pod finds no device it can use; "
+                "--mig-strategy mixed hands out its MIG devices instead)"
+            )
 
     def _free(self, resource: str) -> int:
         """What the scheduler sees free: the node's allocatable minus the requests of the pods bound to it."""
@@ -306,6 +351,7 @@ class _Demo:
             f"      the kubelet saw its devices Unhealthy after {1000 * (time.perf_counter() - started):.0f} ms; "
             f"allocatable {resource}: {before} -> {self.kubelet.allocatable(resource)}"
         )
+        self._show_pods_on(target.index, target.uuid)
         self.kubelet.wait_for(
             lambda: not self._unhealthy(resource, target.uuid),
             timeout=RECOVERY_SECONDS + 10,
@@ -317,6 +363,26 @@ class _Demo:
             f"{time.perf_counter() - started:.1f} s"
         )
         print("      (NVIDIA's plugin would keep it Unhealthy until the plugin is restarted)")
+
+    def _show_pods_on(self, index: int, gpu_uuid: str) -> None:
+        """What became of the pods holding a device on the GPU that had the error: they keep it (a kubelet evicts
+        no pod for an Unhealthy device), and only new pods are kept off it."""
+        ids = {d.id for snap in self.agent.status.resources.values() for d in snap.devices if d.gpu_uuid == gpu_uuid}
+        holders = [
+            p.name
+            for p in self.kubelet.pods()
+            if any(set(a.device_ids) & ids for c in p.containers.values() for a in c.values())
+        ]
+        if not holders:
+            print(f"      no pod holds a device on GPU {index}: no running work was hit, only capacity went")
+            return
+        pods = f"pod {holders[0]}" if len(holders) == 1 else f"pods {', '.join(holders)}"
+        print(
+            f"      {pods} on GPU {index}: still Running, with the same device (a kubelet evicts no pod for an "
+            "Unhealthy device);\n      its CUDA work sees the error (a double-bit ECC error usually ends the "
+            "process; the container restarts on\n      the same GPU). No new pod is given the device while it is "
+            "Unhealthy"
+        )
 
     def _unhealthy(self, resource: str, gpu_uuid: str) -> bool:
         snapshot = self.agent.status.resources.get(resource)

@@ -39,7 +39,8 @@ from agent.core.health import HealthPolicy
 from agent.core.resources import MigStrategy
 from agent.sim.nvml.driver import SimDriver
 from agent.sim.nvml.install import simulated_node
-from agent.sim.nvml.spec import parse_node_spec
+from agent.sim.nvml.spec import NodeSpec, parse_node_spec
+from agent.terminate import EXIT_TERMINATED, Terminated, terminated_on_sigterm
 
 EXIT_FAILED = 1  # a step did not happen as the demo says it does
 EXIT_USAGE = 2  # as every `tessera` command: a flag the DRA demo does not take
@@ -122,8 +123,21 @@ def run_dra_demo(node: str = DEFAULT_NODE_FLAG, mig_strategy: str = DEFAULT_MIG_
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no gRPC core INFO lines as streams end
     logging.getLogger("agent.sim.kubelet").setLevel(logging.CRITICAL)  # its stream-ended errors are expected here
     spec = parse_node_spec(NODE_SPEC, "the built-in node of `tessera demo --dra`")
-    workdir = Path(tempfile.mkdtemp(prefix="tessera-dra-", dir="/tmp"))  # short: unix socket paths have a limit
+    with terminated_on_sigterm():
+        try:
+            return _run(spec)
+        except Terminated:  # everything is stopped and the work directory gone (the finally blocks ran)
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.flush()
+            print("tessera: demo --dra stopped by SIGTERM; the agent, the emulators and their files are gone",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_TERMINATED
+
+
+def _run(spec: NodeSpec) -> int:
+    workdir: Path | None = None
     try:
+        workdir = Path(tempfile.mkdtemp(prefix="tessera-dra-", dir="/tmp"))  # short: unix socket paths have a limit
         with simulated_node(spec) as driver:
             demo = _DraDemo(driver, workdir)
             try:
@@ -139,7 +153,8 @@ def run_dra_demo(node: str = DEFAULT_NODE_FLAG, mig_strategy: str = DEFAULT_MIG_
                 print(f"tessera: demo --dra: {error}", file=sys.stderr)
                 return EXIT_FAILED
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 class _DraDemo:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 
 from agent.core.inventory import Inventory
 from agent.core.mig_catalog import parse_profile_name
-from agent.core.resources import Resource, ResourcePlan
+from agent.core.resources import Device, Resource, ResourcePlan
 
 
 def inventory_text(inventory: Inventory) -> str:
@@ -48,7 +48,7 @@ def plan_table(plan: ResourcePlan) -> str:
                     str(device.gpu_index),
                     device.index,
                     device.mig_profile or "-",
-                    f"{device.memory_mib} MiB",
+                    _memory(resource, device),
                 )
             )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -58,6 +58,16 @@ def plan_table(plan: ResourcePlan) -> str:
     lines.append(f"Advertised (mig-strategy {plan.mig_strategy}): {summary}")
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def _memory(resource: Resource, device: Device) -> str:
+    """What a pod given the device may use: an MPS replica's slice (``10240 MiB of 81920``), a time-sliced
+    replica's whole GPU, shared with the other replicas (``81920 MiB shared``), else the device's memory."""
+    if resource.mps is not None:
+        return f"{resource.memory_of(device)} MiB of {device.memory_mib}"
+    if resource.sharing == "time-slicing":
+        return f"{device.memory_mib} MiB shared"
+    return f"{device.memory_mib} MiB"
 
 
 def _resource_summary(resource: Resource) -> str:

@@ -150,6 +150,8 @@ def _telemetry(args: argparse.Namespace, node_name: str | None) -> TelemetrySett
     if args.metrics_interval <= 0 or not 0 <= args.idle_threshold <= 100:
         raise OptionsError("--metrics-interval must be > 0 and --idle-threshold between 0 and 100")
     features = Path(safe_host_path(args.nfd_features_dir)) if args.nfd_features_dir else None
+    off = args.status_socket in ("", "off", "none")
+    status_socket = None if off else _socket_path("--status-socket", args.status_socket)
     return TelemetrySettings(
         hostname=node_name or socket.gethostname(),
         metrics_address=args.metrics_address,
@@ -159,6 +161,7 @@ def _telemetry(args: argparse.Namespace, node_name: str | None) -> TelemetrySett
         nfd_features_dir=features,
         shared_product_suffix=args.shared_product_suffix,
         label_node=args.label_node,
+        status_socket=status_socket,
     )
 
 

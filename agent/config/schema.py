@@ -3,8 +3,8 @@
 :mod:`agent.config.model` holds the config as plain frozen dataclasses, so that the agent imports no
 pydantic (~200 ms of imports and schema building) when no ``--config`` is given; :func:`parse_config`
 validates a document with the models here (their messages are the contract: tests/unit/test_config_*.py)
-and hands back those dataclasses. Class and field names are the dataclasses' own: pydantic names the class
-in some messages ("a valid dictionary or instance of Flags"), and the conversion goes by field name.
+and hands back those dataclasses. Class and field names are the dataclasses' own: the conversion goes by field
+name (pydantic's messages that name a class are said in YAML's terms instead: ``_problem``).
 """
 
 from __future__ import annotations
@@ -494,11 +494,32 @@ def _problem(error: Any) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "missing":
         message = "required field is missing; add it"
+    elif error["type"] in ("model_type", "dict_type", "model_attributes_type", "dataclass_type"):
+        # pydantic's own words name its classes ("a valid dictionary or instance of ConfigModel"): say it in YAML's
+        message = f"expected a mapping of keys to values, got {_yaml_kind(error.get('input'))}"
+    elif error["type"] == "list_type":
+        message = f"expected a list, got {_yaml_kind(error.get('input'))}"
     elif error["type"] in ("int_type", "bool_type") and isinstance(error.get("input"), str):
         message += f" (got the text {error['input']!r}: write it without quotes)"
     elif error["type"] == "literal_error":
         message = f"{message} (got {error.get('input')!r})"
     return f"{path or '(top level)'}: {message}"
+
+
+def _yaml_kind(value: object) -> str:
+    """What a YAML value is, as its writer sees it: ``a list``, ``the text 'abc'``, ``the number 5``."""
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, int | float):
+        return f"the number {value}"
+    if isinstance(value, str):
+        shown = value if len(value) <= 40 else value[:40] + "…"
+        return f"the text {shown!r}"
+    if isinstance(value, list | tuple):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return "nothing (an empty value)" if value is None else f"a {type(value).__name__}"
 
 
 class NotASharingConfig(ConfigError):

@@ -3,7 +3,8 @@
 PATH is what a user has: a config file, a directory (a mounted ConfigMap: ``..data`` bookkeeping is not a
 config) or a ``kind: ConfigMap`` manifest, whose data keys are checked one by one and named by their key.
 A document that is something else (a Pod, a mig-parted layout file...) is INVALID, saying what it is. A
-sharing entry naming a resource no GPU is ever advertised as (``nvidia.com/gpuu``) is a warning.
+sharing entry naming a resource no GPU is ever advertised as (``nvidia.com/gpuu``) is a warning; with
+``--strict`` every warning (that one, an unknown key, an NVIDIA flag Tessera does not honour) is an error.
 
 Every file is read within the limits of :mod:`agent.config.yaml_limits`; a file that breaks one is
 INVALID with a line naming the limit and the fix, never a traceback; a YAML syntax error is given as
@@ -86,9 +87,11 @@ def _validate_one(config_set: ConfigSet, name: str, strict: bool) -> tuple[list[
     strategy = model.flags.mig_strategy or "default"
     only = f", only on nodes with {', '.join(model.match) or 'nothing'}" if model.match is not None else ""
     mig = f", MIG layout {layout}" if layout else ""
+    warnings = [w.removeprefix(origin + ": ") for w in [*warnings, *resource_name_warnings(model)]]
+    if strict and warnings:  # --strict: what would only be a warning on a node fails the check
+        return [f"{name}: INVALID (--strict: warnings are errors)", *(f"  error: {w}" for w in warnings)], False, False
     lines = [f"{name}: valid ({summary}, migStrategy {strategy}{mig}{_dra_summary(model)}{only})"]
-    for warning in [*warnings, *resource_name_warnings(model)]:
-        lines.append(f"  warning: {warning.removeprefix(origin + ': ')}")
+    lines += [f"  warning: {warning}" for warning in warnings]
     return lines, True, False
 
 

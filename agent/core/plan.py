@@ -58,7 +58,10 @@ def _base_resources(config: PlanConfig, inventory: Inventory, warnings: list[str
     by_resource: dict[str, list[Device]] = defaultdict(list)
     for gpu in sorted(inventory.gpus, key=lambda g: g.index):
         if strategy is MigStrategy.NONE or not gpu.mig_enabled:
-            by_resource[_named(config.gpu_names, gpu.name, GPU_RESOURCE)].append(_gpu_device(gpu))
+            name = _named(config.gpu_names, gpu.name, GPU_RESOURCE)
+            if gpu.mig_enabled:
+                warnings.append(_whole_mig_gpu_warning(gpu, name))
+            by_resource[name].append(_gpu_device(gpu))
             continue
         if not gpu.mig_devices:
             warnings.append(f"GPU {gpu.index} ({gpu.uuid}) has MIG enabled but no MIG devices; it offers nothing")
@@ -254,6 +257,20 @@ def _pending_warning(gpu: Gpu) -> str:
     return (
         f"GPU {gpu.index} ({gpu.uuid}) has MIG {now} with a change to {then} pending until the GPU is reset; "
         f"it is advertised as MIG {now}"
+    )
+
+
+def _whole_mig_gpu_warning(gpu: Gpu, resource: str) -> str:
+    """A MIG-enabled GPU under mig-strategy none. It is still advertised whole, as NVIDIA's plugin does
+    (``internal/rm/device_map.go``: with strategy none every GPU is a GPU resource, MIG mode or not): ``none``
+    promises NVIDIA's behaviour, a node moved from NVIDIA's plugin keeps the capacity its pods and quotas count
+    on, and a pod that asks for the GPU itself (nvidia-smi, a MIG-aware tool) gets it. But CUDA runs only in a
+    MIG device when MIG is on, and a pod given the parent GPU gets none: its CUDA finds no device to use. So
+    the plan says so, naming the GPU, the resource and the fix."""
+    return (
+        f"GPU {gpu.index} ({gpu.uuid}) has MIG enabled: with mig-strategy none it is advertised whole as "
+        f"{resource}, but CUDA in a pod given it finds no device it can use (CUDA runs only in MIG devices, and "
+        "the pod gets none); use mig-strategy mixed (or single) to advertise its MIG devices, or disable MIG on it"
     )
 
 

@@ -111,7 +111,9 @@ class Device:
         """What the container runtime is given: the MIG UUID for a MIG device, else the GPU UUID."""
         return self.mig_uuid or self.gpu_uuid
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, memory_mib: int | None = None) -> dict[str, Any]:
+        """``memory_mib``: what a pod given this device may use, when that is not the device's own memory (an
+        MPS replica's pinned-memory limit)."""
         return {
             "id": self.id,
             "gpu": self.gpu_uuid,
@@ -119,7 +121,7 @@ class Device:
             "index": self.index,
             "mig": self.mig_uuid,
             "profile": self.mig_profile,
-            "memory_mib": self.memory_mib,
+            "memory_mib": self.memory_mib if memory_mib is None else memory_mib,
             "numa_node": self.numa_node,
             "replica": self.replica,
         }
@@ -134,12 +136,19 @@ class Resource:
     fail_requests_greater_than_one: bool = False
     mps: MpsLimits | None = None
 
+    def memory_of(self, device: Device) -> int:
+        """The memory (MiB) a pod given ``device`` may use: an MPS replica's pinned-memory limit (its slice of
+        the GPU), else the device's own memory (a time-sliced replica may use all of it, shared with the others)."""
+        if self.mps is None:
+            return device.memory_mib
+        return self.mps.memory_for(device.memory_mib, self.replicas)
+
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {
             "count": len(self.devices),
             "sharing": str(self.sharing),
             "replicas": self.replicas,
-            "devices": [d.to_json() for d in self.devices],
+            "devices": [d.to_json(self.memory_of(d)) for d in self.devices],
         }
         if self.mps is not None:
             document["mps"] = {

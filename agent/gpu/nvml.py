@@ -37,8 +37,7 @@ def nvml_session() -> Iterator[None]:
     except pynvml.NVMLError as error:
         hint = {
             "LIBRARY_NOT_FOUND": "libnvidia-ml.so.1 was not found: is the NVIDIA driver installed and mounted "
-            "into the container (the NVIDIA container runtime, runtimeClassName: nvidia)? Without a GPU, try "
-            "`--simulate dgx-a100` or `tessera demo`",
+            "into the container (the NVIDIA container runtime, runtimeClassName: nvidia)?",
             "DRIVER_NOT_LOADED": "the NVIDIA kernel driver is not loaded (nvidia-smi on the host says why)",
             "NO_PERMISSION": "no permission to open the NVIDIA device nodes (/dev/nvidia*): check the container "
             "runtime gives the agent all GPUs (NVIDIA_VISIBLE_DEVICES=all)",

@@ -1,5 +1,9 @@
-"""``/metrics``, ``/healthz`` (the loops are alive), ``/readyz`` (registered with the kubelet) and ``/status``
-(what the agent is doing, for ``tessera status``)."""
+"""``/metrics``, ``/healthz`` (the loops are alive) and ``/readyz`` (registered with the kubelet), on the metrics
+port that a Service, Prometheus and the kubelet's probes reach.
+
+``/status`` (what the agent is doing: every claim, the pods holding GPUs) is not served here: it is the node's
+business, served on a unix socket for ``tessera status`` (``agent.telemetry.status_socket``). A request for it here
+gets a 404 that says where it went."""
 
 from __future__ import annotations
 
@@ -36,8 +40,9 @@ class TelemetryServer:
         last: LastCollection,
         healthy: Callable[[], tuple[bool, str]],
         ready: Callable[[], tuple[bool, str]],
-        status: Callable[[], bytes] | None = None,
+        status_socket: str | None = None,
     ) -> None:
+        """``status_socket``: where ``/status`` is served instead (None: nowhere), for the 404 that says so."""
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # not for parse_address's callers
 
         class Handler(BaseHTTPRequestHandler):
@@ -48,10 +53,10 @@ class TelemetryServer:
                 elif path in ("/healthz", "/readyz"):
                     ok, why = (healthy if path == "/healthz" else ready)()
                     self._reply(200 if ok else 503, (why + "\n").encode(), "text/plain; charset=utf-8")
-                elif path == "/status" and status is not None:
-                    self._reply(200, status(), "application/json")
+                elif path == "/status":
+                    self._reply(404, moved, "text/plain; charset=utf-8")
                 else:
-                    self._reply(404, b"not found: /metrics, /healthz, /readyz, /status\n", "text/plain; charset=utf-8")
+                    self._reply(404, b"not found: /metrics, /healthz, /readyz\n", "text/plain; charset=utf-8")
 
             def _reply(self, code: int, body: bytes, content_type: str) -> None:
                 self.send_response(code)
@@ -62,6 +67,15 @@ class TelemetryServer:
 
             def log_message(self, format: str, *args: object) -> None:
                 return  # scrapes are not log events
+
+        moved = (
+            f"not found: /status is not served on the metrics port; it moved to the agent's unix socket on the node, "
+            f"{status_socket} (--status-socket), which `tessera status` reads there "
+            "(kubectl exec -n tessera-system ds/tessera -- tessera status)\n"
+            if status_socket is not None
+            else "not found: /status is not served on the metrics port; it is served only on the agent's unix socket "
+            "(--status-socket), which this agent has off\n"
+        ).encode()
 
         class Server(ThreadingHTTPServer):
             def server_bind(self) -> None:
@@ -78,7 +92,7 @@ class TelemetryServer:
 
     def start(self) -> None:
         self._thread.start()
-        log.info("serving metrics port=%d paths=/metrics,/healthz,/readyz,/status", self.port)
+        log.info("serving metrics port=%d paths=/metrics,/healthz,/readyz", self.port)
 
     def stop(self, timeout: float = 2.0) -> None:
         """Wake the serving thread and wait for it (at most ``timeout`` seconds); its sockets are closed once it

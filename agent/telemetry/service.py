@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from agent.telemetry.latency import OperationLatency
     from agent.telemetry.nfd import FeatureFile
     from agent.telemetry.node_labels_api import NodeLabelPublisher
+    from agent.telemetry.status_socket import StatusSocketServer
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,14 @@ class TelemetrySettings:
     proc_root: Path = Path("/proc")
     kubelet_dir: Path | None = None  # where the kubelet's dra_manager_state is; None: the device plugin dir's parent
     nfd_features_dir: Path | None = None
+    status_socket: Path | None = None  # where /status is served (a unix socket, 0600); None: not served
     shared_product_suffix: bool = False
     label_node: bool = False  # also patch the labels onto the Node (no NFD): needs the node-labels overlay's RBAC
 
 
 class Telemetry:
-    """Metrics, health endpoints, ``/status`` and node labels for one agent, read from its published status
-    (``source``), never from the agent itself."""
+    """Metrics, health endpoints, ``/status`` (on its unix socket) and node labels for one agent, read from its
+    published status (``source``), never from the agent itself."""
 
     def __init__(
         self,
@@ -85,9 +87,18 @@ class Telemetry:
             latency=latency if latency is not None else OperationLatency(),
             claims=claims,
         )
-        self.server = TelemetryServer(
-            settings.metrics_address, self.collector.last, self.healthy, self.ready, self.status_json
-        )
+        status_socket = str(settings.status_socket) if settings.status_socket is not None else None
+        self.server = TelemetryServer(settings.metrics_address, self.collector.last, self.healthy, self.ready,
+                                      status_socket)  # fmt: skip
+        self.status_server: StatusSocketServer | None = None
+        if settings.status_socket is not None:
+            from agent.telemetry.status_socket import StatusSocketServer
+
+            try:  # /status is not worth the metrics: without its socket, the agent serves on and says why once
+                self.status_server = StatusSocketServer(settings.status_socket, self.status_json)
+            except OSError as error:
+                log.error("no /status: cannot serve its socket path=%s error=%r; `tessera status` will not answer",
+                          settings.status_socket, error.strerror or str(error))  # fmt: skip
         self._labels_error: str | None = None
         self._labels_of: tuple[Inventory, ResourcePlan, str | None] | None = None  # what _labels come from
         self._labels: dict[str, str] = {}
@@ -106,10 +117,14 @@ class Telemetry:
     def start(self) -> None:
         self.collector.start()
         self.server.start()
+        if self.status_server is not None:
+            self.status_server.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop serving and collecting; each thread is waited for at most ``timeout`` seconds."""
         self.server.stop(timeout)
+        if self.status_server is not None:
+            self.status_server.stop(timeout)
         self.collector.stop(timeout)
 
     def healthy(self) -> tuple[bool, str]:
@@ -138,7 +153,7 @@ class Telemetry:
         return True, f"ok: {len(status.resources)} resources registered"
 
     def status_json(self) -> bytes:
-        """``/status``: the published status as the document ``tessera status`` reads."""
+        """``/status`` (on the status socket): the published status as the document ``tessera status`` reads."""
         import json
 
         from agent import __version__

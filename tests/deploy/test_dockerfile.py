@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -180,20 +181,24 @@ def test_build_context_is_only_what_the_wheel_needs():
     context = context_files()
     assert {"pyproject.toml", "README.md", "agent/cli.py", "agent/sim/presets/dgx-a100.yaml"} <= set(context)
     assert any(f.startswith("agent/data/") and f.endswith(".json") for f in context)
-    assert all(f in ("pyproject.toml", "README.md") or f.startswith("agent/") for f in context), context
+    assert all(f in ("pyproject.toml", "README.md", "LICENSE") or f.startswith("agent/") for f in context), context
     assert not [f for f in context if "__pycache__" in f or f.endswith(".pyc")]
     for outside in ("tests/deploy/test_dockerfile.py", "daemonset/base/daemonset.yaml", "tessera_agent.egg-info/x"):
         assert dockerignore_excludes(outside), outside
 
 
-def test_entrypoint_is_the_console_script():
+def test_entrypoint_is_the_console_script_and_run_its_default_command():
+    """`podman run IMAGE` runs the agent; `podman run IMAGE demo` (or `plan ...`) runs that command instead, as
+    the arguments after the image replace CMD only."""
     _, stages = parse()
     (entrypoint,) = stages[-1].args("ENTRYPOINT")
-    command = json.loads(entrypoint)  # exec form: signals reach the agent, no shell in between
-    assert command == ["tessera", "run"]
+    (cmd,) = stages[-1].args("CMD")
+    program, default = json.loads(entrypoint), json.loads(cmd)  # exec form: signals reach the agent, no shell
+    assert program == ["tessera"] and default == ["run"]
     assert project()["scripts"]["tessera"] == "agent.cli:main"
-    result = subprocess.run([sys.executable, "-m", "agent", *command[1:], "--help"], capture_output=True, check=False)
-    assert result.returncode == 0
+    for arguments in (default, ["demo"], ["plan", "--node", "t4x4"]):
+        result = subprocess.run([sys.executable, "-m", "agent", *arguments, "--help"], capture_output=True, check=False)
+        assert result.returncode == 0, (arguments, result.stderr)
 
 
 def test_no_compilers_in_the_final_stage():
@@ -215,7 +220,7 @@ def test_oci_labels():
         assert f"org.opencontainers.image.{key}" in labels, key
     values = {k: _substitute(v, stage_args(final)) for k, v in labels.items()}
     assert values["org.opencontainers.image.version"] == project()["version"]
-    assert values["org.opencontainers.image.licenses"] == project()["license"]["text"]
+    assert values["org.opencontainers.image.licenses"] == project()["license"]  # an SPDX expression, both
     assert values["org.opencontainers.image.title"] == "tessera-agent"
 
 
@@ -245,6 +250,8 @@ def test_wheel_builds_from_the_build_context(tmp_path):
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "License classifiers are deprecated" not in result.stderr and "did not match any files" not in result.stderr
+    assert "`project.license` as a TOML table is deprecated" not in result.stdout + result.stderr
     (wheel,) = out.glob("tessera_agent-*.whl")
     assert wheel.name.startswith(f"tessera_agent-{project()['version']}-py3-none-any")
     names = zipfile.ZipFile(wheel).namelist()
@@ -252,3 +259,20 @@ def test_wheel_builds_from_the_build_context(tmp_path):
     assert any(n.startswith("agent/data/") and n.endswith(".json") for n in names)
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     assert "tessera = agent.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    # PEP 639: the license as an SPDX expression, its text in the wheel (setuptools >= 77, pyproject.toml)
+    (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    headers = zipfile.ZipFile(wheel).read(metadata).decode().split("\n\n")[0].splitlines()
+    assert "License-Expression: Apache-2.0" in headers and "License-File: LICENSE" in headers
+    assert not [h for h in headers if h.startswith("License: ")]  # the deprecated free-text field
+    (text,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert "Apache License" in zipfile.ZipFile(wheel).read(text).decode()
+
+
+def test_the_build_requirement_reads_the_spdx_license():
+    """`license = "Apache-2.0"` and `license-files` need setuptools >= 77 (PEP 639); an older one fails the build."""
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["build-system"]["requires"]
+    (setuptools,) = [r for r in requires if r.startswith("setuptools")]
+    minimum = re.fullmatch(r"setuptools>=(\d+)(?:\.\d+)*", setuptools)
+    assert minimum is not None and int(minimum[1]) >= 77, setuptools
+    assert isinstance(project()["license"], str) and project()["license-files"] == ["LICENSE"]
+    assert (ROOT / "LICENSE").read_text(encoding="utf-8").lstrip().startswith("Apache License")

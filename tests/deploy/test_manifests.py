@@ -652,7 +652,26 @@ def test_every_environment_variable_is_a_flag_twin_of_tessera_run(rendered):
     c = container(rendered["base"])
     assert env(c)["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert env(c)["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
-    assert "args" not in c and "command" not in c  # the image's entrypoint, `tessera run`
+    # the image's entrypoint (`tessera`) with `run`, said in the manifest rather than left to the image's CMD
+    assert "command" not in c and c["args"] == ["run"]
+
+
+def test_status_is_served_on_a_socket_in_the_pod_not_on_the_metrics_port(rendered):
+    """/status (every claim, the pods holding GPUs) stays on the node: a unix socket in an emptyDir of the agent's
+    pod, where `kubectl exec ... -- tessera status` finds it through the same variable; the Service and the probes
+    reach only the metrics port."""
+    from agent.cli import DEFAULT_STATUS_SOCKET
+
+    for name, objects in rendered.items():
+        spec, c = pod_spec(objects), container(objects)
+        path = env(c)["TESSERA_STATUS_SOCKET"]
+        assert path == DEFAULT_STATUS_SOCKET, name  # `tessera status` on the node finds it without a flag too
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == str(Path(path).parent)]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert "emptyDir" in volume and "hostPath" not in volume, (name, volume)
+        assert not mount.get("readOnly"), name
+        probes = [c[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")]
+        assert "/status" not in probes
 
 
 def test_scheduling_and_rollout(rendered):

@@ -128,7 +128,10 @@ class TelemetryNode:
         return cls(driver, base, kubelet)
 
     def start_agent(self, **options: object) -> Agent:
-        settings = TelemetrySettings(hostname=HOST, metrics_address="127.0.0.1:0", interval=0.2, proc_root=self.proc)
+        settings = TelemetrySettings(
+            hostname=HOST, metrics_address="127.0.0.1:0", interval=0.2, proc_root=self.proc,
+            status_socket=self.base / "status.sock",
+        )  # fmt: skip
         self.agent = Agent(
             AgentOptions(
                 device_plugin_dir=self.base / "dp",
@@ -716,7 +719,7 @@ def test_status_lists_each_allocated_device_with_its_pod_and_how_long_it_has_bee
         (entry,) = [e for e in document["allocated"] if e["pod"] == pod]
         return entry["idle_seconds"]
 
-    address = f"127.0.0.1:{node.port}"
+    address = str(node.base / "status.sock")  # /status is served on the agent's unix socket, not the metrics port
     document = wait_until(
         lambda: (
             (d := fetch_status(address))["allocated"]
@@ -748,7 +751,7 @@ def test_status_lists_each_allocated_device_with_its_pod_and_how_long_it_has_bee
     )
     assert idle_for(later, busy.name) == 0
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
-    command = [sys.executable, "-m", "agent", "status", "--idle", "--metrics-address", address]
+    command = [sys.executable, "-m", "agent", "status", "--idle", "--status-socket", address]
     shown = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, check=False)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.splitlines()[0].split()[:2] == ["POD", "CONTAINER"] and "research/notebook" in shown.stdout

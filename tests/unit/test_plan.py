@@ -95,7 +95,20 @@ def test_none_advertises_every_gpu_including_mig_enabled_ones_as_a_full_gpu():
     assert all(d.mig_uuid is None and d.mig_profile is None for d in devices)
     assert [d.index for d in devices] == ["0", "1", "2"]
     assert devices[1].memory_mib == 81920
-    assert result.warnings == ()
+    # advertised as NVIDIA's plugin does, but not silently: CUDA in a pod given GPU 1 finds no usable device
+    (warning,) = result.warnings
+    assert warning.startswith(f"GPU 1 ({gpu_uuid(1)}) has MIG enabled: with mig-strategy none it is advertised whole")
+    assert "CUDA in a pod given it finds no device it can use" in warning and "mig-strategy mixed" in warning
+
+
+def test_none_warns_about_a_mig_enabled_gpu_by_the_name_it_is_advertised_as():
+    from agent.core.resources import NamingRule
+
+    config = PlanConfig(gpu_names=(NamingRule("*A100*", "nvidia.com/a100"),))
+    result = plan(config, node(gpu(0, "1g.10gb", mig_enabled=True)))
+    (warning,) = result.warnings
+    assert "advertised whole as nvidia.com/a100" in warning
+    assert run(NONE, node(gpu(0), gpu(1))).warnings == ()  # no MIG: nothing to say
 
 
 def test_none_is_the_default_strategy():

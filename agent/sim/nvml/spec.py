@@ -91,7 +91,15 @@ def load_node_spec(reference: str) -> NodeSpec:
         raise SimSpecError(str(error)) from None
     except OSError as error:  # path.is_file() on a path the caller may not search
         raise SimSpecError(f"{reference}: cannot read: {error.strerror or error}; check the path") from None
-    return parse_node_spec({} if data is None else data, origin)
+    if data is None or (isinstance(data, dict) and "gpus" not in data):
+        # an empty file (or one without gpus) would be a node with no GPUs, whose every preview says "nothing"
+        # without saying why; a node without GPUs is written as such: gpus: []
+        what = "is empty" if data is None else "has no gpus"
+        raise SimSpecError(
+            f"{origin} {what}: a node spec lists its GPUs, e.g. gpus: [{{model: A100-SXM4-80GB, count: 2}}] "
+            "(docs/simulated-node.md; gpus: [] for a node without GPUs)"
+        )
+    return parse_node_spec(data, origin)
 
 
 def parse_node_spec(data: object, origin: str = "node spec") -> NodeSpec:
