@@ -39,7 +39,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 # Only what the wheel is built from (see .dockerignore): the package metadata and the package.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY agent ./agent
 RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
  && python -m pip wheel --only-binary=:all: --wheel-dir /wheels /wheels/tessera_agent-*.whl \
