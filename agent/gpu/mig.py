@@ -52,17 +52,23 @@ def _destroy(handle: object, gi_id: int, gpu: str) -> None:
 
 
 def create_instance(gpu_index: int, profile_id: int, placement: Placement, ci_profile_id: int) -> None:
-    """Create a GPU instance at an exact placement, and its full compute instance."""
+    """Create a GPU instance at an exact placement, and its full compute instance. A compute instance that cannot be
+    made takes its GPU instance with it: a GPU instance alone is no MIG device, the inventory does not list it, and
+    it would hold its placement against every retry (INSUFFICIENT_RESOURCES)."""
     with nvml_session():
         handle = _gpu(gpu_index)
         where = pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
+        what = f"GPU {gpu_index}: create GPU instance profile {profile_id} at {placement}"
         try:
             gpu_instance = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(handle, profile_id, byref(where))
+        except pynvml.NVMLError as error:
+            raise MigOperationError(what, error) from error
+        try:
             pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_profile_id)
         except pynvml.NVMLError as error:
-            raise MigOperationError(
-                f"GPU {gpu_index}: create GPU instance profile {profile_id} at {placement}", error
-            ) from error
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+            raise MigOperationError(f"{what}: its compute instance", error) from error
 
 
 @dataclass(frozen=True, slots=True)

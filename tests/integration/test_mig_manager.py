@@ -125,6 +125,18 @@ def test_an_nvml_failure_midway_is_reported_and_the_next_attempt_converges(node:
     kubelet.wait_for(lambda: kubelet.allocatable(LARGE) == 2 if LARGE in kubelet.resources() else False, 10, "3g")
 
 
+def test_a_compute_instance_that_fails_takes_its_gpu_instance_with_it_and_the_retry_converges(node: Node) -> None:
+    """A GPU instance without its compute instance is no MIG device: the inventory does not see it, and left behind it
+    would hold its placement against every retry."""
+    kubelet, agent = node.kubelet, node.agent
+    node.driver.inject_error("nvmlGpuInstanceCreateComputeInstance", Return.ERROR_UNKNOWN, times=1)
+    agent.post(NodeLabelChanged(MIG_CONFIG_LABEL, "all-3g.40gb"))
+    kubelet.wait_for(lambda: agent.status.mig_state == "failed", 10, "failed")
+    assert "its compute instance" in (agent.status.mig_error or "")
+    kubelet.wait_for(lambda: agent.status.mig_state == "success", 15, "the retry converged")
+    kubelet.wait_for(lambda: kubelet.allocatable(LARGE) == 2 if LARGE in kubelet.resources() else False, 10, "3g")
+
+
 def test_an_unknown_layout_name_changes_nothing(node: Node) -> None:
     kubelet, agent = node.kubelet, node.agent
     before = _mig_uuids(node.driver)
