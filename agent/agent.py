@@ -820,14 +820,14 @@ class Agent:
         # Withdrawn devices leave ListAndWatch first: those a MIG change or an MPS daemon's retirement will
         # disturb, and every device of a GPU whose inventory could not be read again.
         stale = {d.physical_id for r in self._plan.resources for d in r.devices if d.gpu_uuid in self._stale_gpus}
-        if self._dra is not None:
-            self._dra.settle(self._inventory)  # a GPU DRA let go of is the device plugin's again, below
+        if self._dra is not None and self._dra.settle(self._inventory) and self._mig is not None:
+            self._update_mig(publish=False)  # a GPU DRA let go of is the device plugin's again: its layout too
         dra = self._dra.withdrawn(self._inventory) if self._dra else frozenset()  # one front end per GPU
         mig = self._mig.withdrawn if self._mig is not None else frozenset()
         mps = self._mps.withdrawn() if self._mps is not None else frozenset()
         visible = self._plan.without(mig | mps | stale | dra)
         if self._dra is not None:
-            self._dra.publish(self._inventory, self._health, self._node.cordon.units)
+            self._dra.publish(self._inventory, self._health, self._node.cordon.units, self._stale_gpus)
         snapshots = build_snapshots(
             visible,
             self._health,

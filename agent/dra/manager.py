@@ -243,18 +243,26 @@ class DraManager:
         gone = self._served | set(self._arriving) | self._adopting
         return frozenset(uid for gpu in inventory.gpus if gpu.uuid in gone for uid in _device_ids(gpu))
 
-    def settle(self, inventory: Inventory) -> None:
-        """Before the device plugin's side is worked out: a leaving GPU no claim holds any more goes back to it."""
+    def settle(self, inventory: Inventory) -> frozenset[str]:
+        """Before the device plugin's side is worked out: a leaving GPU no claim holds any more goes back to it. The
+        GPUs that did (the MIG layout meant for the device plugin's GPUs now covers them)."""
         if self._front is None:
-            return
+            return frozenset()
         self._adopt()
         leaving = self._served - self._wanted
-        if leaving:  # the ledger lets a GPU go only when no claim holds it or is being prepared on it
-            for uuid in sorted(self._ledger.release_from_dra(leaving)):
-                log.info("GPU returns to the device plugin gpu=%s; no claim holds it", uuid)
+        if not leaving:
+            return frozenset()
+        released = self._ledger.release_from_dra(leaving)  # only when no claim holds it or is being prepared on it
+        for uuid in sorted(released):
+            log.info("GPU returns to the device plugin gpu=%s; no claim holds it", uuid)
+        return released
 
-    def publish(self, inventory: Inventory, health: HealthState, cordoned: frozenset[str]) -> None:
-        """Hand DRA's devices, their health and taints to the front end (after ``settle``)."""
+    def publish(
+        self, inventory: Inventory, health: HealthState, cordoned: frozenset[str], stale: frozenset[str] = frozenset()
+    ) -> None:
+        """Hand DRA's devices, their health and taints to the front end (after ``settle``). The devices of ``stale``
+        GPUs (their inventory could not be read again: after a MIG change it may name devices that are gone) are
+        neither offered nor prepared until a read succeeds, as the device plugin withdraws them."""
         if self._front is None:
             return
         from agent.core.dra.devices import dra_devices
@@ -268,7 +276,7 @@ class DraManager:
             shared=self._shared_gpus(inventory),
             default_share=self._default_share,
         )
-        offered = [d for d in devices if d.gpu_uuid in self._wanted]
+        offered = [d for d in devices if d.gpu_uuid in self._wanted and d.gpu_uuid not in stale]
         self._unclaimed = self._find_unclaimed(inventory)
         if self._unclaimed:  # a claim allocated a placement one covers could never be prepared: not offered
             from agent.core.dra.partitions import without_overlaps
@@ -283,6 +291,9 @@ class DraManager:
                 taint = earlier or DeviceTaint(key=CORDON_TAINT, time_added=rfc3339(self._now()))
                 self._taints[device.name] = (*self._taints.get(device.name, ()), taint)
         self._cordon_taints = {n: t for n, t in self._taints.items() if any(x.key == CORDON_TAINT for x in t)}
+        for device in devices:
+            if device.gpu_uuid in stale:
+                unhealthy.setdefault(device.name, "its GPU could not be read again; withdrawn until a read succeeds")
         for name, uuid in self._vanished(inventory).items():  # the claim's container lost its device
             unhealthy[name] = f"the MIG device made for its claim ({uuid}) is gone: a GPU reset destroys MIG devices"
         first_answers_due = any(not w.answered for w in self._arriving.values())
