@@ -827,7 +827,7 @@ def test_dra_never_prepares_a_mig_device_its_gpu_no_longer_has(world: World) -> 
         pytest.fail(f"prepared on {given}; the layout change destroyed {sorted(gone)}")
     finally:
         world.driver.clear_injected_errors()
-    world.api.wait_for(lambda: "gpu-0-mig-2g20gb-14-0" in world.devices(), test_dra_e2e.DEADLINE)  # read again
+    world.api.wait_for(lambda: "gpu-0-mig-2g20gb-14-0" in world.devices(), 60)  # read again (after its backoff)
 
 
 @pytest.mark.xfail(
@@ -842,7 +842,7 @@ def test_a_gpu_dra_gives_back_gets_the_layout_of_the_device_plugins_gpus(world: 
     world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), test_dra_e2e.DEADLINE, "the DRA driver registered")
     write_config(world, [1], "all-3g.40gb")  # GPU 0 leaves DRA (no claim holds it) for the device plugin
     test_dra_e2e.poll(lambda: (world.agent.status.dra or {}).get("served") == [world.driver.gpus[1].uuid], "GPU 1")
-    test_dra_e2e.poll(lambda: laid_out(world, 0, ["3g.40gb"] * 2), "GPU 0 laid out once the device plugin has it")
+    test_dra_e2e.poll(lambda: laid_out(world, 0, ["3g.40gb"] * 2), "GPU 0 laid out once the device plugin has it", 15)
 
 
 @pytest.mark.xfail(
@@ -858,7 +858,7 @@ def test_a_layout_change_whose_compute_instance_failed_once_completes(world: Wor
     test_dra_e2e.poll(lambda: (world.agent.status.dra or {}).get("served") == [world.driver.gpus[1].uuid], "GPU 1")
     world.driver.inject_error("nvmlGpuInstanceCreateComputeInstance", Return.ERROR_UNKNOWN, times=1, gpu_index=0)
     write_config(world, [1], "all-3g.40gb")
-    test_dra_e2e.poll(lambda: laid_out(world, 0, ["3g.40gb"] * 2), "GPU 0 laid out after one failed attempt")
+    test_dra_e2e.poll(lambda: laid_out(world, 0, ["3g.40gb"] * 2), "GPU 0 laid out after one failed attempt", 15)
 
 
 def _known_migs(world: World, index: int) -> set[str]:
