@@ -32,15 +32,13 @@ At the end every workload ends, the faults stop, and the agent must converge: DR
 GPUs, the device plugin's GPUs have the layout asked for. Refused operations (a Prepare for a GPU that left DRA,
 a pod nobody has a device for, a claim the scheduler cannot place) are expected and counted.
 
-What the scenario found besides (each pinned below by a deterministic test, a strict xfail until it is fixed):
+What the scenario found besides, now fixed (each pinned below by a deterministic test):
 
 - a claim prepared on a device the node no longer had *before* the claim was recorded is a phantom, not a second
-  owner: DRA offers and prepares the devices of a GPU whose inventory could not be read again after a MIG change.
-  Counted in the figures (``phantom_devices_given``);
-- a GPU DRA gives back to the device plugin gets the static layout only at the next layout event: the end of the
-  scenario asks for the layout once more before it waits for it;
-- a compute instance that fails to be made leaves its GPU instance behind, and the layout never completes over
-  it: the end of the scenario removes such instances by hand, as an operator would, and counts them.
+  owner: DRA offered and prepared the devices of a GPU whose inventory could not be read again after a MIG change.
+  The scenario asserts none (``phantom_devices_given``);
+- a GPU DRA gives back to the device plugin got the static layout only at the next layout event;
+- a compute instance that fails to be made left its GPU instance behind, and the layout never completed over it.
 """
 
 from __future__ import annotations
@@ -262,7 +260,6 @@ class Scenario:
     dp_pods: dict[str, int | None] = field(default_factory=dict)  # pod name -> its process
     timesliced: dict[int, tuple[str, int]] = field(default_factory=dict)  # GPU index -> (pod UID, level)
     phantoms: list[str] = field(default_factory=list)  # workloads given a device destroyed before they got it
-    orphans_removed: int = 0  # GPU instances a failed compute-instance creation left, removed by hand at the end
     recorded_since: dict[str, float] = field(default_factory=dict)  # claim UID -> the first read of it recorded
     numbers: Iterator[int] = field(default_factory=itertools.count)
     crashed: list[str] = field(default_factory=list)
@@ -671,7 +668,6 @@ def test_both_front_ends_mig_changes_and_kubelet_restarts_never_give_a_gpu_two_o
         destructive_under_a_holder=len(scenario.holds.found),
         time_slice_changed_under_its_claim=len(sampler.timeslices),
         phantom_devices_given=len(scenario.phantoms),
-        half_made_gpu_instances_removed_by_hand=scenario.orphans_removed,
         random_nvml_faults=world.driver.random_faults,
         internal_errors_while_faulted=faulted,
         internal_errors_after=after,
@@ -689,6 +685,7 @@ def test_both_front_ends_mig_changes_and_kubelet_restarts_never_give_a_gpu_two_o
     assert after == faulted, f"internal errors without NVML faults: {after} (while faulted: {faulted})"
     assert all("NVML" in message for message in said), f"internal errors no NVML fault explains: {said}"
     assert owners.unreadable_checkpoints == 0
+    assert scenario.phantoms == [], "a workload was given a device the node no longer had"
     # it exercised what it is about
     assert scenario.ops["device-plugin pod admitted"] and sum(n for op, n in scenario.ops.items() if "prepared" in op)
     assert sampler.moved["GPU moved to DRA"] and sampler.moved["GPU back to the device plugin"]
@@ -729,8 +726,6 @@ def converged(scenario: Scenario, what: str) -> None:
 
     def laid_out() -> bool:
         status, layout = world.agent.status, _layout(world.driver)
-        if status.mig_state == "failed":
-            scenario.orphans_removed += remove_orphans(world.driver, wanted)
         return (
             status.mig_state == "success"
             and status.config_error is None
@@ -746,24 +741,10 @@ def converged(scenario: Scenario, what: str) -> None:
 
     try:
         test_dra_e2e.poll(settled, f"{what}: DRA serves GPUs {scenario.dra_gpus}", 90)
-        # the same config once more: a GPU DRA gave back gets its layout only when the layout is asked for again
-        # (test_a_gpu_dra_gives_back_gets_the_layout_of_the_device_plugins_gpus)
-        write_config(world, scenario.dra_gpus, scenario.layout, note=what)
         # a failed change retries after its backoff (up to a minute)
         test_dra_e2e.poll(laid_out, f"{what}: the layout {scenario.label or scenario.layout}", 150)
     except TimeoutError as error:
         raise TimeoutError(f"{error}; {state()}") from None
-
-
-def remove_orphans(driver: SimDriver, dra: set[str]) -> int:
-    """What an operator does about a GPU instance a failed compute-instance creation left on a device-plugin GPU
-    (``nvidia-smi mig -dgi``): the layout can never be completed over it
-    (``test_a_layout_change_whose_compute_instance_failed_once_completes``). How many were removed."""
-    with driver.lock:
-        orphans = [(g.index, gi) for g in driver.gpus if g.uuid not in dra for gi in g.gis.values() if not gi.cis]
-        for index, gi in orphans:
-            driver.destroy_gpu_instance(index, gi)
-    return len(orphans)
 
 
 # ----- what the scenario found ----------------------------------------------------------------------------------------
@@ -780,12 +761,6 @@ def laid_out(world: World, index: int, profiles: list[str] | None) -> bool:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="defect: DRA offers and prepares the devices of a GPU whose inventory could not be read again after a "
-    "MIG change (agent/agent.py _publish withdraws such stale GPUs from the device plugin only)",
-)
 @pytest.mark.parametrize("world", [TWO_A100], indirect=True)
 def test_dra_never_prepares_a_mig_device_its_gpu_no_longer_has(world: World) -> None:
     """GPU 0 is the device plugin's, laid out as two 3g.40gb; a layout change makes it three 2g.20gb, and reading
@@ -830,13 +805,6 @@ def test_dra_never_prepares_a_mig_device_its_gpu_no_longer_has(world: World) -> 
     world.api.wait_for(lambda: "gpu-0-mig-2g20gb-14-0" in world.devices(), 60)  # read again (after its backoff)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimeoutError,
-    reason="defect: a GPU DRA gives back to the device plugin never gets the static MIG layout (agent/agent.py "
-    "_apply_config runs _update_mig before _publish, whose DraManager.settle releases the GPU; the tick that "
-    "releases it later only publishes)",
-)
 @pytest.mark.parametrize("world", [TWO_A100], indirect=True)
 def test_a_gpu_dra_gives_back_gets_the_layout_of_the_device_plugins_gpus(world: World) -> None:
     world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), test_dra_e2e.DEADLINE, "the DRA driver registered")
@@ -845,13 +813,6 @@ def test_a_gpu_dra_gives_back_gets_the_layout_of_the_device_plugins_gpus(world: 
     test_dra_e2e.poll(lambda: laid_out(world, 0, ["3g.40gb"] * 2), "GPU 0 laid out once the device plugin has it", 15)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimeoutError,
-    reason="defect: a compute instance that fails to be made leaves its GPU instance behind (agent/gpu/mig.py "
-    "create_instance has no rollback, unlike create_partition); the inventory does not see it and every retry "
-    "fails to create over it (NVML_ERROR_INSUFFICIENT_RESOURCES): the layout never completes",
-)
 @pytest.mark.parametrize("world", [TWO_A100], indirect=True)
 def test_a_layout_change_whose_compute_instance_failed_once_completes(world: World) -> None:
     write_config(world, [1], "all-disabled")  # GPU 0 to the device plugin first, then its layout
