@@ -109,11 +109,11 @@ def config_text(dra_gpus: list[int], layout: str) -> str:
     )
 
 
-def write_config(world: World, dra_gpus: list[int], layout: str, note: str = "") -> None:
+def write_config(world: World, dra_gpus: list[int], layout: str) -> None:
     """Replace the config atomically (as the kubelet swaps a ConfigMap) and tell the agent at once (what its
-    watcher does, without its delay). A ``note`` (a comment) makes the same config new to the agent."""
+    watcher does, without its delay)."""
     staged = world.base / "config.staged"
-    staged.write_text(config_text(dra_gpus, layout) + (f"# {note}\n" if note else ""))
+    staged.write_text(config_text(dra_gpus, layout))
     staged.replace(world.base / "config.yaml")
     world.agent.post(ConfigSourceChanged())
 
@@ -795,10 +795,10 @@ def test_dra_never_prepares_a_mig_device_its_gpu_no_longer_has(world: World) -> 
     world.api.update("resourceclaims", claim, status=True)
     try:
         ids = world.dra.run_pod("default", "late", "pod-late", [("gpu", "late")], {"main": [("gpu", None)]})
-    except PodStartError:
-        pass  # refused: what a device the agent cannot vouch for gets
+    except PodStartError as refused:
+        assert "gpu-0-mig-3g40gb-9-0" in str(refused)  # refused, naming the device the agent cannot vouch for
     else:
-        given = [i.split("=", 1)[1] for i in ids["main"] if i.startswith("nvidia.com/gpu=")]
+        given = [i.split("=", 1)[1] for i in ids["main"] if i.startswith(NODE_WIDE_CDI)]
         pytest.fail(f"prepared on {given}; the layout change destroyed {sorted(gone)}")
     finally:
         world.driver.clear_injected_errors()
