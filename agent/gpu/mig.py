@@ -71,6 +71,37 @@ def create_instance(gpu_index: int, profile_id: int, placement: Placement, ci_pr
             raise MigOperationError(f"{what}: its compute instance", error) from error
 
 
+def destroy_empty_instances(gpu_index: int) -> int:
+    """Destroy the GPU's GPU instances that have no compute instance; how many. Such an instance is no MIG device (no
+    inventory lists it, no process can run in it), but it holds its placement against every creation: a creation
+    cut short by a failure whose undo failed too leaves one."""
+    with nvml_session():
+        handle = _gpu(gpu_index)
+        destroyed = 0
+        try:
+            for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+                try:
+                    profile = pynvml.nvmlDeviceGetGpuInstanceProfileInfoV(handle, index)
+                except pynvml.NVMLError as error:
+                    if error_name(error) in ("NOT_SUPPORTED", "INVALID_ARGUMENT"):
+                        continue
+                    raise
+                count = pynvml.c_uint(profile.instanceCount)
+                array = (pynvml.c_nvmlGpuInstance_t * max(profile.instanceCount, 1))()
+                pynvml.nvmlDeviceGetGpuInstances(handle, profile.id, array, byref(count))
+                for gpu_instance in (array[i] for i in range(count.value)):
+                    computes = [_compute_instances(gpu_instance, info.id, info.instanceCount)
+                                for _, info in _compute_profiles(gpu_instance)]  # fmt: skip
+                    if not any(computes):
+                        pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+                        destroyed += 1
+        except pynvml.NVMLError as error:
+            raise MigOperationError(
+                f"GPU {gpu_index}: destroy GPU instances without a compute instance", error
+            ) from error
+        return destroyed
+
+
 @dataclass(frozen=True, slots=True)
 class MigInstance:
     """A MIG device as NVML names it: its GPU and compute instance IDs and its UUID."""

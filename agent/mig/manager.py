@@ -35,7 +35,7 @@ from agent.core.mig_layout import (
     SetMigMode,
     diff_node,
 )
-from agent.gpu.mig import create_instance, destroy_instance, set_mig_mode
+from agent.gpu.mig import create_instance, destroy_empty_instances, destroy_instance, set_mig_mode
 from agent.news import STATUS, News
 from agent.supervise import WorkerCrashed, submit
 
@@ -241,7 +241,15 @@ class MigManager:
         reset_required = []
         try:
             for gpu_index, ops in sorted(operations.items()):
+                swept = False
                 for op in ops:
+                    if isinstance(op, CreateInstance) and not swept:
+                        # a GPU instance with no compute instance (a creation cut short, its undo failed too) is
+                        # nobody's and invisible to the inventory, but it would hold its placement: gone first
+                        if destroyed := destroy_empty_instances(gpu_index):
+                            log.warning("GPU instances without a compute instance destroyed gpu=%d count=%d",
+                                        gpu_index, destroyed)  # fmt: skip
+                        swept = True
                     if isinstance(op, SetMigMode):
                         if not set_mig_mode(gpu_index, op.enabled):
                             reset_required.append(gpu_index)

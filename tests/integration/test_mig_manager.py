@@ -137,6 +137,17 @@ def test_a_compute_instance_that_fails_takes_its_gpu_instance_with_it_and_the_re
     kubelet.wait_for(lambda: kubelet.allocatable(LARGE) == 2 if LARGE in kubelet.resources() else False, 10, "3g")
 
 
+def test_a_gpu_instance_left_without_its_compute_instance_does_not_block_the_layout(sim_node) -> None:
+    """A creation cut short whose undo failed too leaves a GPU instance with no compute instance: no inventory lists
+    it, yet it holds its placement. The manager destroys such instances before it creates."""
+    driver = sim_node({"gpus": [{"model": "A100-SXM4-80GB", "mig": {"instances": []}}]})
+    driver.create_gpu_instance(0, 9, (4, 4))  # a 3g.40gb GPU instance, no compute instance in it
+    with running_node(driver, CONFIG.replace("config: all-1g.10gb", "config: all-3g.40gb")) as running:
+        kubelet, agent = running.kubelet, running.agent
+        kubelet.wait_for(lambda: agent.status.mig_state == "success", 15, "the layout made over it")
+        kubelet.wait_for(lambda: kubelet.allocatable(LARGE) == 2 if LARGE in kubelet.resources() else False, 10, "3g")
+
+
 def test_an_unknown_layout_name_changes_nothing(node: Node) -> None:
     kubelet, agent = node.kubelet, node.agent
     before = _mig_uuids(node.driver)
