@@ -1,0 +1,333 @@
+"""The agent as a node runs it, against the least a Python device plugin can do, measured in the same run.
+
+Run: python tests/bench/bench_node.py [--rounds 3] [--idle-seconds 60] [--xids 30]
+
+The agent runs as the DaemonSet runs it (``daemonset/base``): the sharing ConfigMap mounted as a directory (the
+kubelet's ``..data`` symlink layout, the four configs of ``daemonset/base/configs``), the node's
+``nvidia.com/device-plugin.config`` label followed through the Kubernetes API (the API server stand-in, reached by
+the real client over HTTP; the label names ``per-gpu-sharing``), metrics served, the status socket, PodResources —
+on a simulated dgx-a100: ``nvidia.com/gpu`` (4) and ``nvidia.com/gpu.shared`` (32) from one process, from a copy
+of this tree's ``agent`` with its bytecode compiled, as the image has it.
+
+The floor is the least a Python device plugin does for the same job, in a process of its own started the same way
+(this file, whose top level imports nothing but the standard library and grpc):
+``grpc.aio`` and the generated v1beta1 stubs (nothing of Tessera's beyond them), serving ListAndWatch with the same
+devices for both resources, registering both, and marking a device Unhealthy when told on a pipe. Nothing else:
+no NVML, no config, no API server, no metrics.
+
+Figures, each beside the floor's and the ratio (agent / floor); medians over the rounds, a fresh process per round,
+the agent and the floor turn about:
+- process start → every resource registered with all its devices allocatable (target < 200 ms);
+- RSS after the idle window (default 60 s; target < 45 MB);
+- XID → the kubelet sees the device Unhealthy, p50 / p99 over ``--xids`` per round, from the moment the simulated
+  driver queued the XID (the floor: from the moment the pipe was written; target p50 < 1.5 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "daemonset" / "base" / "configs"
+CONFIG_NAME = "per-gpu-sharing"
+NODE = "gpu-node-1"
+WHOLE, SHARED = "nvidia.com/gpu", "nvidia.com/gpu.shared"
+EXPECTED = {WHOLE: 4, SHARED: 32}  # per-gpu-sharing on dgx-a100: GPUs 0-3 whole, 4-7 time-sliced 8 ways
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+# ----- the floor: the least a Python device plugin does -------------------------------------------------
+
+
+def _floor_plugin(directory: str) -> None:
+    """Serve both resources' devices, register them, and mark ``health <resource> <n>`` devices Unhealthy."""
+    from agent.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+
+    plugin_dir = Path(directory)
+    healthy = {resource: [True] * count for resource, count in EXPECTED.items()}
+    changed = {resource: asyncio.Event() for resource in EXPECTED}
+
+    class Plugin(api_pb2_grpc.DevicePluginServicer):
+        def __init__(self, resource: str) -> None:
+            self.resource = resource
+
+        async def GetDevicePluginOptions(self, request, context):
+            return api_pb2.DevicePluginOptions()
+
+        async def ListAndWatch(self, request, context):
+            while True:
+                changed[self.resource].clear()
+                yield api_pb2.ListAndWatchResponse(
+                    devices=[
+                        api_pb2.Device(ID=f"{self.resource}-{n}", health="Healthy" if ok else "Unhealthy")
+                        for n, ok in enumerate(healthy[self.resource])
+                    ]
+                )
+                await changed[self.resource].wait()
+
+    async def main() -> None:
+        servers = []
+        for resource in EXPECTED:
+            server = grpc.aio.server()
+            api_pb2_grpc.add_DevicePluginServicer_to_server(Plugin(resource), server)
+            endpoint = f"floor-{resource.replace('/', '-')}.sock"
+            server.add_insecure_port(f"unix://{plugin_dir / endpoint}")
+            await server.start()
+            servers.append(server)
+            async with grpc.aio.insecure_channel(f"unix://{plugin_dir / 'kubelet.sock'}") as channel:
+                await api_pb2_grpc.RegistrationStub(channel).Register(
+                    api_pb2.RegisterRequest(version="v1beta1", endpoint=endpoint, resource_name=resource)
+                )
+        loop = asyncio.get_running_loop()
+        lines: asyncio.Queue[str] = asyncio.Queue()
+        loop.add_reader(sys.stdin.fileno(), lambda: lines.put_nowait(sys.stdin.readline()))
+        while line := await lines.get():
+            _, resource, n = line.split()
+            healthy[resource][int(n)] = not healthy[resource][int(n)]
+            changed[resource].set()
+
+    asyncio.run(main())
+
+
+# ----- one round ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    start: list[float] = field(default_factory=list)
+    rss: list[float] = field(default_factory=list)
+    xid_p50: list[float] = field(default_factory=list)
+    xid_p99: list[float] = field(default_factory=list)
+
+
+def _registered(kubelet) -> bool:
+    return all(r in kubelet.resources() and kubelet.allocatable(r) == n for r, n in EXPECTED.items())
+
+
+def _idle(seconds: float, process: subprocess.Popen) -> None:
+    """Leave the process alone for the idle window (a deadline, not a poll of it)."""
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return
+    raise RuntimeError(f"exited during the idle window (code {process.returncode})")
+
+
+def _configmap_dir(base: Path) -> Path:
+    """The ConfigMap as the kubelet mounts it: ``..data`` → a timestamped directory, each key a symlink."""
+    mount = base / "config"
+    data = mount / "..2026_11_28_00_00_00.000000001"
+    data.mkdir(parents=True)
+    for config in CONFIGS.glob("*.yaml"):
+        (data / config.name).write_bytes(config.read_bytes())
+        (mount / config.name).symlink_to(Path("..data") / config.name)
+    (mount / "..data").symlink_to(data.name)
+    return mount
+
+
+def agent_round(base: Path, args: argparse.Namespace, figures: Figures) -> None:
+    from agent.sim.apiserver import ApiServer
+    from agent.sim.kubelet import KubeletEmulator
+    from agent.sim.nvml.control import SimControlClient
+
+    plugin_dir = base / "dp"
+    kubelet = KubeletEmulator(plugin_dir, base / "pr" / "kubelet.sock")
+    kubelet.start()
+    apiserver = ApiServer().start()
+    apiserver.add_node(NODE, labels={"nvidia.com/device-plugin.config": CONFIG_NAME})
+    command = [
+        sys.executable, "-m", "agent", "run", "--simulate", "dgx-a100", "--sim-control", str(base / "ctl.sock"),
+        "--config", str(_configmap_dir(base)), "--node-name", NODE,
+        "--kubeconfig", str(apiserver.write_kubeconfig(base / "kubeconfig")),
+        "--device-plugin-dir", str(plugin_dir), "--pod-resources-socket", str(base / "pr" / "kubelet.sock"),
+        "--metrics-address", "127.0.0.1:0", "--status-socket", str(base / "status.sock"),
+        "--health-recovery-seconds", "0.05", "--log-level", "warning",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    started = time.monotonic()
+    agent = subprocess.Popen(command, env=env, cwd=args.agent_home, stderr=subprocess.DEVNULL)
+    try:
+        kubelet.wait_for(lambda: _registered(kubelet), timeout=60, what="registered")
+        figures.start.append(time.monotonic() - started)
+        _idle(args.idle_seconds, agent)
+        figures.rss.append(_rss_mib(agent.pid))
+
+        control = SimControlClient(base / "ctl.sock")
+        times = []
+        for n in range(args.xids):
+            gpu = 4 + n % 4  # a time-sliced GPU: its 8 replicas go Unhealthy together
+            queued = control.call("inject_xid", gpu=gpu, xid=48)
+            kubelet.wait_for(lambda: kubelet.allocatable(SHARED) < EXPECTED[SHARED], timeout=5, what="Unhealthy")
+            times.append(time.monotonic() - queued)
+            kubelet.wait_for(lambda: _registered(kubelet), timeout=5, what="recovered")
+        figures.xid_p50.append(statistics.median(times))
+        figures.xid_p99.append(_percentile(times, 0.99))
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=10)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        kubelet.stop()
+        apiserver.stop()
+
+
+def floor_round(base: Path, args: argparse.Namespace, figures: Figures) -> None:
+    from agent.sim.kubelet import KubeletEmulator
+
+    plugin_dir = base / "dp"
+    kubelet = KubeletEmulator(plugin_dir, base / "pr" / "kubelet.sock")
+    kubelet.start()
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    started = time.monotonic()
+    floor = subprocess.Popen(
+        [sys.executable, __file__, "--floor-plugin", str(plugin_dir)],
+        env=env,
+        cwd=args.agent_home,
+        stdin=subprocess.PIPE,
+        text=True,
+    )
+    assert floor.stdin is not None
+    try:
+        kubelet.wait_for(lambda: _registered(kubelet), timeout=60, what="registered")
+        figures.start.append(time.monotonic() - started)
+        _idle(args.idle_seconds, floor)
+        figures.rss.append(_rss_mib(floor.pid))
+        times = []
+        for n in range(args.xids):
+            command = f"health {SHARED} {8 * (n % 4)}\n"
+            written = time.monotonic()
+            floor.stdin.write(command)
+            floor.stdin.flush()
+            kubelet.wait_for(lambda: kubelet.allocatable(SHARED) < EXPECTED[SHARED], timeout=5, what="Unhealthy")
+            times.append(time.monotonic() - written)
+            floor.stdin.write(command)
+            floor.stdin.flush()
+            kubelet.wait_for(lambda: _registered(kubelet), timeout=5, what="recovered")
+        figures.xid_p50.append(statistics.median(times))
+        figures.xid_p99.append(_percentile(times, 0.99))
+    finally:
+        floor.kill()
+        floor.wait()
+        kubelet.stop()
+
+
+# ----- where the agent's memory goes --------------------------------------------------------------------
+
+PARTS = {  # what a piece costs on top of `import grpc`, each in a fresh process (RSS, MB)
+    "grpc (the base of both)": "",
+    "the Kubernetes client (`import kubernetes`)": "import kubernetes",
+    "pydantic's model machinery (one model)": "from pydantic import BaseModel\nclass A(BaseModel):\n    x: int",
+    "the config's models (agent.config.schema)": "import agent.config.schema",
+    "prometheus_client": "import prometheus_client",
+    "the simulator, dgx-a100 (not on a real node)": (
+        "from agent.sim.nvml.install import install\nfrom agent.sim.nvml.spec import build_driver, load_node_spec\n"
+        "install(build_driver(load_node_spec('dgx-a100')))"
+    ),
+}
+
+
+def memory_parts(home: Path) -> dict[str, float]:
+    """RSS of ``import grpc`` plus each part, in a process of its own (the parts overlap: not a sum)."""
+    measured = {}
+    for name, code in PARTS.items():
+        script = f"import grpc\n{code}\nprint(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])"
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=home, check=True)
+        measured[name] = int(out.stdout.split()[-1]) / 1024
+    return measured
+
+
+# ----- report -------------------------------------------------------------------------------------------
+
+
+def report(agent: Figures, floor: Figures, parts: dict[str, list[float]], args: argparse.Namespace) -> None:
+    def row(label: str, ours: list[float], least: list[float], scale: float, unit: str, target: str) -> None:
+        a, f = statistics.median(ours) * scale, statistics.median(least) * scale
+        spread = f"{min(ours) * scale:.1f}–{max(ours) * scale:.1f}"
+        print(f"| {label} | {a:.2f} {unit} ({spread}) | {f:.2f} {unit} | {a / f:.2f}× | {target} |")
+
+    print(
+        f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, Python {platform.python_version()}, "
+        f"grpcio {grpc.__version__}; simulated dgx-a100, config {CONFIG_NAME} from a ConfigMap directory picked by "
+        f"the node label through the API; {args.rounds} rounds, medians (agent range in brackets); idle "
+        f"{args.idle_seconds:g} s; {args.xids} XIDs per round"
+    )
+    print()
+    print("| measure | Tessera | Python floor | ratio | target |")
+    print("|---|---|---|---|---|")
+    row("start → registered (gpu ×4, gpu.shared ×32)", agent.start, floor.start, 1000, "ms", "< 200 ms")
+    row(f"RSS after {args.idle_seconds:g} s idle", agent.rss, floor.rss, 1, "MB", "< 45 MB")
+    row("XID → kubelet sees Unhealthy, p50", agent.xid_p50, floor.xid_p50, 1000, "ms", "< 1.5 ms")
+    row("XID → kubelet sees Unhealthy, p99", agent.xid_p99, floor.xid_p99, 1000, "ms", "-")
+    print()
+    base = statistics.median(parts["grpc (the base of both)"])
+    print("| RSS of a process that imports grpc, then … | MB | above grpc alone |")
+    print("|---|---|---|")
+    for name, values in parts.items():
+        print(f"| {name} | {statistics.median(values):.1f} | {statistics.median(values) - base:+.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--idle-seconds", type=float, default=60.0)
+    parser.add_argument("--xids", type=int, default=30)
+    parser.add_argument("--floor-plugin", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.floor_plugin:
+        _floor_plugin(args.floor_plugin)
+        return
+    sys.path.insert(0, str(ROOT))  # the floor process imports nothing of this: only the runner needs it
+    from tests.bench.bench_lifecycle import package_copy
+
+    logging.disable(logging.ERROR)  # the emulators' notes on streams closed at exit are not the report
+    work = Path(tempfile.mkdtemp(prefix="bench-node", dir="/tmp"))
+    args.agent_home = package_copy(work / "compiled", compiled=True)
+    agent, floor = Figures(), Figures()
+    parts: dict[str, list[float]] = {}
+    try:
+        for n in range(args.rounds):
+            rounds = [(agent_round, agent), (floor_round, floor)]
+            for body, figures in rounds if n % 2 == 0 else rounds[::-1]:
+                base = Path(tempfile.mkdtemp(prefix="r", dir=work))  # unix socket paths must stay short
+                try:
+                    body(base, args, figures)
+                finally:
+                    shutil.rmtree(base, ignore_errors=True)
+            for name, mib in memory_parts(args.agent_home).items():
+                parts.setdefault(name, []).append(mib)
+            print(f"round {n + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(agent, floor, parts, args)
+
+
+if __name__ == "__main__":
+    main()
