@@ -18,11 +18,9 @@ import contextlib
 import errno
 import logging
 import os
-import selectors
 import socket
 import socketserver
 import stat
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,27 +35,17 @@ class StatusSocketServer:
     """Serves ``GET /status`` (the document ``status()`` returns) over HTTP/1.0 on a unix socket; nothing else."""
 
     def __init__(self, path: Path, status: Callable[[], bytes]) -> None:
-        from http.server import BaseHTTPRequestHandler  # loaded with metrics only, as agent.telemetry.server does
+        from agent.telemetry.serving import QuietHandler, ServingThread  # loaded with metrics only, as the port
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 if self.path.split("?", 1)[0] == "/status":
-                    self._reply(200, status(), "application/json")
+                    self.reply(200, status(), "application/json")
                 else:
-                    self._reply(404, b"not found: this socket serves /status only\n", "text/plain; charset=utf-8")
-
-            def _reply(self, code: int, body: bytes, content_type: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                    self.reply(404, b"not found: this socket serves /status only\n", "text/plain; charset=utf-8")
 
             def address_string(self) -> str:
                 return "unix"  # a unix peer has no address (BaseHTTPRequestHandler would index an empty string)
-
-            def log_message(self, format: str, *args: object) -> None:
-                return  # a request is not a log event
 
         class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             daemon_threads = True
@@ -69,13 +57,11 @@ class StatusSocketServer:
 
         self.path = path
         _make_room(path)
-        self._server = Server(str(path), Handler)
+        self._serving = ServingThread(Server(str(path), Handler), "status-socket")
         self._inode = path.stat().st_ino
-        self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC)
-        self._thread = threading.Thread(target=self._serve, name="status-socket", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        self._serving.start()
         log.info("serving /status path=%s mode=%o", self.path, SOCKET_MODE)
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -84,24 +70,7 @@ class StatusSocketServer:
         with contextlib.suppress(OSError):
             if self.path.stat().st_ino == self._inode:
                 self.path.unlink()
-        os.write(self._wake_write, b"x")
-        if self._thread.ident is not None:
-            self._thread.join(timeout=timeout)
-            if self._thread.is_alive():
-                return
-        self._server.server_close()
-        os.close(self._wake_read)
-        os.close(self._wake_write)
-
-    def _serve(self) -> None:
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._server, selectors.EVENT_READ)
-            selector.register(self._wake_read, selectors.EVENT_READ)
-            while True:
-                ready = {key.fileobj for key, _ in selector.select()}
-                if self._wake_read in ready:
-                    return
-                self._server.handle_request()
+        self._serving.stop(timeout)
 
 
 def _make_room(path: Path) -> None:
