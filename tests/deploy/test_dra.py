@@ -12,10 +12,14 @@ and what docs/dra.md shows.
   the 1.35+ layouts: "NVIDIA's DeviceClass selects Tessera's devices".
 - The example claims allocate what they say they do: a GPU with at least 40 GiB on H100 and A100 nodes and nothing
   on a T4 node; a MIG 1g.10gb on the MIG nodes.
-- The overlay's ``dra`` config is valid, and on the rendered ConfigMap gives every GPU to DRA on a node labelled
+- The DRA variants (overlays/dra, dra-mps, dra-mig-manager) grant what dynamic MIG, compute-mode changes
+  (time-slicing and MPS per claim) and MPS need: CAP_SYS_ADMIN, the MIG config and monitor capability devices, the
+  host PID namespace; dra-mps runs the MPS daemons in the keeper, dra-mig-manager has the layouts
+  (test_manifests.py checks each is its variant plus exactly components/dra).
+- components/dra's ``dra`` config is valid, and on the rendered ConfigMap gives every GPU to DRA on a node labelled
   ``dra`` and on no other node.
-- docs/dra.md: its claim templates allocate, its config is valid, its MIG + DRA recipe renders to both variants'
-  grants and paths, and every file it names exists.
+- docs/dra.md: its claim templates allocate, its config is valid, its recipe for DRA in a variant of one's own
+  renders to that variant plus DRA's grants and paths, and every file it names exists.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,25 +38,43 @@ import yaml
 
 from agent.sim.scheduler import Unschedulable, allocate
 from agent.sim.scheduler.values import Quantity
-from tests.deploy.conftest import CONFIGS, NEWEST_KUBERNETES, OLDEST_KUBERNETES, ROOT, VARIANTS, container
+from tests.deploy.conftest import (
+    COMPONENTS,
+    CONFIGS,
+    NEWEST_KUBERNETES,
+    OLDEST_KUBERNETES,
+    ROOT,
+    SUPPORTED_KUBERNETES,
+    VARIANTS,
+    container,
+    daemonset,
+    daemonsets,
+    keeper_daemonset,
+)
 from tests.deploy.test_manifests import (
-    DRA_ENV,
+    DRA_COMPONENT,
+    DRA_CONFIGS,
     DRA_GRANTS,
     DRA_HOST_PATHS,
+    DRA_VARIANTS,
+    EXTRA_GRANTS,
     GRANTS,
     HOST_PATHS,
+    MIG_DEVICES_ENV,
     MIG_ENV,
-    OVERLAY_CONFIGS,
+    canonical,
     config_map,
+    dra_volumes,
     env,
     host_paths,
+    keeper_container,
     pod_spec,
     rbac_grants,
+    with_dra,
 )
 
 DEPLOY = ROOT / "deploy" / "dra"
 EXAMPLES = DEPLOY / "examples"
-OVERLAY = ROOT / "daemonset" / "overlays" / "dra"
 DOC = ROOT / "docs" / "dra.md"
 H100_BALANCED = str(Path(__file__).parent / "nodes" / "dgx-h100-balanced.yaml")  # 8 H100s in MIG mode
 
@@ -377,12 +398,77 @@ def test_example_pods_use_their_claims_through_dra_only():
         assert pod["metadata"].get("namespace") is None  # applied where the user wants, next to its template
 
 
-# ----- the overlay's named config ----------------------------------------------------------------------------------
+# ----- the DRA variants: what they grant -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", DRA_VARIANTS)
+def test_dra_variants_grant_what_dynamic_mig_compute_modes_and_mps_need(rendered, variant):
+    """Prepare creates and destroys MIG devices (dynamic MIG: the MIG "config" capability device, and the "monitor"
+    one to find the device just made), sets compute modes and time-slices (time-slicing and MPS per claim:
+    CAP_SYS_ADMIN) and runs MPS daemons (the host PID namespace). Still not privileged: drop ALL, no escalation."""
+    objects = rendered[variant]
+    c, spec = container(objects), pod_spec(objects)
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+    assert c["securityContext"]["privileged"] is False and c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {k: env(c).get(k) for k in MIG_DEVICES_ENV} == {
+        "NVIDIA_MIG_CONFIG_DEVICES": "all",
+        "NVIDIA_MIG_MONITOR_DEVICES": "all",
+    }
+    assert spec["hostPID"] is True
+    assert spec["runtimeClassName"] == "nvidia"  # the runtime that mounts the capability devices
+    assert host_paths(spec) >= DRA_HOST_PATHS
+    assert rbac_grants(variant, objects) == GRANTS | DRA_GRANTS
+    keys = set(config_map(objects, "tessera-config")["data"])
+    assert {"dra", "dra-dynamic-mig", "dra-gpu-shares"} <= keys
+
+
+def test_dra_mps_runs_the_claims_mps_daemons_in_the_keeper(rendered):
+    """overlays/dra-mps: the agent asks the keeper (its socket, shared through the same host path) to run the MPS
+    daemons, so MPS claims and GPU shares outlive agent restarts; overlays/dra has no keeper (the agent's own
+    container runs them)."""
+    objects = rendered["dra-mps"]
+    keeper = keeper_daemonset(objects)
+    assert keeper is not None and keeper == keeper_daemonset(rendered["mps"])
+    k, agent = keeper_container(objects), container(objects)
+    assert k["command"] == ["tessera", "mps-keeper"]
+    assert env(agent)["TESSERA_MPS_KEEPER"] == env(k)["TESSERA_MPS_KEEPER"] == "/run/tessera/mps-keeper.sock"
+    assert env(agent)["TESSERA_MPS_ROOT"] == env(k)["TESSERA_MPS_ROOT"]
+    assert "add" not in k["securityContext"]["capabilities"]  # the keeper itself gets no capability
+    assert keeper["spec"]["template"]["spec"]["hostPID"] is True
+    assert "dra-gpu-shares" in config_map(objects, "tessera-config")["data"]
+    for variant in ("dra", "dra-mig-manager"):
+        assert keeper_daemonset(rendered[variant]) is None, variant
+        assert "TESSERA_MPS_KEEPER" not in env(container(rendered[variant])), variant
+    assert sorted(ds["metadata"]["name"] for ds in daemonsets(objects)) == ["tessera", "tessera-mps-keeper"]
+
+
+def test_dra_mig_manager_has_the_layouts_and_both_kinds_of_configs(rendered):
+    objects = rendered["dra-mig-manager"]
+    c = container(objects)
+    assert {k: env(c).get(k) for k in MIG_ENV} == MIG_ENV
+    assert set(config_map(objects, "tessera-mig-layouts")["data"]) == {"config.yaml"}
+    keys = set(config_map(objects, "tessera-config")["data"])
+    assert keys == set(config_map(rendered["mig-manager"], "tessera-config")["data"]) | set(DRA_CONFIGS)
+    assert host_paths(pod_spec(objects)) == HOST_PATHS | DRA_HOST_PATHS
+
+
+@pytest.mark.parametrize("version", SUPPORTED_KUBERNETES)
+@pytest.mark.parametrize("variant", DRA_VARIANTS)
+def test_dra_variants_are_valid_kubernetes(rendered, variant, version):
+    """Each DRA variant, combined ones included, rendered by kubectl's kustomize and validated strictly (as every
+    variant is in test_manifests; here by name, so that removing an overlay fails)."""
+    assert variant in VARIANTS
+    for obj in rendered[variant]:
+        kubernetes_validate.validate(obj, version, strict=True)
+    assert EXTRA_GRANTS[variant] == DRA_GRANTS
+
+
+# ----- the DRA component's named config ----------------------------------------------------------------------------
 
 
 def test_overlay_config_is_valid_and_gives_every_gpu_to_dra():
-    path = OVERLAY_CONFIGS["dra"]["dra"]
-    assert path.parent == OVERLAY
+    path = DRA_CONFIGS["dra"]
+    assert path.parent == DRA_COMPONENT
     result = tessera("validate", "--strict", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert yaml.safe_load(path.read_text(encoding="utf-8")) == {
@@ -456,31 +542,67 @@ def test_docs_dra_config_is_valid(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_docs_mig_and_dra_recipe_renders_both_variants(kubectl, rendered, tmp_path):
-    """The document's overlay for MIG nodes: the mig-manager variant plus the dra overlay's files, copied. It must
-    render to the mig-manager variant with exactly the dra overlay's additions (paths, env, grants, config)."""
-    (recipe,) = [yaml.safe_load(b) for b in doc_blocks("yaml") if "overlays/mig-manager" in b and "dra=dra.yaml" in b]
-    assert recipe["resources"][0] == "../tessera/daemonset/overlays/mig-manager"
-    recipe["resources"][0] = os.path.relpath(VARIANTS["mig-manager"], tmp_path)
-    for name in ("daemonset-patch.yaml", "rbac.yaml", "dra.yaml"):
-        shutil.copy(OVERLAY / name, tmp_path / name)
+def test_docs_recipe_adds_dra_to_a_variant_of_ones_own(kubectl, rendered, tmp_path):
+    """The document's overlay for DRA in a variant of one's own: a variant plus components/dra. It must render to that
+    variant plus exactly what the DRA variants add (paths, env, grants, privileges, configs)."""
+    (recipe,) = [yaml.safe_load(b) for b in doc_blocks("yaml") if "components/dra" in b and "kind: Kustomization" in b]
+    (variant,) = recipe["resources"]
+    assert variant.startswith("../tessera/daemonset/overlays/")
+    name = variant.rsplit("/", 1)[1]
+    assert recipe["components"] == ["../tessera/daemonset/components/dra"]
+    recipe["resources"] = [os.path.relpath(VARIANTS[name], tmp_path)]
+    recipe["components"] = [os.path.relpath(COMPONENTS["dra"], tmp_path)]
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(recipe), encoding="utf-8")
     objects = kubectl.kustomize(tmp_path)
-    c = container(objects)
-    assert host_paths(pod_spec(objects)) == HOST_PATHS | DRA_HOST_PATHS
-    assert {k: env(c).get(k) for k in (*DRA_ENV, *MIG_ENV)} == DRA_ENV | MIG_ENV
-    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}  # the mig-manager's
-    assert rbac_grants("recipe", objects) == GRANTS | DRA_GRANTS
+    spec = pod_spec(objects)
+    assert canonical(daemonset(objects)) == canonical(with_dra(daemonset(rendered[name]), dra_volumes(spec)))
+    assert host_paths(spec) == HOST_PATHS | DRA_HOST_PATHS
+    assert rbac_grants("recipe", objects) == GRANTS | EXTRA_GRANTS.get(name, set()) | DRA_GRANTS
     keys = set(config_map(objects, "tessera-config")["data"])
-    assert keys == set(config_map(rendered["mig-manager"], "tessera-config")["data"]) | {"dra"}
+    assert keys == set(config_map(rendered[name], "tessera-config")["data"]) | set(DRA_CONFIGS)
 
 
 def test_docs_name_only_files_that_exist():
     text = DOC.read_text(encoding="utf-8")
-    named = set(re.findall(r"(?<![\w/.])((?:deploy/dra|daemonset/overlays/dra)(?:/[\w.-]+)*/?)", text))
-    assert {"deploy/dra/", "daemonset/overlays/dra"} <= named
+    named = set(
+        re.findall(r"(?<![\w/.])((?:deploy/dra|daemonset/(?:overlays|components)/dra)(?:[\w.-]*)(?:/[\w.-]+)*/?)", text)
+    )
+    assert {
+        "deploy/dra/",
+        "daemonset/overlays/dra",
+        "daemonset/overlays/dra-mps",
+        "daemonset/overlays/dra-mig-manager",
+    } <= named
     for path in named:
         assert (ROOT / path).exists(), path
     for link in re.findall(r"\]\((\.\./[^)#]+)", text):
         assert (DOC.parent / link).resolve().exists(), link
     assert "kubectl apply -k daemonset/overlays/dra" in text and "kubectl apply -f deploy/dra/" in text
+
+
+def test_docs_toleration_lets_a_claim_have_a_device_tessera_tainted_unmonitored():
+    """Tessera's `unmonitored` taint is NoSchedule (NVIDIA's is None, information only): a device whose health watch
+    keeps failing is given to no claim that does not tolerate it; the request the document shows does tolerate it."""
+    from datetime import UTC, datetime
+
+    from agent.core.dra.devices import DraDevice
+    from agent.core.dra.taints import device_taints
+    from agent.core.health import HealthState, record_fault
+
+    node_slices = slices("dgx-h100")
+    gpus = devices(node_slices)
+    uuids = {name: d["attributes"]["uuid"]["string"] for name, d in gpus.items()}
+    health = HealthState()
+    for uuid in uuids.values():
+        health = record_fault(health, [uuid], "health watch failed: NVML_ERROR_UNKNOWN", 1.0)
+    inventory = [DraDevice(name, "gpu", uuid, None, 0, {}, {}) for name, uuid in uuids.items()]
+    taints = device_taints(inventory, health, now=datetime(2026, 7, 1, tzinfo=UTC))
+    for name, device in gpus.items():
+        device["taints"] = [{"key": t.key, "effect": t.effect, "timeAdded": t.time_added} for t in taints[name]]
+    assert {t["key"] for d in gpus.values() for t in d["taints"]} == {"gpu.nvidia.com/unmonitored"}
+    (request,) = [yaml.safe_load(b)[0] for b in doc_blocks("yaml") if "gpu.nvidia.com/unmonitored" in b]
+    plain = {"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}
+    with pytest.raises(Unschedulable):
+        allocated(claim_from({"devices": {"requests": [plain]}}), node_slices)
+    (device,) = allocated(claim_from({"devices": {"requests": [request]}}), node_slices)
+    assert device["name"] in gpus

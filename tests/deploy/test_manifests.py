@@ -74,15 +74,22 @@ DRA_HOST_PATHS = {
     ("/var/lib/kubelet/plugins", "DirectoryOrCreate", "/var/lib/kubelet/plugins", False),
     ("/var/run/cdi", "DirectoryOrCreate", "/var/run/cdi", False),
 }
+# The variants with the DRA front end (components/dra), exactly, each with the variant it adds DRA to.
+DRA_VARIANTS = {"dra": "base", "dra-mps": "mps", "dra-mig-manager": "mig-manager"}
 # What a variant adds to the agent's HOST_PATHS; every other variant (a new overlay too) has HOST_PATHS alone.
-EXTRA_HOST_PATHS = {"mps": {KEEPER_SOCKET_DIRECTORY}, "dra": DRA_HOST_PATHS}
+EXTRA_HOST_PATHS = {
+    "mps": {KEEPER_SOCKET_DIRECTORY},
+    "dra": DRA_HOST_PATHS,
+    "dra-mps": DRA_HOST_PATHS | {KEEPER_SOCKET_DIRECTORY},
+    "dra-mig-manager": DRA_HOST_PATHS,
+}
 # The MPS keeper's hostPath volumes, exactly: the MPS root and its socket's directory.
 KEEPER_HOST_PATHS = {MPS_ROOT, KEEPER_SOCKET_DIRECTORY}
 # The one hostPath mount with a subPath, in the agent and the keeper: <mps root>/shm as the container's
 # /dev/shm, shared with the MPS clients (which get the same host directory at /dev/shm).
 SHM_MOUNT = {"name": "mps-root", "mountPath": "/dev/shm", "subPath": "shm"}
 # The variants with the MPS keeper (components/mps-keeper), exactly.
-KEEPER_VARIANTS = {"mps"}
+KEEPER_VARIANTS = {"mps", "dra-mps"}
 # What components/mps-keeper adds to the agent's environment, and nothing more.
 KEEPER_ENV = {"TESSERA_MPS_KEEPER": "/run/tessera/mps-keeper.sock"}
 # What overlays/dra adds to the agent's environment, and nothing more: the three directories (flag twins of
@@ -93,12 +100,11 @@ DRA_ENV = {
     "TESSERA_CDI_ROOT": "/var/run/cdi",
     "POD_UID": {"fieldRef": {"fieldPath": "metadata.uid"}},
 }
+# The MIG capability devices the NVIDIA runtime mounts (components/gpu-admin, with CAP_SYS_ADMIN): "config" to
+# create and destroy GPU and compute instances, "monitor" to list every MIG device.
+MIG_DEVICES_ENV = {"NVIDIA_MIG_CONFIG_DEVICES": "all", "NVIDIA_MIG_MONITOR_DEVICES": "all"}
 # What MIG and MPS may add to the base container, and nothing more.
-MIG_ENV = {
-    "TESSERA_MIG_CONFIG": "/etc/tessera/mig/config.yaml",
-    "NVIDIA_MIG_CONFIG_DEVICES": "all",
-    "NVIDIA_MIG_MONITOR_DEVICES": "all",
-}
+MIG_ENV = {"TESSERA_MIG_CONFIG": "/etc/tessera/mig/config.yaml", **MIG_DEVICES_ENV}
 # The API access of every variant, exactly, as (API group, resource, verb); daemonset/base/rbac.yaml and
 # daemonset/overlays/node-labels/rbac.yaml say why each is there. Widening any of this is a security
 # decision: change these sets in the same commit, on purpose.
@@ -112,19 +118,21 @@ DRA_GRANTS = {("resource.k8s.io", "resourceslices", v) for v in ("list", "watch"
     ("resource.k8s.io", "resourceclaims", "get")
 }
 # What an opt-in overlay adds to GRANTS; every other variant (a new overlay too) grants GRANTS alone.
-EXTRA_GRANTS = {"node-labels": {("", "nodes", "patch")}, "dra": DRA_GRANTS}
+EXTRA_GRANTS = {"node-labels": {("", "nodes", "patch")}, **{variant: DRA_GRANTS for variant in DRA_VARIANTS}}
 RBAC_KINDS = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
 # Named configs an overlay adds to tessera-config that are not copies of the catalogue (configs/), by key, with
-# the file each is generated from: they work only with that overlay, so they ship only there. overlays/dra's
-# `dra` gives a node's GPUs to DRA, which needs the overlay's host paths and RBAC. Not in a configs/ directory:
-# test_config_copies_in_daemonset_are_identical_to_the_catalogue checks those.
-OVERLAY_CONFIGS = {
-    "dra": {
-        "dra": DAEMONSET / "overlays" / "dra" / "dra.yaml",
-        "dra-dynamic-mig": DAEMONSET / "overlays" / "dra" / "dra-dynamic-mig.yaml",  # a copy of configs/'s
-        "dra-gpu-shares": DAEMONSET / "overlays" / "dra" / "dra-gpu-shares.yaml",  # a copy of configs/'s
-    }
+# the file each is generated from: they work only with that overlay, so they ship only there. components/dra's
+# `dra` gives a node's GPUs to DRA, which needs the component's host paths and RBAC; every DRA variant has it. Not
+# in a configs/ directory: test_config_copies_in_daemonset_are_identical_to_the_catalogue checks those.
+DRA_COMPONENT = DAEMONSET / "components" / "dra"
+DRA_CONFIGS = {
+    "dra": DRA_COMPONENT / "dra.yaml",
+    "dra-dynamic-mig": DRA_COMPONENT / "dra-dynamic-mig.yaml",  # a copy of configs/'s
+    "dra-gpu-shares": DRA_COMPONENT / "dra-gpu-shares.yaml",  # a copy of configs/'s
 }
+OVERLAY_CONFIGS = {variant: DRA_CONFIGS for variant in DRA_VARIANTS}
+# The variants with the MIG layout manager (overlays/mig-manager): they ship the catalogue's configs with a layout.
+MIG_LAYOUT_VARIANTS = {"mig-manager", "dra-mig-manager"}
 READ_VERBS = {"get", "list", "watch"}
 
 
@@ -217,8 +225,8 @@ def config_map(objects: list[dict[str, Any]], name: str) -> dict[str, Any]:
 def test_every_kustomization_is_a_variant():
     """conftest finds the variants; make sure it finds the ones the docs name (and the tests rely on), and
     that a Component, which kustomize cannot render alone, is not one."""
-    assert {"base", "mig-manager", "mps", "service-monitor", "node-labels", "dra"} <= set(VARIANTS)
-    assert "mps-keeper" in COMPONENTS
+    assert {"base", "mig-manager", "mps", "service-monitor", "node-labels", *DRA_VARIANTS} <= set(VARIANTS)
+    assert {"mps-keeper", "gpu-admin", "dra"} <= set(COMPONENTS)
     assert not set(COMPONENTS.values()) & set(VARIANTS.values())
     for name, directory in VARIANTS.items():
         assert kustomization(directory).get("kind", "Kustomization") == "Kustomization", name
@@ -226,17 +234,34 @@ def test_every_kustomization_is_a_variant():
         assert kustomization(directory)["kind"] == "Component", name
 
 
+def included_components(directory: Path) -> set[Path]:
+    """Every component a kustomization renders with: its own, theirs, and those of the kustomizations it takes
+    as resources (an overlay built on another variant)."""
+    found: set[Path] = set()
+    spec = kustomization(directory)
+    for entry in spec.get("components", []):
+        component = (directory / entry).resolve()
+        found |= {component} | included_components(component)
+    for entry in spec.get("resources", []):
+        if (directory / entry).is_dir():
+            found |= included_components((directory / entry).resolve())
+    return found
+
+
 def test_every_component_is_in_a_variant():
     """A component is rendered and validated only through the variants that include it; the keeper's is
-    in exactly KEEPER_VARIANTS."""
-    including = {
-        name: {(directory / c).resolve() for c in kustomization(directory).get("components", [])}
-        for name, directory in VARIANTS.items()
-    }
+    in exactly KEEPER_VARIANTS, the DRA front end's in exactly DRA_VARIANTS, and the driver's privileges
+    (gpu-admin) in the MIG manager's and DRA's variants."""
+    including = {name: included_components(directory) for name, directory in VARIANTS.items()}
     for name, directory in COMPONENTS.items():
         assert any(directory.resolve() in used for used in including.values()), f"no variant includes {name}"
-    keeper = COMPONENTS["mps-keeper"].resolve()
-    assert {name for name, used in including.items() if keeper in used} == KEEPER_VARIANTS
+
+    def variants_with(component: str) -> set[str]:
+        return {name for name, used in including.items() if COMPONENTS[component].resolve() in used}
+
+    assert variants_with("mps-keeper") == KEEPER_VARIANTS
+    assert variants_with("dra") == set(DRA_VARIANTS)
+    assert variants_with("gpu-admin") == MIG_LAYOUT_VARIANTS | set(DRA_VARIANTS)
 
 
 def test_kubectl_has_kustomize_v5(kubectl):
@@ -254,7 +279,7 @@ def test_every_variant_renders(rendered):
         ), name
         names = sorted(ds["metadata"]["name"] for ds in daemonsets(objects))
         assert names == sorted([AGENT, *([KEEPER] if name in KEEPER_VARIANTS else [])]), name
-    assert {name for name, objects in rendered.items() if keeper_daemonset(objects)} == KEEPER_VARIANTS == {"mps"}
+    assert {name for name, objects in rendered.items() if keeper_daemonset(objects)} == KEEPER_VARIANTS
 
 
 def test_kubernetes_validate_ships_the_supported_versions():
@@ -325,8 +350,8 @@ def test_no_variant_is_privileged(rendered, variant):
 
 
 def test_default_variants_add_no_capability_and_stay_in_their_pid_namespace(rendered):
-    defaults = set(VARIANTS) - {"mig-manager", "mps"}
-    assert {"base", "service-monitor", "node-labels", "dra"} <= defaults
+    defaults = set(VARIANTS) - {"mig-manager", "mps", *DRA_VARIANTS}
+    assert {"base", "service-monitor", "node-labels"} <= defaults
     for variant in defaults:
         for ds in daemonsets(rendered[variant]):
             spec = ds["spec"]["template"]["spec"]
@@ -398,33 +423,123 @@ def test_mps_overlay_adds_to_the_agent_only_sys_admin_host_pid_and_the_keepers_s
     assert canonical(stripped) == canonical(daemonset(rendered["base"]))
 
 
-def test_dra_overlay_adds_to_the_agent_only_the_drivers_directories_and_pod_uid(rendered):
-    """overlays/dra: three hostPath volumes at the host's own paths, four environment variables, and nothing that
-    would widen the container: no capability, no host PID namespace, base's security context as it is."""
-    base, dra = container(rendered["base"]), container(rendered["dra"])
-    spec = pod_spec(rendered["dra"])
-    assert dra["securityContext"] == base["securityContext"]
-    assert "add" not in dra["securityContext"]["capabilities"]
-    assert not spec.get("hostPID")
-    added = {k: v for k, v in env(dra).items() if k not in env(base)}
-    assert added == DRA_ENV
-    assert {k: v for k, v in env(dra).items() if k in env(base)} == env(base)
-    # the agent hands the kubelet its socket paths and the runtime its CDI IDs: each directory is the host's own
-    for name in ("TESSERA_DRA_REGISTRY_DIR", "TESSERA_DRA_PLUGINS_DIR", "TESSERA_CDI_ROOT"):
-        assert host_location(spec, dra, DRA_ENV[name]) == DRA_ENV[name], name
-    # and nothing else: without those, the agent's DaemonSet is base's
-    base_volumes = {v["name"] for v in pod_spec(rendered["base"])["volumes"]}
-    new_volumes = {v["name"] for v in spec["volumes"]} - base_volumes
-    assert {(v["hostPath"]["path"], v["hostPath"]["type"]) for v in spec["volumes"] if v["name"] in new_volumes} == {
+def dra_volumes(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The hostPath volumes of DRA_HOST_PATHS in a pod spec."""
+    paths = {path for path, *_ in DRA_HOST_PATHS}
+    return [v for v in spec["volumes"] if v.get("hostPath", {}).get("path") in paths]
+
+
+def with_dra(ds: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+    """A variant's agent DaemonSet with exactly what components/dra adds: its hostPath volumes (``volumes``, each
+    mounted at its own path), DRA_ENV, the MIG capability devices with CAP_SYS_ADMIN (components/gpu-admin:
+    dynamic MIG, compute modes for time-slicing and MPS per claim), and the host PID namespace (MPS per claim)."""
+    ds = deepcopy(ds)
+    spec = ds["spec"]["template"]["spec"]
+    spec["hostPID"] = True
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] not in {x["name"] for x in volumes}] + volumes
+    (c,) = spec["containers"]
+    added = {**DRA_ENV, **MIG_DEVICES_ENV}
+    c["env"] = [e for e in c["env"] if e["name"] not in added] + [
+        {"name": k, "valueFrom": v} if isinstance(v, dict) else {"name": k, "value": v} for k, v in added.items()
+    ]
+    c["volumeMounts"] += [{"name": v["name"], "mountPath": v["hostPath"]["path"]} for v in volumes]
+    c["securityContext"]["capabilities"]["add"] = ["SYS_ADMIN"]
+    return ds
+
+
+@pytest.mark.parametrize("variant", DRA_VARIANTS)
+def test_dra_variants_are_their_variant_plus_exactly_what_the_dra_front_end_needs(rendered, variant):
+    """overlays/dra (base + components/dra), overlays/dra-mps (mps + it) and overlays/dra-mig-manager (mig-manager
+    + it): the variant's agent DaemonSet with three hostPath volumes at the host's own paths, four environment
+    variables, CAP_SYS_ADMIN and the MIG config and monitor capability devices (Prepare creates and destroys MIG
+    devices, sets compute modes and time-slices), the host PID namespace (MPS daemons per claim); its other objects
+    unchanged (the MPS keeper's DaemonSet of dra-mps is the mps variant's); the DRA RBAC and named configs. Nothing
+    else: the container stays unprivileged (test_no_variant_is_privileged)."""
+    objects, parent = rendered[variant], rendered[DRA_VARIANTS[variant]]
+    spec, c = pod_spec(objects), container(objects)
+    volumes = dra_volumes(spec)
+    assert {(v["hostPath"]["path"], v["hostPath"]["type"]) for v in volumes} == {
         (path, kind) for path, kind, _, _ in DRA_HOST_PATHS
     }
-    stripped = deepcopy(daemonset(rendered["dra"]))
-    stripped_spec = stripped["spec"]["template"]["spec"]
-    stripped_spec["volumes"] = [v for v in stripped_spec["volumes"] if v["name"] not in new_volumes]
-    (c,) = stripped_spec["containers"]
-    c["env"] = [e for e in c["env"] if e["name"] not in DRA_ENV]
-    c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] not in new_volumes]
-    assert canonical(stripped) == canonical(daemonset(rendered["base"]))
+    # the agent hands the kubelet its socket paths and the runtime its CDI IDs: each directory is the host's own
+    for name in ("TESSERA_DRA_REGISTRY_DIR", "TESSERA_DRA_PLUGINS_DIR", "TESSERA_CDI_ROOT"):
+        assert host_location(spec, c, DRA_ENV[name]) == DRA_ENV[name], name
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+    assert {k: env(c).get(k) for k in MIG_DEVICES_ENV} == MIG_DEVICES_ENV
+    assert spec["hostPID"] is True
+    assert canonical(daemonset(objects)) == canonical(with_dra(daemonset(parent), volumes))
+    # the other objects: the parent's, the DRA RBAC, and the named configs merged into tessera-config
+    agent_ds = daemonset(objects)
+    others = [o for o in objects if o is not agent_ds and o is not config_map(objects, "tessera-config")]
+    parents = [o for o in parent if o is not daemonset(parent) and o is not config_map(parent, "tessera-config")]
+    assert [o for o in parents if o not in others] == []
+    assert {(o["kind"], o["metadata"]["name"]) for o in others if o not in parents} == {
+        ("ClusterRole", "tessera-dra-driver"),
+        ("ClusterRoleBinding", "tessera-dra-driver"),
+    }
+    data, parent_data = config_map(objects, "tessera-config")["data"], config_map(parent, "tessera-config")["data"]
+    assert {k: v for k, v in data.items() if k in parent_data} == parent_data
+    assert set(data) - set(parent_data) == set(DRA_CONFIGS)
+
+
+# What a shipped config makes the agent ask of the NVIDIA driver, and the grant each request needs (components/
+# gpu-admin and components/dra say why): privileged requests (MIG mode, compute modes, time-slices) need
+# CAP_SYS_ADMIN; creating and destroying GPU and compute instances the MIG "config" capability device; seeing the
+# MIG devices made after the container started the "monitor" one; MPS daemons the host PID namespace.
+MIG_DEVICES = {"NVIDIA_MIG_CONFIG_DEVICES", "NVIDIA_MIG_MONITOR_DEVICES"}
+# any DRA claim may ask for time-slicing or MPS in its opaque config, whatever the node's config
+NEEDS_DRA = {"SYS_ADMIN", "hostPID"}
+NEEDS_DYNAMIC_MIG = {"SYS_ADMIN", *MIG_DEVICES}  # Prepare makes the claim's MIG device, Unprepare destroys it
+NEEDS_GPU_SHARES = {"SYS_ADMIN", "hostPID"}  # MPS enforces the shares
+NEEDS_MIG_LAYOUT = {"SYS_ADMIN", *MIG_DEVICES, "TESSERA_MIG_CONFIG"}  # the layout manager
+
+
+def config_needs(config: dict[str, Any]) -> set[str]:
+    dra = config.get("dra") or {}
+    needs = set()
+    if dra.get("enabled"):
+        needs |= NEEDS_DRA
+        if dra.get("dynamicMig"):
+            needs |= NEEDS_DYNAMIC_MIG
+        if dra.get("gpuShares"):
+            needs |= NEEDS_GPU_SHARES
+    if config.get("migLayout"):
+        needs |= NEEDS_MIG_LAYOUT
+    return needs
+
+
+def agent_grants(objects: list[dict[str, Any]]) -> set[str]:
+    """The agent's capabilities, hostPID, the MIG devices the runtime mounts and the layouts file, by name."""
+    spec, c = pod_spec(objects), container(objects)
+    grants = set(c["securityContext"]["capabilities"].get("add", []))
+    grants |= {"hostPID"} if spec.get("hostPID") else set()
+    grants |= {k for k, v in env(c).items() if k in MIG_DEVICES and v == "all"}
+    grants |= {"TESSERA_MIG_CONFIG"} if "TESSERA_MIG_CONFIG" in env(c) else set()
+    return grants
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_grants_what_its_configs_need(rendered, variant):
+    """A config a variant ships works on the nodes labelled with it: the agent may make the driver requests it
+    causes (a dynamic-MIG Prepare without the MIG config device, or an MPS claim's compute mode without
+    CAP_SYS_ADMIN, would fail with a permission error). And the NVIDIA runtime refuses to start a container
+    that asks for the MIG devices without CAP_SYS_ADMIN."""
+    objects = rendered[variant]
+    grants = agent_grants(objects)
+    for key, text in config_map(objects, "tessera-config")["data"].items():
+        missing = config_needs(yaml.safe_load(text) or {}) - grants
+        assert not missing, f"{variant}: config {key} needs {sorted(missing)}"
+    if grants & MIG_DEVICES:
+        assert "SYS_ADMIN" in grants, variant
+
+
+def test_the_configs_that_need_grants_are_shipped():
+    """test_every_variant_grants_what_its_configs_need is not vacuous: each kind of need is in a shipped config."""
+    shipped = [yaml.safe_load(p.read_text(encoding="utf-8")) for p in [*config_files(), *DRA_CONFIGS.values()]]
+    needs = [config_needs(c or {}) for c in shipped]
+    for kind in (NEEDS_DRA, NEEDS_DYNAMIC_MIG, NEEDS_GPU_SHARES, NEEDS_MIG_LAYOUT):
+        assert any(kind <= n for n in needs), kind
+    assert any(config_needs(c or {}) == NEEDS_DRA | NEEDS_DYNAMIC_MIG for c in shipped)  # dra-dynamic-mig
 
 
 def test_mps_keeper(rendered):
@@ -636,8 +751,9 @@ def test_node_name_comes_from_the_downward_api(rendered):
 def test_pod_uid_comes_from_the_downward_api(rendered):
     """POD_UID (`tessera run --pod-uid`) names the DRA sockets per pod; only the dra variant sets it."""
     with_uid = {name for name, objects in rendered.items() if "POD_UID" in env(container(objects))}
-    assert with_uid == {"dra"}
-    assert env(container(rendered["dra"]))["POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    assert with_uid == set(DRA_VARIANTS)
+    for name in DRA_VARIANTS:
+        assert env(container(rendered[name]))["POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
 
 
 def test_every_environment_variable_is_a_flag_twin_of_tessera_run(rendered):
@@ -711,8 +827,9 @@ def test_config_map_keys_are_the_catalogue(rendered):
     dra_only = {p.stem for p in files if "dra" in (yaml.safe_load(p.read_text(encoding="utf-8")) or {})}
     without_layout = {p.stem for p in files if not has_mig_layout(p)} - dra_only  # DRA's ship with its overlay
     assert set(OVERLAY_CONFIGS) <= set(VARIANTS)
-    for variant in set(VARIANTS) - {"mig-manager"}:
-        expected = without_layout | set(OVERLAY_CONFIGS.get(variant, {}))
+    for variant in VARIANTS:
+        catalogue = {p.stem for p in files} - dra_only if variant in MIG_LAYOUT_VARIANTS else without_layout
+        expected = catalogue | set(OVERLAY_CONFIGS.get(variant, {}))
         assert set(config_map(rendered[variant], "tessera-config")["data"]) == expected, variant
     assert set(config_map(rendered["mig-manager"], "tessera-config")["data"]) == {p.stem for p in files} - dra_only
     for name, objects in rendered.items():
@@ -746,13 +863,15 @@ def test_config_is_mounted_as_a_directory_where_tessera_config_points(rendered):
 
 def test_mig_layout_names_used_by_configs_exist_in_the_layouts_file(rendered):
     """With --mig-config, layouts are looked up by name in that file, also migLayout.config's name."""
-    layouts = yaml.safe_load(config_map(rendered["mig-manager"], "tessera-mig-layouts")["data"]["config.yaml"])
-    for key, text in config_map(rendered["mig-manager"], "tessera-config")["data"].items():
-        section = (yaml.safe_load(text) or {}).get("migLayout")
-        if section:
-            assert section["config"] in layouts["mig-configs"], key
-            # the same layout as the one embedded in the config
-            assert layouts["mig-configs"][section["config"]] == section["layouts"]["mig-configs"][section["config"]]
+    for variant in MIG_LAYOUT_VARIANTS:
+        layouts = yaml.safe_load(config_map(rendered[variant], "tessera-mig-layouts")["data"]["config.yaml"])
+        for key, text in config_map(rendered[variant], "tessera-config")["data"].items():
+            section = (yaml.safe_load(text) or {}).get("migLayout")
+            if section:
+                assert section["config"] in layouts["mig-configs"], (variant, key)
+                # the same layout as the one embedded in the config
+                embedded = section["layouts"]["mig-configs"][section["config"]]
+                assert layouts["mig-configs"][section["config"]] == embedded, (variant, key)
 
 
 # ----- the renderer: kubectl's kustomize, as `kubectl apply -k` runs it ------------------------------------

@@ -8,8 +8,12 @@ default), as NVIDIA's driver names them (facts ``dra.md`` C9, ``gpu-health.md`` 
   reboot-class XID its xid taint, not gpu-lost);
 - the GPU lost (NVML ``GPU_IS_LOST``), no XID: ``<driver>/gpu-lost``, ``NoSchedule``;
 - any other fault (the health watch could not be set up): ``<driver>/unmonitored``, but ``NoSchedule`` where
-  NVIDIA uses ``None``: Tessera counts such a device Unhealthy (as the device plugin front end does), so the
-  scheduler must avoid it.
+  NVIDIA uses ``None`` (information only). A decision: NVIDIA's DRA driver gives ``None`` to every GPU it cannot
+  register for events, ``NOT_SUPPORTED`` included; Tessera keeps such a GPU Healthy and untainted (as NVIDIA's
+  device plugin does), and only a watch that keeps failing for another reason makes this fault, on which the
+  device plugin front end and the kubelet's health stream report Unhealthy (so does NVIDIA's device plugin for
+  such registration errors): the slice must not offer the device to new claims either. ``None`` is not in the
+  1.34 API Tessera serves. docs/dra.md says so, with the toleration that allocates such a device anyway.
 
 XIDs the health policy ignores or blames on the application make no fault, hence no taint (NVIDIA adds an
 informational ``None`` taint for its ignored XIDs; Tessera does not). One taint per key: when a device and its
