@@ -77,6 +77,8 @@ def test_refusals(nvml_node: Callable[[object], SimDriver], cgroup: Path, tmp_pa
     mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(pynvml.nvmlDeviceGetHandleByIndex(1), 0)
     with pytest.raises(pynvml.NVMLError_NotSupported):
         set_limits(mig, cgroup, GIB, GIB)
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # nor on a GPU in MIG mode
+        set_limits(pynvml.nvmlDeviceGetHandleByIndex(1), cgroup, GIB, GIB)
     driver.set_caller_root(False)
     with pytest.raises(pynvml.NVMLError_NoPermission):
         set_limits(gpu, cgroup, GIB, GIB)

@@ -761,7 +761,8 @@ class SimDriver:
     def set_memory_limits(
         self, index: int, mig: tuple[SimGpuInstance, SimComputeInstance] | None, namespace: str, soft: int, hard: int
     ) -> None:
-        """``nvmlDeviceSetMemoryLimits_v1``: root only, never on a MIG device, on a cgroup directory that exists.
+        """``nvmlDeviceSetMemoryLimits_v1``: root only, never with MIG (a MIG device, or a GPU in MIG mode: MPS v3
+        memory partitioning needs "a non-MIG device"), on a cgroup directory that exists.
 
         A cgroup that does not exist is NOT_FOUND, as NVIDIA's MPS v3 page says of a cgroup without the dmem
         files ("returns not found"); a limit above the GPU's memory or a soft limit above the hard one is
@@ -769,8 +770,8 @@ class SimDriver:
         """
         with self.lock:
             gpu = self.gpu(index)
-            if mig is not None:
-                raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "memory limits are not supported on MIG device handles")
+            if mig is not None or gpu.mig_current:
+                raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "memory limits are not supported with MIG")
             if not self.caller_is_root:
                 raise NvmlFault(Return.ERROR_NO_PERMISSION, "setting memory limits needs root")
             directory = self._cgroup(namespace)
