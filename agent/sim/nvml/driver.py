@@ -100,6 +100,7 @@ class MemoryLimit:
 
     soft: int
     hard: int
+    set_at: float = field(default=0.0, compare=False)  # time.monotonic() of the call that set it
 
 
 @dataclass(eq=False)
@@ -783,7 +784,7 @@ class SimDriver:
             if soft == 0 and hard == MEMORY_LIMIT_MAX:
                 self._memory_limits.pop((index, directory), None)
             else:
-                self._memory_limits[(index, directory)] = MemoryLimit(soft, hard)
+                self._memory_limits[(index, directory)] = MemoryLimit(soft, hard, time.monotonic())
             self.memory_limit_sets += 1
 
     def memory_limits(
