@@ -352,9 +352,11 @@ class Agent:
         self._memlimits = MemoryLimits(
             settings,
             plan=lambda: self._plan,
-            holders=lambda: list_pod_resources(socket).devices,
+            holders=lambda: list_pod_resources(socket),
             section=self._ledger.section,
             post=self.post,
+            claims=self._ledger.claims_checkpoint,
+            inventory=lambda: self._inventory,
         )
         self._routes["agent.memlimits.watch"] = self._memlimits.on_event
         self._memlimits.start()

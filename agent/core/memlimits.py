@@ -21,13 +21,19 @@ How a size is enforced (``enforcement``), said out loud for each device, never s
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from agent.core.resources import ResourcePlan, Sharing
 
+if TYPE_CHECKING:
+    from agent.core.dra.checkpoint import Checkpoint
+    from agent.core.inventory import Inventory
+
 MIB = 1 << 20
+ClaimKey = tuple[str, str, str, str]  # a claim's namespace and name, its device's pool and name
 NO_LIMIT = 0xFFFFFFFFFFFFFFFF  # NVML_DEVICE_MEMORY_LIMIT_MAX
 
 
@@ -56,7 +62,7 @@ class SizedDevice:
     gpu_index: int
     mig: bool  # a MIG device: the driver's limits are not supported on it
     size: int  # bytes
-    equal_shares: bool  # every holder of this GPU's shares gets the same size from its MPS server's default
+    server_default: bool  # the GPU's MPS server holds every client to this size by default (a fallback)
     claim: str | None = None  # "namespace/name" of a DRA claim; None for a device-plugin device
 
 
@@ -71,7 +77,7 @@ class Wanted:
     limit: int  # bytes: the hard limit
     devices: tuple[str, ...]
     mig: bool
-    equal_shares: bool
+    server_default: bool
     claim: str | None = None
 
 
@@ -94,21 +100,56 @@ def sized_devices(plan: ResourcePlan) -> dict[str, SizedDevice]:
                 gpu_index=device.gpu_index,
                 mig=device.mig_uuid is not None,
                 size=resource.memory_of(device) * MIB,
-                equal_shares=True,  # one resource per GPU, its daemon's default pinned limit is the same for all
+                server_default=True,  # the resource's daemon sets this as every client's default pinned limit
             )
     return sized
 
 
-def wanted_limits(sizes: Mapping[str, SizedDevice], holders: Mapping[str, ContainerRef]) -> list[Wanted]:
+def claim_sizes(checkpoint: Checkpoint | None, inventory: Inventory | None) -> dict[ClaimKey, SizedDevice]:
+    """(claim namespace, claim name, pool, device) -> its size, for the prepared claims' shares of a GPU (the
+    ``memory`` they consume). Their clients are held by ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` in the claim's CDI
+    edits only: a client-side limit a container can drop, so without the driver a share is advisory."""
+    if checkpoint is None or inventory is None:
+        return {}
+    from agent.core.dra.checkpoint import PREPARE_COMPLETED
+    from agent.core.dra.devices import gpu_minor_of
+
+    by_minor = {gpu.minor_number: gpu for gpu in inventory.gpus}
+    sized: dict[ClaimKey, SizedDevice] = {}
+    for claim in checkpoint.claims.values():
+        if claim.state != PREPARE_COMPLETED:
+            continue
+        for device in claim.devices:
+            minor = gpu_minor_of(device.device)
+            gpu = by_minor.get(minor) if minor is not None else None
+            if device.share is None or device.admin_access or gpu is None or device.mig is not None:
+                continue
+            name = f"{claim.namespace}/{claim.name}"
+            sized[(claim.namespace, claim.name, device.pool, device.device)] = SizedDevice(
+                device_id=f"{name}/{device.device}",
+                gpu_uuid=gpu.uuid,
+                gpu_index=gpu.index,
+                mig=False,
+                size=device.share.memory,
+                server_default=False,
+                claim=name,
+            )
+    return sized
+
+
+def wanted_limits(
+    sizes: Mapping[Hashable, SizedDevice], holders: Iterable[tuple[Hashable, ContainerRef]]
+) -> list[Wanted]:
     """Per container and GPU, the sum of the sizes of the devices it holds there; sorted, so the same holders give
-    the same list. ``holders``: device ID -> the container PodResources says holds it."""
+    the same list. ``holders``: (device ID or claim device key, a container PodResources says uses it) pairs; a claim
+    used by several containers holds each of them to its size."""
     grouped: dict[tuple[ContainerRef, str], list[SizedDevice]] = defaultdict(list)
-    for device_id, container in holders.items():
-        device = sizes.get(device_id)
-        if device is not None:
+    for key, container in holders:
+        device = sizes.get(key)
+        if device is not None and device not in grouped[(container, device.gpu_uuid)]:
             grouped[(container, device.gpu_uuid)].append(device)
     wanted = []
-    for (container, gpu_uuid), devices in sorted(grouped.items()):
+    for (container, gpu_uuid), devices in sorted((k, v) for k, v in grouped.items() if v):
         total = sum(d.size for d in devices)
         wanted.append(
             Wanted(
@@ -119,8 +160,8 @@ def wanted_limits(sizes: Mapping[str, SizedDevice], holders: Mapping[str, Contai
                 limit=total,
                 devices=tuple(sorted(d.device_id for d in devices)),
                 mig=any(d.mig for d in devices),
-                equal_shares=all(d.equal_shares for d in devices),
-                claim=devices[0].claim,
+                server_default=all(d.server_default for d in devices),
+                claim=", ".join(sorted({d.claim for d in devices if d.claim})) or None,
             )
         )
     return wanted
@@ -132,9 +173,12 @@ def enforcement(wanted: Wanted, *, driver_refusal: str | None) -> Verdict:
     if not wanted.mig and driver_refusal is None:
         return Verdict(Enforcement.DRIVER, "nvmlDeviceSetMemoryLimits_v1 on the container's cgroup")
     why = "MIG devices have no per-cgroup limits" if wanted.mig else driver_refusal
-    if wanted.equal_shares:
+    if wanted.server_default:
         return Verdict(Enforcement.MPS, f"{why}; the MPS server's default per-client limit holds it")
-    return Verdict(Enforcement.ADVISORY, f"{why}; shares differ, so nothing but the client's own MPS limit holds it")
+    return Verdict(
+        Enforcement.ADVISORY,
+        f"{why}; only the client's own CUDA_MPS_PINNED_DEVICE_MEM_LIMIT holds it, which a container can drop",
+    )
 
 
 def holds(wanted: Wanted, soft: int, hard: int) -> bool:

@@ -18,14 +18,16 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.core.memlimits import (
     ContainerRef,
     Enforcement,
+    SizedDevice,
     Wanted,
+    claim_sizes,
     enforcement,
     holds,
     sized_devices,
@@ -38,6 +40,11 @@ from agent.memlimits.containers import ContainerCgroups
 from agent.memlimits.settings import MemoryLimitSettings
 from agent.memlimits.watch import ContainerLogWatcher, ContainersChanged
 from agent.news import NOTHING, News
+
+if TYPE_CHECKING:
+    from agent.core.dra.checkpoint import Checkpoint
+    from agent.core.inventory import Inventory
+    from agent.plugin.podresources import PodAllocations
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +90,20 @@ class MemoryLimits:
         settings: MemoryLimitSettings,
         *,
         plan: Callable[[], ResourcePlan | None],
-        holders: Callable[[], Mapping[str, Any]],
+        holders: Callable[[], PodAllocations],
         section: Callable[[], contextlib.AbstractContextManager[None]],
         post: Callable[[object], None],
+        claims: Callable[[], Checkpoint | None] = lambda: None,
+        inventory: Callable[[], Inventory | None] = lambda: None,
     ) -> None:
-        """``plan``: the plan in force; ``holders``: device ID -> its holder (PodResources' ``DeviceHolder``);
-        ``section``: the ledger's critical section; ``post``: the reconcile loop's queue."""
+        """``plan``: the plan in force; ``holders``: one PodResources List (devices and DRA claims' containers);
+        ``section``: the ledger's critical section; ``post``: the reconcile loop's queue; ``claims``: the DRA front
+        end's checkpoint (its prepared shares); ``inventory``: the node's GPUs (a claim device's GPU)."""
         self.settings = settings
         self._plan = plan
         self._holders = holders
+        self._claims = claims
+        self._inventory = inventory
         self._section = section
         self._containers = ContainerCgroups(settings.container_logs, settings.cgroup_root)
         self._watcher = ContainerLogWatcher(settings.container_logs, post, safety_interval=settings.recheck_seconds)
@@ -164,21 +176,28 @@ class MemoryLimits:
     def _look(self) -> bool:
         """Look at the node and hold every container to its size; True when something must be tried again."""
         plan = self._plan()
-        sizes = sized_devices(plan) if plan is not None else {}
+        sizes: dict[Hashable, SizedDevice] = dict(sized_devices(plan)) if plan is not None else {}
+        sizes.update(claim_sizes(self._claims(), self._inventory()))
         if not sizes:
             self._snapshot = ()
             return False
         try:
-            holders = self._holders()
+            answer = self._holders()
         except Exception as error:  # the kubelet does not answer: keep the last picture, look again later
             self._say("podresources", f"memory limits wait for PodResources error={error!r}", logging.WARNING)
             return True
-        refs = {
-            device_id: ContainerRef(holder.namespace, holder.pod, holder.container)
-            for device_id, holder in holders.items()
+        holders: list[tuple[Hashable, ContainerRef]] = [
+            (device_id, ContainerRef(holder.namespace, holder.pod, holder.container))
+            for device_id, holder in answer.devices.items()
             if device_id in sizes
-        }
-        wanted = wanted_limits(sizes, refs)
+        ]
+        holders += [
+            (key, ContainerRef(*name))
+            for key, names in answer.claim_containers.items()
+            if key in sizes
+            for name in sorted(names)
+        ]
+        wanted = wanted_limits(sizes, holders)
         if not wanted:
             self._snapshot = ()
             return False

@@ -20,33 +20,33 @@ UID = "0b6e1f1c-2a4d-4c52-9d3e-6a8f0e7b1c2d"
 CID = "ab" * 32
 
 
-def sized(device_id: str, gpu: str = "GPU-a", size: int = 10 * GIB, *, mig: bool = False, equal: bool = True):
-    return SizedDevice(device_id, gpu, 0, mig, size, equal)
+def sized(device_id: str, gpu: str = "GPU-a", size: int = 10 * GIB, *, mig: bool = False, server: bool = True):
+    return SizedDevice(device_id, gpu, 0, mig, size, server)
 
 
 def test_a_container_is_held_to_the_sum_of_its_devices_on_each_gpu() -> None:
     sizes = {d.device_id: d for d in (sized("a::0"), sized("a::1"), sized("b::0", "GPU-b", 20 * GIB))}
     trainer, other = ContainerRef("ns", "trainer", "main"), ContainerRef("ns", "other", "main")
-    holders = {"a::0": trainer, "a::1": trainer, "b::0": trainer, "unsized": other}
+    holders = [("a::0", trainer), ("a::1", trainer), ("b::0", trainer), ("unsized", other)]
     wanted = wanted_limits(sizes, holders)
     assert [(w.container, w.gpu_uuid, w.request, w.limit) for w in wanted] == [
         (trainer, "GPU-a", 20 * GIB, 20 * GIB),
         (trainer, "GPU-b", 20 * GIB, 20 * GIB),
     ]
-    assert wanted == wanted_limits(sizes, dict(reversed(holders.items())))  # the same holders, the same answer
+    assert wanted == wanted_limits(sizes, reversed(holders))  # the same holders, the same answer
 
 
 def test_the_fallback_chain_is_said_out_loud() -> None:
     container = ContainerRef("ns", "p", "c")
-    full = wanted_limits({"a::0": sized("a::0")}, {"a::0": container})[0]
-    on_mig = wanted_limits({"m::0": sized("m::0", mig=True)}, {"m::0": container})[0]
-    unequal = wanted_limits({"a::0": sized("a::0", equal=False)}, {"a::0": container})[0]
+    full = wanted_limits({"a::0": sized("a::0")}, [("a::0", container)])[0]
+    on_mig = wanted_limits({"m::0": sized("m::0", mig=True)}, [("m::0", container)])[0]
+    client_only = wanted_limits({"a::0": sized("a::0", server=False)}, [("a::0", container)])[0]
     assert enforcement(full, driver_refusal=None).enforcement is Enforcement.DRIVER
     assert enforcement(full, driver_refusal="not root").enforcement is Enforcement.MPS
     verdict = enforcement(on_mig, driver_refusal=None)
     assert verdict.enforcement is Enforcement.MPS and "MIG" in verdict.reason
-    verdict = enforcement(unequal, driver_refusal="old driver")
-    assert verdict.enforcement is Enforcement.ADVISORY and "old driver" in verdict.reason
+    verdict = enforcement(client_only, driver_refusal="old driver")
+    assert verdict.enforcement is Enforcement.ADVISORY and "old driver" in verdict.reason and "drop" in verdict.reason
     assert holds(full, 10 * GIB, 10 * GIB) and not holds(full, 0, 0xFFFFFFFFFFFFFFFF)
 
 
