@@ -199,8 +199,7 @@ class TelemetryCollector:
         elapsed = 0.0 if self._last_collection is None else now - self._last_collection
         self._last_collection = now
         families = self._families(status, stats, holders, elapsed, checkpoint, utilization, listed_at, claims, users)
-        if self._memory_limits is not None:
-            families += memory_limits.families(limits, limits_used, self.options.hostname)
+        families += memory_limits.families(limits, limits_used, self.options.hostname)  # empty without the room
         self.last.publish(families)
         self._on_collected(status)
 
