@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agent.core.memlimits import (
+    NO_LIMIT,
     ContainerRef,
     Enforcement,
     SizedDevice,
@@ -111,6 +112,7 @@ class MemoryLimits:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memory-limits", daemon=True)
         self._snapshot: tuple[HeldLimit, ...] = ()
+        self._set: dict[tuple[str, str], tuple[int, int]] = {}  # (GPU UUID, cgroup) -> what this agent set there
         self._refusals: dict[str, str] = {}  # GPU UUID (or "*": every GPU) -> why the driver cannot limit there
         self._said: set[tuple[str, str]] = set()
         self._failures = 0
@@ -202,6 +204,8 @@ class MemoryLimits:
             self._snapshot = ()
             return False
         cgroups = self._containers.scan()
+        live = {c.cgroup for found in cgroups.values() for c in found}
+        self._set = {key: value for key, value in self._set.items() if key[1] in live}
         rows: list[HeldLimit] = []
         retry = False
         with nvml_session():
@@ -237,13 +241,17 @@ class MemoryLimits:
         try:
             read = read_memory_limits(want.gpu_uuid, cgroup)
             if holds(want, read.soft, read.hard):
+                self._set[(want.gpu_uuid, cgroup)] = (read.soft, read.hard)  # found in place (a restart): kept
                 return True
-            repaired = read.hard != 0xFFFFFFFFFFFFFFFF or read.soft != 0
+            ours = self._set.get((want.gpu_uuid, cgroup))
+            found = (read.soft, read.hard)
+            repaired = found != ours if ours is not None else found != (0, NO_LIMIT)  # else: new, or resized
             with self._section():
                 set_memory_limits(want.gpu_uuid, cgroup, want.request, want.limit)
             read = read_memory_limits(want.gpu_uuid, cgroup)
         except MemoryLimitError as error:
             return self._refused(want, cgroup, error)
+        self._set[(want.gpu_uuid, cgroup)] = (want.request, want.limit)
         self.applied_total += 1
         if repaired:
             self.repaired_total += 1
