@@ -217,14 +217,14 @@ class MemoryLimits:
         return retry
 
     def _hold(self, want: Wanted, cgroups: list[str]) -> tuple[HeldLimit, bool]:
-        verdict = enforcement(want, driver_refusal=self._refusals.get("*") or self._refusals.get(want.gpu_uuid))
+        verdict = enforcement(want, driver_refusal=self._refusal(want))
         if verdict.enforcement is Enforcement.DRIVER:
             applied, failed = True, False
             for cgroup in cgroups:
                 outcome = self._apply(want, cgroup)
                 applied = applied and outcome is True
                 failed = failed or outcome is None
-            verdict = enforcement(want, driver_refusal=self._refusals.get("*") or self._refusals.get(want.gpu_uuid))
+            verdict = enforcement(want, driver_refusal=self._refusal(want))
             if verdict.enforcement is Enforcement.DRIVER:
                 return self._row(want, verdict, cgroups, applied and bool(cgroups)), failed
         self._say(
@@ -266,6 +266,11 @@ class MemoryLimits:
             )  # fmt: skip
         return holds(want, read.soft, read.hard)
 
+    def _refusal(self, want: Wanted) -> str | None:
+        """Why the driver cannot hold ``want``: for every GPU, for its GPU, or for this container's size there."""
+        refusals = self._refusals
+        return refusals.get("*") or refusals.get(want.gpu_uuid) or refusals.get(f"{want.container}@{want.gpu_uuid}")
+
     def _refused(self, want: Wanted, cgroup: str, error: MemoryLimitError) -> bool | None:
         if error.code == "FUNCTION_NOT_FOUND":
             self._refusals["*"] = "the driver has no nvmlDeviceSetMemoryLimits_v1 (it needs r615 or newer)"
@@ -278,6 +283,11 @@ class MemoryLimits:
             return False
         if error.code == "NOT_FOUND":
             return False  # the container's cgroup went meanwhile: the link's removal brings the next look
+        if error.code == "INVALID_ARGUMENT":  # the size itself (above the GPU's memory): retrying cannot help
+            self._refusals[f"{want.container}@{want.gpu_uuid}"] = (
+                f"the driver refused {want.limit} bytes on this GPU (NVML_ERROR_INVALID_ARGUMENT)"
+            )
+            return False
         message = f"memory limit failed cgroup={cgroup} error={error}; trying again"
         self._say(f"nvml/{want.gpu_uuid}/{error.code}", message, logging.WARNING)
         return None

@@ -19,6 +19,8 @@ import pytest
 
 from agent.memlimits.settings import MemoryLimitSettings
 from agent.sim.kubelet import KubeletEmulator, Pod
+from agent.sim.kubelet.cgroups import write_proc_entry
+from agent.sim.nvml.codes import Return
 from agent.sim.nvml.driver import OutOfMemory, SimDriver
 from tests.integration.test_telemetry import TelemetryNode, series, value, wait_until
 
@@ -108,6 +110,7 @@ def test_containers_are_held_to_their_replicas_memory_when_they_start(make_node:
     assert node.limits() == {small_cgroup: (10 * GIB, 10 * GIB), large_cgroup: (20 * GIB, 20 * GIB)}
 
     gpu = node.gpu_of(small)
+    write_proc_entry(node.proc, 4100, kubelet.started_container("small", "main", "team-a"))  # its /proc/<pid>/cgroup
     node.driver.add_process(gpu, 4100, 6 * 1024, kind="mps_client", cgroup=small_cgroup)
     with pytest.raises(OutOfMemory, match="hard limit"):
         node.driver.allocate(4100, 5 * 1024)  # 11 GiB would be above its 10
@@ -120,7 +123,13 @@ def test_containers_are_held_to_their_replicas_memory_when_they_start(make_node:
     assert value(samples, "tessera_pod_gpu_memory_limit_bytes", **labels) == 10 * GIB
     assert value(samples, "tessera_pod_gpu_memory_request_bytes", **labels) == 10 * GIB
     assert value(samples, "tessera_pod_gpu_memory_limit_used_bytes", **labels) == 10 * GIB
+    assert value(samples, "tessera_pod_gpu_memory_used_bytes", pod="small") == 10 * GIB  # the process is the pod's
     assert {row["pod"]: row["enforcement"] for row in node.report()} == {"small": "driver", "large": "driver"}
+
+    node.driver.remove_process(4100)
+    kubelet.delete_pod("large", "team-a")  # its cgroup goes, and its limit with it
+    wait_until(lambda: [row["pod"] for row in node.report()] == ["small"], 10, "the deleted pod's row gone")
+    assert node.limits() == {small_cgroup: (10 * GIB, 10 * GIB)}
 
 
 def test_a_limit_changed_behind_the_agents_back_is_restored(make_node: Callable[..., Node]) -> None:
@@ -162,16 +171,25 @@ def test_limits_are_found_and_kept_after_an_agent_restart(make_node: Callable[..
     assert node.driver.memory_limit_sets == sets  # read back and kept, not set again
 
 
+def not_root(driver: SimDriver) -> None:
+    driver.set_caller_root(False)
+
+
+def refuses_the_size(driver: SimDriver) -> None:
+    driver.inject_error("nvmlDeviceSetMemoryLimits_v1", Return.ERROR_INVALID_ARGUMENT, times=None)
+
+
 @pytest.mark.parametrize(
-    ("spec", "not_root", "reason"),
-    [(OLD, False, "r615"), (NEW, True, "NO_PERMISSION")],
-    ids=["driver-without-the-call", "agent-not-root"],
+    ("spec", "change", "reason"),
+    [(OLD, None, "r615"), (NEW, not_root, "NO_PERMISSION"), (NEW, refuses_the_size, "INVALID_ARGUMENT")],
+    ids=["driver-without-the-call", "agent-not-root", "driver-refuses-the-size"],
 )
 def test_without_the_driver_the_mps_server_holds_the_size_and_says_so(
-    make_node: Callable[..., Node], spec: object, not_root: bool, reason: str
+    make_node: Callable[..., Node], spec: object, change: Callable[[SimDriver], None] | None, reason: str
 ) -> None:
     node = make_node(spec)
-    node.driver.set_caller_root(not not_root)
+    if change is not None:
+        change(node.driver)
     node.wait_registered(timeout=30, resources=(GPU, LARGE))
     pod = node.kubelet.create_pod("fallback", {"main": {GPU: 1}})
     node.start(pod)
@@ -183,6 +201,7 @@ def test_without_the_driver_the_mps_server_holds_the_size_and_says_so(
         lambda s: series(s, "tessera_pod_gpu_memory_limit_bytes", pod="fallback"), 10, "the fallback's limit series"
     )
     assert value(samples, "tessera_pod_gpu_memory_limit_bytes", pod="fallback", enforcement="mps") == 10 * GIB
+    assert node.agent is not None and node.agent.responsive()
 
 
 def test_mig_devices_fall_back_to_their_mps_server(make_node: Callable[..., Node]) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
+from agent.sim.nvml.control import SimControlClient, SimControlServer
 from agent.sim.nvml.driver import OutOfMemory, SimDriver
 
 MIB = 1 << 20
@@ -120,3 +121,26 @@ def test_injected_failures(nvml_node: Callable[[object], SimDriver], cgroup: Pat
         set_limits(pynvml.nvmlDeviceGetHandleByIndex(0), cgroup, GIB, GIB)
     set_limits(pynvml.nvmlDeviceGetHandleByIndex(0), cgroup, GIB, GIB)
     assert driver.memory_limit_sets == 1
+
+
+def test_the_control_socket_runs_processes_in_cgroups_and_lists_limits(
+    nvml_node: Callable[[object], SimDriver], cgroup: Path, tmp_path: Path
+) -> None:
+    """What an end-to-end test or the demo does to an agent's simulated node from outside its process."""
+    driver = nvml_node(NEW_DRIVER)
+    server = SimControlServer(driver, tmp_path / "ctl.sock")
+    server.start()
+    try:
+        client = SimControlClient(tmp_path / "ctl.sock")
+        set_limits(pynvml.nvmlDeviceGetHandleByIndex(0), cgroup, GIB, 2 * GIB)
+        assert client.call("memory_limits") == [
+            {"gpu": 0, "uuid": driver.gpus[0].uuid, "cgroup": str(cgroup), "soft": GIB, "hard": 2 * GIB}
+        ]
+        client.call("add_process", gpu=0, pid=300, used_mib=1024, cgroup=str(cgroup))
+        with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
+            client.call("allocate", pid=300, mib=2048)
+        client.call("set_caller_root", root=False)
+        with pytest.raises(pynvml.NVMLError_NoPermission):
+            set_limits(pynvml.nvmlDeviceGetHandleByIndex(0), cgroup, GIB, GIB)
+    finally:
+        server.stop()
