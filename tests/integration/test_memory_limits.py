@@ -22,7 +22,7 @@ from agent.sim.kubelet import KubeletEmulator, Pod
 from agent.sim.kubelet.cgroups import write_proc_entry
 from agent.sim.nvml.codes import Return
 from agent.sim.nvml.driver import OutOfMemory, SimDriver
-from tests.integration.test_telemetry import TelemetryNode, series, value, wait_until
+from tests.integration.test_telemetry import TelemetryNode, maybe, series, value, wait_until
 
 GIB = 1 << 30
 NEW = {"driver_version": "615.71.09", "gpus": [{"model": "A100-SXM4-80GB", "count": 2}]}
@@ -116,10 +116,15 @@ def test_containers_are_held_to_their_replicas_memory_when_they_start(make_node:
         node.driver.allocate(4100, 5 * 1024)  # 11 GiB would be above its 10
     node.driver.allocate(4100, 4 * 1024)
 
-    samples = node.wait_samples(
-        lambda s: series(s, "tessera_pod_gpu_memory_limit_used_bytes", pod="small"), 10, "the used-vs-limit series"
-    )
     labels = {"pod": "small", "namespace": "team-a", "container": "main", "enforcement": "driver"}
+    samples = node.wait_samples(  # a collection after the allocations
+        lambda s: (
+            maybe(s, "tessera_pod_gpu_memory_limit_used_bytes", **labels) == 10 * GIB
+            and maybe(s, "tessera_pod_gpu_memory_used_bytes", pod="small") == 10 * GIB
+        ),
+        10,
+        "the used-vs-limit series",
+    )
     assert value(samples, "tessera_pod_gpu_memory_limit_bytes", **labels) == 10 * GIB
     assert value(samples, "tessera_pod_gpu_memory_request_bytes", **labels) == 10 * GIB
     assert value(samples, "tessera_pod_gpu_memory_limit_used_bytes", **labels) == 10 * GIB

@@ -152,6 +152,8 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
         self._pending: dict[str, set[str]] = {}  # devices taken by the admission in progress, not yet cached
         self._reuse: dict[str, dict[str, list[str]]] = {}  # devicesToReuse, only for the pod being admitted
         # containers started, with their cgroups and log links, when the emulator makes them
+        if (cgroup_root is None) != (log_root is None):
+            raise ValueError("cgroup_root and log_root go together: give both or neither")
         self.container_files = ContainerFiles(Path(cgroup_root), Path(log_root)) if cgroup_root and log_root else None
         self._started: dict[tuple[str, str, str], StartedContainer] = {}  # (namespace, pod, container) -> it
 
