@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -117,10 +116,8 @@ class MemoryLimits:
         self._said: set[tuple[str, str]] = set()
         self._failures = 0
         self._recheck = False
-        self.looks = 0  # completed looks at the node, for tests that wait for one
         self.applied_total = 0  # limits set (new or repaired)
         self.repaired_total = 0  # limits found changed behind the agent's back and set again
-        self.looked = threading.Condition()
 
     # ----- the loop's side ----------------------------------------------------------------------------------
 
@@ -171,9 +168,6 @@ class MemoryLimits:
                     log.exception("memory limits: look failed; retrying")
                 retry = True
             self._failures = min(self._failures + 1, 16) if retry else 0
-            with self.looked:
-                self.looks += 1
-                self.looked.notify_all()
 
     def _look(self) -> bool:
         """Look at the node and hold every container to its size; True when something must be tried again."""
@@ -313,14 +307,3 @@ class MemoryLimits:
         if (key, message) not in self._said:
             self._said.add((key, message))
             log.log(level, "%s", message)
-
-    def wait_for_look(self, after: int, timeout: float) -> bool:
-        """For tests and benchmarks: wait until more than ``after`` looks completed."""
-        deadline = time.monotonic() + timeout
-        with self.looked:
-            while self.looks <= after:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self.looked.wait(remaining)
-        return True
