@@ -52,6 +52,7 @@ from agent.gpu.health import GpuLost, NvmlEventWatcher, WatchFailed, WatchRestor
 from agent.gpu.mig_recheck import MigRecheck
 from agent.health_keeper import HealthKeeper
 from agent.ledger import DeviceLedger
+from agent.memlimits.settings import MemoryLimitSettings
 from agent.news import News
 from agent.node_metadata import NodeMetadata
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
@@ -67,6 +68,7 @@ from agent.telemetry.service import Telemetry, TelemetrySettings
 if TYPE_CHECKING:
     from agent.dra.manager import DraManager
     from agent.dra.types import DraSettings
+    from agent.memlimits.manager import MemoryLimits
     from agent.mig.manager import MigManager
     from agent.mig.selection import LayoutSelection
     from agent.mps.manager import MpsManager
@@ -114,6 +116,7 @@ class AgentOptions:
     # NVIDIA's 5 s (its process does not wait for the watcher on the way out); in-process agents stop faster.
     health_event_wait_ms: int = 500
     telemetry: TelemetrySettings | None = None  # None: no metrics endpoint, no node labels
+    memory_limits: MemoryLimitSettings | None = None  # None: no per-container memory limits through the driver
 
     @property
     def kubelet_socket(self) -> Path:
@@ -169,6 +172,7 @@ class Agent:
         self._mig: MigManager | None = None
         self._dra: DraManager | None = None
         self._routes: dict[str, Callable[[object, float], News]] = {}  # event module -> (event, now) -> what to do
+        self._memlimits: MemoryLimits | None = None  # containers held to their devices' memory by the driver
         # Who holds each device, and which GPUs DRA serves: every destructive step and hand-over asks it, in its
         # critical section (the features above act on their workers; the loop itself never waits for it).
         self._ledger = DeviceLedger(options.pod_resources_socket)
@@ -335,7 +339,27 @@ class Agent:
         self._event_watcher.start()
         self._kubelet_watcher = PluginDirWatcher(self.options.device_plugin_dir, self.post)
         self._kubelet_watcher.start()
+        if self.options.memory_limits is not None:
+            self._start_memory_limits(self.options.memory_limits)
         self._settling, self._settle_by = True, self._clock() + TELEMETRY_WAIT_SECONDS
+
+    def _start_memory_limits(self, settings: MemoryLimitSettings) -> None:
+        """The memory-limits room (its worker calls NVML and the kubelet; the loop only routes its events)."""
+        from agent.memlimits.manager import MemoryLimits
+        from agent.plugin.podresources import list_pod_resources
+
+        socket = self.options.pod_resources_socket
+        self._memlimits = MemoryLimits(
+            settings,
+            plan=lambda: self._plan,
+            holders=lambda: list_pod_resources(socket),
+            section=self._ledger.section,
+            post=self.post,
+            claims=self._ledger.claims_checkpoint,
+            inventory=lambda: self._inventory,
+        )
+        self._routes["agent.memlimits.watch"] = self._memlimits.on_event
+        self._memlimits.start()
 
     def _settle(self) -> None:
         """The kubelet is served (or waited for long enough): what comes second starts."""
@@ -360,6 +384,7 @@ class Agent:
                 node_api=self._node.api,
                 latency=self._latency,
                 claims=lambda: self._dra.prepared_claim_devices() if self._dra is not None else (),  # type: ignore[misc]
+                memory_limits=self._memlimits.snapshot if self._memlimits is not None else None,
             )
         except (OSError, ValueError) as error:  # metrics are not worth failing the node's GPUs for
             log.error("no metrics endpoint address=%s error=%r", settings.metrics_address, str(error))
@@ -390,6 +415,7 @@ class Agent:
             telemetry = self._telemetry
         for watcher in (
             telemetry,
+            self._memlimits,
             self._kubelet_watcher,
             self._config_watcher,
             *self._node.threads(),
