@@ -113,7 +113,8 @@ def test_the_api_server_accepts_the_pool_in_its_layout(tmp_path: Path, version: 
 
 
 class Pool:
-    """One H100 in dynamic-MIG mode (MIG mode off: switched at Prepare), as the scheduler sees it, and the claims allocated from it so far."""
+    """One H100 in dynamic-MIG mode (MIG mode off: switched at Prepare), as the scheduler sees it, and the claims
+    allocated from it so far."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.slices = preview(tmp_path, "1.36", gpus="[0]")
