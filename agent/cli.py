@@ -863,9 +863,8 @@ PARTITIONABLE_DEVICES_ON = 36  # DRAPartitionableDevices: alpha in 1.33-1.35, be
 def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: ConfigModel, notes: list[str]) -> int:
     """``tessera plan --dra``: the node's ResourceSlices as complete ``resource.k8s.io/v1`` objects, as the agent
     would publish them (a YAML stream, a JSON List, or a table of the devices)."""
-    from agent.core.dra.devices import dra_devices
     from agent.core.dra.ownership import OwnershipError, dra_gpus, dynamic_mig_gpus, shared_gpus
-    from agent.core.dra.partitions import counter_sets
+    from agent.core.dra.pool import dra_pool
     from agent.core.dra.shares import gate_note
     from agent.core.dra.slices import SliceError, layout_for, resource_slices
 
@@ -882,14 +881,16 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
         dynamic = dynamic_mig_gpus(section.dynamic_mig, chosen, inventory) if section is not None else frozenset()
         shared = shared_gpus(section.gpu_shares, chosen, dynamic, inventory) if section is not None else frozenset()
         default_share = section.default_share if section is not None else None
-        devices = dra_devices(
-            inventory, gpu_uuids=chosen, dynamic_mig=dynamic, shared=shared, default_share=default_share
+        # the agent's own publishing path (agent.dra.manager.publish): what is shown is what it publishes
+        roots = _pcie_roots(inventory, chosen) if not args.node or args.node == "local" else {}  # sysfs: real GPUs
+        pool = dra_pool(
+            inventory, served=chosen, dynamic_mig=dynamic, shared=shared, default_share=default_share, pcie_roots=roots
         )
+        devices = pool.offered
         kubernetes = args.kubernetes_version or DEFAULT_KUBERNETES
         layout = layout_for(f"v{kubernetes}.0")
         slices = resource_slices(
-            node_name, args.node_uid or PLACEHOLDER_NODE_UID, driver, devices, 1, layout,
-            counter_sets=counter_sets(devices),
+            node_name, args.node_uid or PLACEHOLDER_NODE_UID, driver, devices, 1, layout, counter_sets=pool.counters,
         )  # fmt: skip
     except (OwnershipError, SliceError, ValueError) as error:
         print(f"tessera: {error}", file=sys.stderr)
@@ -942,6 +943,15 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
                     shares = f"  shared: memory in {step} steps ({given} if not asked), computePercent 0-100"
                 print(f"  {device['name']:<28} {kind:<4} {what:<26} memory {memory.get('value', '-')}{shares}")
     return EXIT_OK
+
+
+def _pcie_roots(inventory: Inventory, gpus: frozenset[str]) -> dict[str, str]:
+    """The PCIe roots the agent reads from the host's /sys for these GPUs (``agent.dra.manager``)."""
+    from agent.core.dra.devices import pci_bus_id
+    from agent.dra.pcie import pcie_roots
+
+    bus_ids = {pci_bus_id(g.pci_bus_id) for g in inventory.gpus if g.uuid in gpus}
+    return pcie_roots(b for b in bus_ids if b is not None)
 
 
 def _spec_node_name(node: str | None) -> str:

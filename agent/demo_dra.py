@@ -683,11 +683,12 @@ class _DraDemo:
         expected = 0
         for index in DRA_GPUS:
             gpu = self.driver.gpus[index]
-            if index in DYNAMIC_MIG_GPUS:  # the whole GPU and its partitions
+            if index in DYNAMIC_MIG_GPUS:  # its partitions; the whole GPU too unless it is in MIG mode (an A100)
                 count = sum(n.startswith(f"gpu-{gpu.minor_number}-mig-") for n in names)
-                if f"gpu-{gpu.minor_number}" not in names or not count:
+                whole = not gpu.mig_current
+                if (f"gpu-{gpu.minor_number}" in names) != whole or not count:
                     return False
-                expected += 1 + count
+                expected += whole + count
             elif gpu.mig_current:
                 prefix = f"gpu-{gpu.minor_number}-mig-"
                 count = len(gpu.mig_devices())

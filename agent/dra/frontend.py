@@ -62,12 +62,14 @@ class DraFrontEnd:
         taints: Mapping[str, Sequence[DeviceTaint]],
         *,
         published: Sequence[DraDevice] | None = None,
+        counters: Mapping[str, Mapping[str, int]] | None = None,
         slices: bool = True,
     ) -> None:
         """The devices DRA serves (prepared claims included) and their health; ``published`` (default: all of
         them) are the ones offered in the slices — a GPU on its way to the device plugin is served, not offered. The
         counter sets of the offered devices' GPUs come from every device served: a dynamic-MIG GPU whose full device
-        is not offered (a MIG device no claim made covers part of it) still has its set."""
+        is not offered (a MIG device no claim made covers part of it) still has its set; ``counters`` gives them
+        (``agent.core.dra.pool``), else they are worked out here the same way."""
         first = not self._registered_once
         self._service.update({d.name: d for d in devices}, dict(unhealthy))
         offered = devices if published is None else published
@@ -75,9 +77,11 @@ class DraFrontEnd:
         if slices:  # (not while the first answers about arriving GPUs are due: no pool published half-way)
             from agent.core.dra.partitions import counter_sets
 
-            gpus = {d.gpu_uuid for d in offered}
-            counters = counter_sets(d for d in devices if d.gpu_uuid in gpus)
-            self._publisher.publish(tuple(offered), {n: t for n, t in taints.items() if n in names}, counters)
+            if counters is None:
+                gpus = {d.gpu_uuid for d in offered}
+                counters = counter_sets(d for d in devices if d.gpu_uuid in gpus)
+            sets = {name: dict(values) for name, values in counters.items()}
+            self._publisher.publish(tuple(offered), {n: t for n, t in taints.items() if n in names}, sets)
         if first:  # the kubelet learns of the driver once its service knows the devices
             self._registrar.start()
             self._registered_once = True
@@ -90,6 +94,9 @@ class DraFrontEnd:
 
     def made_mig_devices(self) -> dict[str, str]:
         return self._service.made_mig_devices() if self._service is not None else {}
+
+    def mig_mode_changes(self) -> int:
+        return self._service.mig_mode_changes() if self._service is not None else 0
 
     def mps_records(self) -> dict[str, Any]:
         return self._service.mps_records() if self._service is not None else {}

@@ -54,10 +54,11 @@ from agent.dra.cdi_store import CdiStore, CdiStoreError
 from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
 from agent.dra.claims_api import ClaimReader, ClaimsUnavailable, ClaimUnreadable
 from agent.dra.devnodes import DeviceNodes
-from agent.dra.partitions import PartitionError
+from agent.dra.partitions import MigModeBusy, PartitionError
 from agent.dra.timeslices import TimesliceFailed
 
 if TYPE_CHECKING:
+    from agent.gpu.mig import MigModeState
     from agent.ledger import DeviceLedger
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class Partitions(Protocol):
 
     def create(self, mig: CreatedMig) -> CreatedMig: ...
     def destroy(self, mig: CreatedMig) -> None: ...
+    def mig_mode(self, gpu_uuid: str) -> MigModeState: ...
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> None: ...
 
 
 class Timeslices(Protocol):
@@ -99,6 +102,7 @@ class _Done:
 
     created: dict[str, CreatedMig] = field(default_factory=dict)
     timesliced: set[str] = field(default_factory=set)
+    mig_on: set[str] = field(default_factory=set)  # GPUs whose MIG mode it turned on
 
 
 class ClaimWorker:
@@ -154,6 +158,7 @@ class ClaimWorker:
         self._mps_ready = mps_ready  # (daemon key, timeout) -> None once the daemon is ready, else why not
         self._mps_root = mps_root  # the MPS root on the host now (the config's mpsRoot), for the clients' mounts
         self.checkpoint: Checkpoint = checkpoints.load()
+        self.mig_mode_changes = 0  # how often a Prepare or Unprepare changed a GPU's MIG mode (the node changed)
 
     # ----- Prepare ------------------------------------------------------------------------------------------------
 
@@ -239,8 +244,11 @@ class ClaimWorker:
         try:
             for planned in plan.devices:
                 if (intent := planned_mig(planned)) is not None:
+                    self._mig_mode(ref, intent.gpu_uuid, True, done)  # its first partition: MIG mode on
                     with self._section():  # MIG changes, of any room, one at a time in the ledger's section
                         created[planned.device] = self._partitions.create(intent)
+                elif planned.info.consumes_counters and not planned.admin_access:  # a partitioned GPU, whole
+                    self._mig_mode(ref, planned.info.uuid, False, done)
                 if planned.timeslice is not None:
                     with self._section():
                         self._timeslices.apply(planned.info.uuid, planned.timeslice)
@@ -260,6 +268,8 @@ class ClaimWorker:
             reason = f"cannot build its CDI spec: {error}" if isinstance(error, CdiError) else str(error)
             if (problem := self._roll_back(ref, done)) is not None:
                 return ClaimError(ref, f"{reason}; rolling back failed too ({problem}): the next attempt retries it")
+            if isinstance(error, MigModeBusy):
+                return ClaimError(ref, f"{reason}; nothing was prepared, the kubelet retries", True)
             return ClaimError(ref, f"{reason}; nothing was left prepared")
         self.checkpoint = completed
         return completed.claims[ref.uid].devices
@@ -278,6 +288,78 @@ class ClaimWorker:
 
     def _section(self) -> contextlib.AbstractContextManager[None]:
         return self._own_lock if self._ledger is None else self._ledger.section()
+
+    @contextlib.contextmanager
+    def _acting_on_gpu(self, claim_uid: str, gpu_uuid: str) -> Iterator[list[str]]:
+        """Who other than the claim holds the GPU (empty: nobody), inside the ledger's critical section: a step that
+        disturbs the whole GPU (its MIG mode) acts only when that is empty."""
+        if self._ledger is None:
+            with self._own_lock:
+                gpu_minor = next((d.gpu_minor for d in self._view_devices() if d.gpu_uuid == gpu_uuid), None)
+                yield [f"claim {c}" for c in self._other_claims_on(claim_uid, gpu_minor, admin=True)]
+            return
+        from agent.core.ledger import Drain
+
+        # MIG mode changes only on a GPU without MIG devices (``_mig_mode``): processes run on the GPU itself; a claim
+        # holds it by its name, or by the UUID of a MIG device made for it (recorded, even if a reset took it)
+        made = {h.device for h in self._ledger.recorded().on_gpu(gpu_uuid) if h.device.startswith("MIG-")}
+        drain = Drain(frozenset({gpu_uuid, *made}), frozenset({gpu_uuid}))
+        with self._ledger.acting(drain, other_than_claim=claim_uid) as busy:
+            yield busy
+
+    def _view_devices(self) -> list[Any]:
+        view = self._view()
+        return list(view.devices.values()) if view is not None else []
+
+    def _mig_mode(self, ref: ClaimRef, gpu_uuid: str, enabled: bool, done: _Done) -> None:
+        """Dynamic MIG (NVIDIA's): the GPU's MIG mode on for a partition, off for the whole GPU, changed only when
+        nobody else holds the GPU; ``MigModeBusy`` naming who does (the kubelet retries), ``PartitionError`` when the
+        GPU cannot change it without a reset or still holds MIG devices."""
+        from agent.core.dra.partitions import reset_free_mig_mode
+
+        mode = "on" if enabled else "off"
+        state = self._partitions.mig_mode(gpu_uuid)
+        if state.enabled == enabled:
+            return
+        if not reset_free_mig_mode(state.architecture):
+            raise PartitionError(
+                f"GPU {gpu_uuid} ({state.architecture}): its MIG mode is {'off' if enabled else 'on'} and changes only "
+                f"with a GPU reset, which Tessera does not do under claims; turn it {mode} "
+                f"(nvidia-smi -i {gpu_uuid} -mig {int(enabled)}, then a reset)"
+            )
+        if not enabled and state.mig_devices:
+            raise MigModeBusy(
+                f"GPU {gpu_uuid}: MIG mode cannot be turned off for the whole GPU while {state.mig_devices} MIG "
+                "device(s) exist on it"
+            )
+        with self._acting_on_gpu(ref.uid, gpu_uuid) as busy:
+            if busy:
+                held = "; ".join(busy)
+                raise MigModeBusy(f"GPU {gpu_uuid}: MIG mode cannot be turned {mode} while it is held: {held}")
+            self._partitions.set_mig_mode(gpu_uuid, enabled)
+            self.mig_mode_changes += 1
+        if enabled:
+            done.mig_on.add(gpu_uuid)
+
+    def _mig_mode_off_after_last(self, claim_uid: str, gpu_uuids: set[str]) -> None:
+        """Unprepare (or a roll back) took a claim's last partition of these GPUs: MIG mode goes off again where it
+        can change without a reset, no MIG device is left and nobody else holds the GPU (else it stays on; the next
+        Prepare of the whole GPU turns it off)."""
+        from agent.core.dra.partitions import reset_free_mig_mode
+
+        for gpu_uuid in sorted(gpu_uuids):
+            try:
+                state = self._partitions.mig_mode(gpu_uuid)
+                if not state.enabled or state.mig_devices or not reset_free_mig_mode(state.architecture):
+                    continue
+                with self._acting_on_gpu(claim_uid, gpu_uuid) as busy:
+                    if busy:
+                        log.info("MIG mode stays on gpu=%s held_by=%r", gpu_uuid, "; ".join(busy))
+                        continue
+                    self._partitions.set_mig_mode(gpu_uuid, False)
+                    self.mig_mode_changes += 1
+            except PartitionError as error:
+                log.warning("MIG mode stays on gpu=%s error=%r", gpu_uuid, str(error))
 
     def _other_claims_on(self, claim_uid: str, gpu_minor: int | None, *, admin: bool) -> list[str]:
         """The other recorded claims holding a device of the GPU (admin-access ones only when ``admin``)."""
@@ -393,6 +475,7 @@ class ClaimWorker:
         try:
             self._cdi.remove(ref.uid)
             record = self.checkpoint.claims.get(ref.uid)
+            partitioned = set(done.mig_on) if done is not None else set()
             for device in record.devices if record is not None else ():
                 if device.timeslice is not None and (done is None or device.device in done.timesliced):
                     self._reset_timeslice(ref.uid, device)
@@ -400,6 +483,8 @@ class ClaimWorker:
                 if mig is not None:
                     with self._section():  # it checks that no process runs there, and destroys, in one step
                         self._partitions.destroy(mig)
+                    partitioned.add(mig.gpu_uuid)
+            self._mig_mode_off_after_last(ref.uid, partitioned)
         except (CdiStoreError, PartitionError, TimesliceFailed) as error:
             log.error("cannot roll back claim=%s/%s uid=%s error=%r", ref.namespace, ref.name, ref.uid, str(error))
             return str(error)
@@ -453,6 +538,7 @@ class ClaimWorker:
                 if device.mig is not None:
                     with self._section():  # it checks that no process runs there, and destroys, in one step
                         self._partitions.destroy(device.mig)  # the record stays until it is gone: the kubelet retries
+            self._mig_mode_off_after_last(ref.uid, {d.mig.gpu_uuid for d in claim.devices if d.mig} if claim else set())
         except (CdiStoreError, PartitionError, TimesliceFailed, CheckpointSaveError) as error:
             return _failed_unprepare(ref, str(error))
         if claim is None:

@@ -220,6 +220,10 @@ class DraService:
             if d.mig is not None and d.mig.uuid is not None
         }
 
+    def mig_mode_changes(self) -> int:
+        """How many times a Prepare or Unprepare changed a GPU's MIG mode (dynamic MIG)."""
+        return self._claims.mig_mode_changes
+
     def checkpoint(self) -> Checkpoint:
         """The prepared claims now (an immutable value, replaced whole by the worker: safe to read anywhere)."""
         return self._claims.checkpoint

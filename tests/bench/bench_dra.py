@@ -998,7 +998,7 @@ def main() -> None:
     parser.add_argument("--agent-log-level", default="warning")
     parser.add_argument("--churn", type=int, default=1000, help="dynamic-MIG claim churn steps per round")
     parser.add_argument(
-        "--parts", default="prepare,mig,both,dynamic,shares", help="which parts to run (comma-separated)"
+        "--parts", default="prepare,mig,both,dynamic,shares,dynamic-mode", help="which parts to run (comma-separated)"
     )
     args = parser.parse_args()
     logging.disable(logging.ERROR)  # the emulators' and the stand-in's notes are not the report
@@ -1010,6 +1010,7 @@ def main() -> None:
         "both": lambda base: both_front_ends(base, args, figures),
         "dynamic": lambda base: dynamic_node(base, args, figures),
         "shares": lambda base: shares_node(base, args, figures),
+        "dynamic-mode": lambda base: bench_prepare_dynamic_mig_mode(base, args, figures),
     }
     steps = [parts[name] for name in args.parts.split(",")]
     global AGENT_HOME
@@ -1031,6 +1032,77 @@ def run_rounds(args: argparse.Namespace, steps: list[Callable[[Path], None]]) ->
             finally:
                 shutil.rmtree(base, ignore_errors=True)
         print(f"round {n + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+
+
+# ----- 6. dynamic MIG with the MIG-mode toggle (issue 25) --------------------------------------------------------
+
+DYNAMIC_MODE_DEVICES = 8 * 26  # a dgx-h100 with MIG mode off: per GPU the whole GPU and 25 profile placements
+SECTIONS += (
+    (
+        "6. Dynamic MIG with MIG mode off (issue 25): dgx-h100, MIG mode turned on at Prepare and off at Unprepare",
+        {
+            "mode floor": ("floor: NodePrepareResources, 1g.10gb on a GPU already in MIG mode", "-"),
+            "mode prepare": ("NodePrepareResources, 1g.10gb (MIG mode on, then the MIG device)", "p99 < 200 ms"),
+            "mode unprepare": ("NodeUnprepareResources, 1g.10gb (the MIG device, then MIG mode off)", "-"),
+            "mode toggles": ("  nvmlDeviceSetMigMode calls per prepare/unprepare pair", "2", "n"),
+        },
+    ),
+)
+
+
+def bench_prepare_dynamic_mig_mode(base: Path, args: argparse.Namespace, figures: dict[str, Figure]) -> None:
+    """A dgx-h100 whose GPUs are in dynamic-MIG mode with MIG mode off (NVIDIA's dynamic MIG): Prepare of a
+    1g.10gb turns its GPU's MIG mode on (in the ledger's critical section: who holds the GPU is read first) and
+    creates the MIG device; Unprepare destroys it and turns MIG mode off. The floor, in the same run: the same
+    claim prepared while another claim keeps a 1g.10gb on that GPU, so its MIG mode is on already (no toggle)."""
+
+    def body(world: World) -> None:
+        api = world.api
+        world.spawn_until_pool(DYNAMIC_MODE_DEVICES)
+        world.registered()
+        api.create("deviceclasses", {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+                                     "metadata": {"name": "mig.nvidia.com"},
+                                     "spec": {"selectors": [{"cel": {"expression": MIG_CLASS}}]}})  # fmt: skip
+        classes = {c["metadata"]["name"]: c for c in api.objects("deviceclasses")}
+        slices = _complete_pool(api) or []
+        control = SimControlClient(world.base / "ctl.sock")
+        stub = world.stub()
+
+        def toggles() -> int:
+            return sum(1 for c in control.call("destructive_calls") if c["symbol"] == "nvmlDeviceSetMigMode")
+
+        timed = _allocated_claim(api, "timed", _mig_request("1g.10gb"), slices, classes, set())
+        assert timed is not None
+        (result,) = timed["status"]["allocation"]["devices"]["results"]
+        held = {(result["driver"], result["pool"], result["device"])}
+        pairs = max(1, args.prepares // 4)
+        before, prepare, unprepare = toggles(), [], []
+        for _ in range(pairs):
+            _pairs(stub, timed, 1, prepare, unprepare)
+        figures["mode toggles"].add_one((toggles() - before) / pairs)
+        if control.call("mig_devices"):
+            raise RuntimeError(f"MIG devices left after the pairs: {control.call('mig_devices')}")
+        figures["mode prepare"].add(prepare)
+        figures["mode unprepare"].add(unprepare)
+
+        # the floor: another 1g.10gb on the same GPU keeps its MIG mode on
+        gpu = next(d for d in _devices(slices) if d["name"] == result["device"])["attributes"]["parentUUID"]["string"]
+        same_gpu = {**_mig_request("1g.10gb")}
+        same_gpu["selectors"] = [
+            *same_gpu["selectors"],
+            {"cel": {"expression": f"device.attributes['gpu.nvidia.com'].parentUUID == '{gpu}'"}},
+        ]
+        keeper = _allocated_claim(api, "keeper", same_gpu, slices, classes, held)
+        assert keeper is not None
+        _check(stub.NodePrepareResources(_request(keeper)[0], timeout=45), keeper, 1)
+        floor: list[float] = []
+        after_floor: list[float] = []
+        for _ in range(pairs):
+            _pairs(stub, timed, 1, floor, after_floor)
+        figures["mode floor"].add(floor)
+        _check(stub.NodeUnprepareResources(_request(keeper)[1], timeout=45), keeper, None)
+
+    _with_world(base, "dgx-h100", "all", args, body, dra_extra="  dynamicMig: all\n")
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def test_the_slices_come_back_after_a_kubelet_restart(run: subprocess.CompletedP
     step = _step(run.stdout, 5)
     assert "Restarting the kubelet" in step
     assert "the kubelet deleted slice(s)" in step
-    back = re.search(r"slices back after (\d+\.\d+) s\n.*: 28 devices", step)
+    back = re.search(r"slices back after (\d+\.\d+) s\n.*: 27 devices", step)  # GPU 3, an A100 in MIG mode: not whole
     assert back is not None and float(back.group(1)) < 10
     assert "running pods keep their devices, nothing is prepared again: trainer" in step
 

@@ -29,8 +29,8 @@ DRIVER = "gpu.nvidia.com"
 world = test_dra_e2e.world  # the fixture: an agent, both kubelets and the API server on a simulated node
 MIG_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'"  # NVIDIA's
 GPU_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"
-# A100-SXM4-80GB: GPU-instance profile, its NVML profile ID, placements (start) -- mig-profiles.json
-A100_PARTITIONS = {
+# A100-SXM4-80GB and H100-SXM5-80GB: GPU-instance profile, its NVML profile ID, placements (start) -- mig-profiles.json
+PARTITIONS_80GB = {
     "1g10gb": (19, range(7)),
     "1g10gb-me": (20, range(7)),
     "1g20gb": (15, (0, 2, 4, 6)),
@@ -41,7 +41,7 @@ A100_PARTITIONS = {
 }
 
 
-def preview(tmp_path: Path, version: str, gpus: str = "all", node: str = "dgx-a100") -> list[dict]:
+def preview(tmp_path: Path, version: str, gpus: str = "all", node: str = "dgx-h100") -> list[dict]:
     config = tmp_path / "dynamic.yaml"
     config.write_text(f"version: v1\ndra:\n  enabled: true\n  gpus: {gpus}\n  dynamicMig: all\n")
     result = exits(0, "plan", "--dra", "--node", node, "--config", str(config), "--kubernetes-version", version,
@@ -60,7 +60,7 @@ def test_every_profile_and_placement_is_a_device_of_its_gpu(tmp_path: Path, vers
     expected = {f"gpu-{g}" for g in range(8)} | {
         f"gpu-{g}-mig-{profile}-{profile_id}-{start}"
         for g in range(8)
-        for profile, (profile_id, starts) in A100_PARTITIONS.items()
+        for profile, (profile_id, starts) in PARTITIONS_80GB.items()
         for start in starts
     }
     assert set(published) == expected  # 8 x (1 + 25)
@@ -74,8 +74,8 @@ def test_every_profile_and_placement_is_a_device_of_its_gpu(tmp_path: Path, vers
     assert {k for k in consumed["counters"] if k.startswith("memory-slice")} == {
         f"memory-slice-{i}" for i in range(4, 8)
     }
-    assert consumed["counters"]["multiprocessors"] == {"value": "42"}
-    assert partition["capacity"]["memory"] == {"value": "40192Mi"}
+    assert consumed["counters"]["multiprocessors"] == {"value": "60"}  # an H100's 3g.40gb
+    assert partition["capacity"]["memory"] == {"value": "40448Mi"}
     sets = {c["name"]: c["counters"] for s in slices for c in s["spec"].get("sharedCounters", [])}
     assert set(sets) == {f"gpu-{g}-counter-set" for g in range(8)}
     # the full GPU consumes its whole set: it excludes every partition of its GPU
@@ -113,7 +113,8 @@ def test_the_api_server_accepts_the_pool_in_its_layout(tmp_path: Path, version: 
 
 
 class Pool:
-    """One A100 in dynamic-MIG mode, as the scheduler sees it, and the claims allocated from it so far."""
+    """One H100 in dynamic-MIG mode (MIG mode off: switched at Prepare), as the scheduler sees it, and the claims
+    allocated from it so far."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.slices = preview(tmp_path, "1.36", gpus="[0]")
@@ -137,7 +138,7 @@ class Pool:
             "metadata": {"name": f"c{self.count}", "namespace": "default", "uid": f"uid-{self.count}"},
             "spec": {"devices": {"requests": [{"name": "r", "exactly": exactly}]}},
         }
-        done = allocate(claim, self.slices, self.classes, self.allocated, "dgx-a100")
+        done = allocate(claim, self.slices, self.classes, self.allocated, "dgx-h100")
         (result,) = done["status"]["allocation"]["devices"]["results"]
         self.allocated.add((result["driver"], result["pool"], result["device"]))
         return result["device"]
@@ -199,7 +200,8 @@ def dynamic_world(world: World) -> None:
     """Turn dynamic MIG on in the world's config and wait for GPU 0's partitions."""
     world.api.wait_for(lambda: world.devices() == ["gpu-1"], DEADLINE)  # GPU 0: MIG on, no instance, no dynamicMig
     (world.base / "config.yaml").write_text(DYNAMIC)
-    world.api.wait_for(lambda: len(world.devices()) == 27, DEADLINE)  # GPU 0: whole + 25 partitions; GPU 1 whole
+    world.api.wait_for(lambda: len(world.devices()) == 26, DEADLINE)  # GPU 0: 25 partitions (MIG on, an A100: never
+    # whole, it cannot be prepared so), GPU 1 whole
     world.api.create("deviceclasses", {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
                                        "metadata": {"name": "mig.nvidia.com"},
                                        "spec": {"selectors": [{"cel": {"expression": MIG_CLASS}}]}})  # fmt: skip
@@ -351,7 +353,7 @@ migLayout:
 def test_a_static_layout_never_touches_a_dynamic_mig_gpu(world: World, caplog: pytest.LogCaptureFixture) -> None:
     world.api.wait_for(lambda: world.devices() == ["gpu-1"], DEADLINE)
     (world.base / "config.yaml").write_text(LAYOUT_TOO)
-    world.api.wait_for(lambda: len(world.devices()) == 27, DEADLINE)  # GPU 0's partitions, GPU 1 whole
+    world.api.wait_for(lambda: len(world.devices()) == 26, DEADLINE)  # GPU 0's partitions, GPU 1 whole
     test_dra_e2e.poll(lambda: world.agent.status.mig_state == "success", "the MIG layout applied")
     assert instances(world) == {}  # the layout's seven 1g.10gb were never made on GPU 0
     assert "the MIG layout leaves GPUs 0 alone: dra.dynamicMig makes their MIG devices per claim" in caplog.text

@@ -338,7 +338,8 @@ def test_a_claim_that_cannot_be_prepared_says_why_and_whether_a_retry_can_help(
     assert answer.retriable is retriable
 
 
-def test_a_partition_of_a_dynamic_mig_gpu_is_planned_and_the_whole_gpu_is_refused():
+def test_a_partition_and_the_whole_of_a_dynamic_mig_gpu_are_planned():
+    """The whole GPU is published only where it can be prepared (MIG mode off, or switched off at Prepare)."""
     counters = {"gpu-0-counter-set": {"memory-slice-0": 1}}
     devices = {
         "gpu-0": Dev("gpu-0", "gpu", "GPU-aaaa", consumes_counters=counters),
@@ -350,4 +351,4 @@ def test_a_partition_of_a_dynamic_mig_gpu_is_planned_and_the_whole_gpu_is_refuse
     answer = plan_prepare(REF, claim([result("gpu-0-mig-1g10gb-19-0")]), driver=DRIVER, pool=POOL, devices=devices)
     assert isinstance(answer, PreparePlan) and answer.devices[0].info.placement == (0, 1)
     answer = plan_prepare(REF, claim([result("gpu-0")]), driver=DRIVER, pool=POOL, devices=devices)
-    assert isinstance(answer, ClaimError) and "whole GPU in dynamic-MIG mode" in answer.message
+    assert isinstance(answer, PreparePlan) and answer.devices[0].info.placement is None

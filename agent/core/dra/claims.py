@@ -248,12 +248,6 @@ def plan_prepare(
                 "or re-partitioned since the claim was allocated"
             )
             continue
-        if info.consumes_counters and info.placement is None:  # the whole of a dynamic-MIG GPU
-            problems.append(
-                f'requested device "{name}" is a whole GPU in dynamic-MIG mode: its MIG mode stays on, so it is '
-                "handed out as its largest partition; request that MIG device instead (it excludes the same others)"
-            )
-            continue
         if not admin and name in unhealthy:
             reason = unhealthy[name]
             problems.append(f'requested device "{name}" ({info.uuid}) is Unhealthy' + (f": {reason}" if reason else ""))

@@ -141,7 +141,8 @@ def dra_devices(
 
     ``pcie_roots`` maps a PCI bus ID in the attribute's spelling (``0000:18:00.0``) to its PCIe root
     (``pci0000:00``); GPUs without an entry get no ``pcieRoot`` attribute. GPUs in ``dynamic_mig`` (UUIDs) are
-    listed as partitionable devices (``partitions``): the full GPU and every MIG profile and placement. GPUs in
+    listed as partitionable devices (``partitions``): every MIG profile and placement, and the full GPU where it can
+    be prepared whole; one whose MIG mode is off and cannot change without a reset is listed as a plain GPU. GPUs in
     ``shared`` (UUIDs) that are whole GPUs (MIG off) are listed for memory-sized shares (``shares``), a claim that
     asks for no memory getting ``default_share`` bytes of one (None: all of it).
     """
@@ -152,10 +153,11 @@ def dra_devices(
         common = _common_attributes(gpu, inventory, pcie_roots or {})
         catalog = mig_catalog(gpu.pci_device_id) if gpu.uuid in dynamic_mig else None
         if catalog is not None:
-            from agent.core.dra.partitions import partitionable_devices  # it builds on this module
+            from agent.core.dra.partitions import partitionable_devices, partitioned  # they build on this module
 
-            devices.extend(partitionable_devices(gpu, catalog, common))
-            continue
+            if partitioned(gpu):  # else (MIG off, not switchable without a reset) a plain GPU, below
+                devices.extend(partitionable_devices(gpu, catalog, common))
+                continue
         if not gpu.mig_enabled:
             device = _gpu_device(gpu, common)
             if gpu.uuid in shared:
