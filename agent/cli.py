@@ -880,11 +880,13 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
                 notes.append("the config does not enable dra: showing every GPU as DRA would publish it")
         node_name = args.node_name or _spec_node_name(args.node)
         dynamic = dynamic_mig_gpus(section.dynamic_mig, chosen, inventory) if section is not None else frozenset()
-        shared = shared_gpus(section.gpu_shares, chosen, dynamic, inventory) if section is not None else frozenset()
+        shared = shared_gpus(section.shared_gpus, chosen, dynamic, inventory) if section is not None else frozenset()
         default_share = section.default_share if section is not None else None
+        mode = section.share_mode if section is not None else "memory"
         devices = dra_devices(
-            inventory, gpu_uuids=chosen, dynamic_mig=dynamic, shared=shared, default_share=default_share
-        )
+            inventory, gpu_uuids=chosen, dynamic_mig=dynamic, shared=shared, default_share=default_share,
+            share_mode=mode,
+        )  # fmt: skip
         kubernetes = args.kubernetes_version or DEFAULT_KUBERNETES
         layout = layout_for(f"v{kubernetes}.0")
         slices = resource_slices(
@@ -908,7 +910,7 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
         notes.append(note)
     in_mig_mode = [str(g.index) for g in inventory.gpus if g.uuid in shared and g.mig_enabled]
     if in_mig_mode:
-        notes.append(f"GPUs {', '.join(in_mig_mode)} are in MIG mode: shared through their MIG devices, not by memory")
+        notes.append(f"GPUs {', '.join(in_mig_mode)} are in MIG mode: each of their MIG devices is shared")
     if not args.node_uid:
         notes.append(
             "ownerReferences name the Node by a placeholder UID; give --node-uid "

@@ -89,6 +89,7 @@ class DraManager:
         self._dynamic_mig: object = None  # the config's dra.dynamicMig
         self._gpu_shares: object = None  # the config's dra.gpuShares
         self._default_share: int | None = None  # ... and dra.defaultShare (bytes)
+        self._share_mode: str | int = "memory"  # ... and dra.consumableShares (NVIDIA's mode)
         self._seen_made: set[str] = set()  # MIG devices made for claims that a read after their making covered
         self._first_read: dict[str, Inventory | None] = {}  # made MIG device -> the loop's inventory when first known
         self._published: Inventory | None = None  # the inventory of the last publish
@@ -118,6 +119,7 @@ class DraManager:
         dynamic_mig: object = None,
         gpu_shares: object = None,
         default_share: int | None = None,
+        share_mode: str | int = "memory",
     ) -> None:
         """The config's ``dra`` section on this node; ``OwnershipError`` when ``gpus`` names GPUs it lacks,
         ``dynamic_mig`` GPUs DRA does not serve or that cannot do MIG, or ``gpu_shares`` GPUs DRA does not serve
@@ -128,6 +130,7 @@ class DraManager:
         self._dynamic_mig = dynamic_mig if enabled else None
         self._gpu_shares = gpu_shares if enabled else None
         self._default_share = default_share
+        self._share_mode = share_mode
         if wanted and self._front is None:
             client = self._api_client()
             if client is None:
@@ -275,6 +278,7 @@ class DraManager:
             dynamic_mig=self._dynamic_gpus(inventory),
             shared=self._shared_gpus(inventory),
             default_share=self._default_share,
+            share_mode=self._share_mode,
         )
         offered = [d for d in devices if d.gpu_uuid in self._wanted and d.gpu_uuid not in stale]
         self._unclaimed = self._find_unclaimed(inventory)

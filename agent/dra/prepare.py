@@ -50,6 +50,7 @@ from agent.core.dra.checkpoint import (
 from agent.core.dra.claims import ClaimError, ClaimRef, PreparableDevice, PreparePlan, plan_prepare
 from agent.core.dra.mps import MpsRecord, client_edits, mps_record, share_record
 from agent.core.dra.opaque import OpaqueConfigError
+from agent.core.dra.shares import MEMORY, limits
 from agent.dra.cdi_store import CdiStore, CdiStoreError
 from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
 from agent.dra.claims_api import ClaimReader, ClaimsUnavailable, ClaimUnreadable
@@ -326,7 +327,8 @@ class ClaimWorker:
         mps = [d for d in plan.devices if d.mps is not None]
         share = next((d for d in plan.devices if d.mps_share is not None), None)
         if share is not None:  # plan_prepare allows one share and no MPS devices beside it
-            record = share_record(devices[share.device].uuid, share.mps_share)  # type: ignore[arg-type]
+            held = limits(share.info, share.mps_share)  # type: ignore[arg-type]
+            record = share_record(devices[share.device].uuid, held, share.info.capacity.get(MEMORY, 0) >> 20)
         elif mps:
             record = mps_record([devices[d.device].uuid for d in mps], mps[0].mps)  # type: ignore[arg-type]
         else:
