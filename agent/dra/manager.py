@@ -173,7 +173,7 @@ class DraManager:
         from agent.core.dra.mps import KEY_PREFIX
 
         states = {
-            key: (str(entry.get("state")), entry.get("error"))  # type: ignore[misc]
+            key: (str(entry.get("state")), entry.get("error"), entry.get("limits"))  # type: ignore[misc]
             for key, entry in status.items()
             if key.startswith(f"{KEY_PREFIX}/")
         }

@@ -39,6 +39,7 @@ from agent.core.dra.checkpoint import (
     PreparedClaim,
     PreparedDevice,
     held_devices,
+    mps_records,
     planned_mig,
     prepare_completed,
     prepare_started,
@@ -48,7 +49,7 @@ from agent.core.dra.checkpoint import (
     without_mps,
 )
 from agent.core.dra.claims import ClaimError, ClaimRef, PreparableDevice, PreparePlan, plan_prepare
-from agent.core.dra.mps import MpsRecord, client_edits, mps_record, share_record
+from agent.core.dra.mps import MpsRecord, client_edits, mps_record, records_specs, share_record
 from agent.core.dra.opaque import OpaqueConfigError
 from agent.core.dra.shares import MEMORY, limits
 from agent.dra.cdi_store import CdiStore, CdiStoreError
@@ -125,7 +126,7 @@ class ClaimWorker:
         partitions: Partitions | None = None,
         timeslices: Timeslices | None = None,
         changed: Callable[[], None] = lambda: None,
-        mps_ready: Callable[[str, float], str | None] = lambda key, timeout: "no MPS manager runs for DRA here",
+        mps_ready: Callable[..., str | None] = lambda key, timeout, limits=None: "no MPS manager runs for DRA here",
         mps_root: Callable[[], str] = lambda: "/run/nvidia/mps",
         ledger: DeviceLedger | None = None,
     ) -> None:
@@ -152,7 +153,7 @@ class ClaimWorker:
             timeslices = NvidiaSmiTimeslices()
         self._timeslices = timeslices
         self._changed = changed  # told after every Prepare and Unprepare call
-        self._mps_ready = mps_ready  # (daemon key, timeout) -> None once the daemon is ready, else why not
+        self._mps_ready = mps_ready  # (daemon key, timeout, limits) -> None once it is ready (holding them), else why
         self._mps_root = mps_root  # the MPS root on the host now (the config's mpsRoot), for the clients' mounts
         self.checkpoint: Checkpoint = checkpoints.load()
 
@@ -337,7 +338,9 @@ class ClaimWorker:
         self._store.save(staged)
         self.checkpoint = staged
         self._changed()  # the loop reads the daemons it must run from the checkpoint
-        problem = self._mps_ready(record.key, MPS_READY_SECONDS)
+        # a share's daemon holds the shares' limits: wait until it holds the ones with this claim's share in them
+        wanted = next((s.limits for s in records_specs(mps_records(staged)) if s.key == record.key), None)
+        problem = self._mps_ready(record.key, MPS_READY_SECONDS, wanted if record.share is not None else None)
         if problem is not None:
             devices_text = ", ".join(record.devices)
             raise MpsNotReady(f"its MPS daemon ({record.key}, devices {devices_text}) is not ready: {problem}")

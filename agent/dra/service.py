@@ -111,7 +111,7 @@ class DraService:
         device_nodes: DeviceNodes | None = None,
         timeslices: Timeslices | None = None,
         claims_changed: Callable[[], None] = lambda: None,
-        mps_ready: Callable[[str, float], str | None] = lambda key, timeout: "no MPS manager runs for DRA here",
+        mps_ready: Callable[..., str | None] = lambda key, timeout, limits=None: "no MPS manager runs for DRA here",
         mps_root: Callable[[], str] = lambda: "/run/nvidia/mps",
         health_timeout_seconds: int = HEALTH_TIMEOUT_SECONDS,
         loop: GrpcLoop | None = None,
