@@ -230,9 +230,11 @@ class DraService:
 
     def claims(self) -> list[dict[str, object]]:
         """The recorded claims as the status shows them: name, state, devices, and what Prepare made for them."""
+        from agent.core.dra.mps import enforcement_entry, share_enforcement
         from agent.core.dra.opaque import INTERVALS
 
         levels = {level: name for name, level in INTERVALS.items()}
+        records = mps_records(self._claims.checkpoint)
         shown = []
         for uid, claim in sorted(self._claims.checkpoint.claims.items(), key=lambda c: (c[1].namespace, c[1].name)):
             devices = []
@@ -244,6 +246,11 @@ class DraService:
                     entry["timeslice"] = levels.get(device.timeslice.level, str(device.timeslice.level))
                 if device.share is not None:
                     entry["share"] = {"memory": device.share.memory, "computePercent": device.share.compute_percent}
+                    if device.share.shares:
+                        entry["share"]["shares"] = device.share.shares  # type: ignore[index]
+                    held = share_enforcement(claim.mps, records) if claim.mps is not None else None
+                    if held is not None:
+                        entry["enforcement"] = enforcement_entry(held)
                 devices.append(entry)
             shown.append({"claim": f"{claim.namespace}/{claim.name}", "uid": uid, "state": claim.state,
                           "devices": devices})  # fmt: skip

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from agent.core.dra.opaque import MpsConfig, pinned_memory_limits
-from agent.core.dra.shares import Enforcement, Limits, client_env, enforced_by, server_limits
+from agent.core.dra.shares import Enforcement, Limits, client_env, enforced_by, enforcement_note, server_limits
 from agent.core.mps import CONTAINER_MPS_ROOT, MpsDaemonSpec
 
 KEY_PREFIX = "dra"
@@ -157,3 +157,21 @@ def records_specs(records: Mapping[str, MpsRecord]) -> tuple[MpsDaemonSpec, ...]
             pinned_memory_mib=tuple((uuid, memory) for uuid in spec.visible_devices) if memory else (),
         )
     return tuple(specs.values())
+
+
+def enforcement_entry(held: ShareEnforcement) -> dict[str, object]:
+    """A share's enforcement as ``tessera status`` (JSON) shows it: per limit, the limit, the server default and what
+    holds it (``mps-server-exact``, ``mps-server-ceiling``, ``driver``, ``advisory``; absent: no such limit), and
+    the sentence the text form and the claim's Events use."""
+    entry: dict[str, object] = {}
+    parts = []
+    for what, limit, server, how, unit in (
+        ("memory", held.limits.memory_mib, held.server.memory_mib, held.memory, "Mi"),
+        ("compute", held.limits.threads, held.server.threads, held.threads, "%"),
+    ):
+        if how is not None:
+            entry[what] = {"limit": limit, "server": server, "by": str(how)}
+        parts.append(enforcement_note(what, limit, server, how, unit))
+    entry["advisory"] = held.advisory
+    entry["note"] = "; ".join(parts)
+    return entry
