@@ -131,7 +131,9 @@ class DraFrontEnd:
         return claim_devices(self._service.checkpoint())
 
     def claims(self) -> list[dict[str, object]]:
-        return self._service.claims() if self._service is not None else []
+        with self._mps_cond:
+            held = {key: limits for key, (_, _, limits) in self._mps_states.items() if limits is not None}
+        return self._service.claims(held) if self._service is not None else []
 
     def register_again(self) -> None:
         if self._registrar is not None:

@@ -228,8 +228,9 @@ class DraService:
         """Claim UID -> the MPS daemon it needs (a consistent view: the checkpoint is replaced whole)."""
         return mps_records(self._claims.checkpoint)
 
-    def claims(self) -> list[dict[str, object]]:
-        """The recorded claims as the status shows them: name, state, devices, and what Prepare made for them."""
+    def claims(self, held: Mapping[str, object] | None = None) -> list[dict[str, object]]:
+        """The recorded claims as the status shows them: name, state, devices, and what Prepare made for them; for a
+        share, what holds its limits (``held``: daemon key -> the limits the daemon holds now)."""
         from agent.core.dra.mps import enforcement_entry, share_enforcement
         from agent.core.dra.opaque import INTERVALS
 
@@ -248,9 +249,11 @@ class DraService:
                     entry["share"] = {"memory": device.share.memory, "computePercent": device.share.compute_percent}
                     if device.share.shares:
                         entry["share"]["shares"] = device.share.shares  # type: ignore[index]
-                    held = share_enforcement(claim.mps, records) if claim.mps is not None else None
-                    if held is not None:
-                        entry["enforcement"] = enforcement_entry(held)
+                    record = claim.mps if claim.state == PREPARE_COMPLETED else None  # held once prepared
+                    now = (held or {}).get(record.key) if record is not None else None
+                    enforced = share_enforcement(record, records, now) if record is not None else None
+                    if enforced is not None:
+                        entry["enforcement"] = enforcement_entry(enforced)
                 devices.append(entry)
             shown.append({"claim": f"{claim.namespace}/{claim.name}", "uid": uid, "state": claim.state,
                           "devices": devices})  # fmt: skip

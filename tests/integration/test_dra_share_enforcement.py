@@ -11,6 +11,7 @@ spec gives it. A container can drop those variables; what holds it then is the d
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -57,9 +58,14 @@ def status_text(world: World) -> str:
     return render_text(status_document(world.agent.status, version="t"))
 
 
-def said(world: World, text: str) -> str:
-    """Wait until ``tessera status`` says ``text``."""
-    return test_dra_e2e.poll(lambda: status_text(world) if text in status_text(world) else None, f"status: {text}")
+def said(world: World, *texts: str) -> str:
+    """Wait until ``tessera status`` says each of ``texts``; what it says then."""
+
+    def saying() -> str | None:
+        text = status_text(world)
+        return text if all(t in text for t in texts) else None
+
+    return test_dra_e2e.poll(saying, f"status: {'; '.join(texts)}")
 
 
 def run_pod(world: World, claim: str) -> None:
@@ -96,17 +102,27 @@ def test_equal_shares_hold_a_client_that_dropped_its_variables_to_its_share(worl
 
 
 def test_unequal_shares_the_server_holds_the_largest_and_status_says_the_smaller_is_advisory_until_it_is_not(
-    world: World, shares: Path
+    world: World, shares: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="agent.events")  # the stand-in API server serves no Events: they are logged
     small = share_claim(world, "small", memory="10Gi")
     share_claim(world, "large", memory="20Gi", computePercent="30")
     run_pod(world, "small")
     run_pod(world, "large")
     (key,) = dra_daemons(world)
     uuid = world.driver.gpus[0].uuid
-    text = said(world, "memory 10240Mi advisory: the MPS server holds 20480Mi")
-    assert "memory 20480Mi held by the MPS server" in text  # the large share is held exactly
-    assert "compute 30% advisory: only the client's CUDA_MPS_* variables hold it" in text  # small asked none
+    said(
+        world,
+        "memory 10240Mi advisory: the MPS server holds 20480Mi",
+        "memory 20480Mi held by the MPS server",  # the large share is held exactly
+        "compute 30% advisory: only the client's CUDA_MPS_* variables hold it",  # the small one asked for none
+    )
+    event = test_dra_e2e.poll(
+        lambda: next((r.getMessage() for r in caplog.records if "reason=ShareLimitAdvisory" in r.getMessage()
+                      and "ResourceClaim/default/small" in r.getMessage()), None),
+        "a Warning Event on the small claim",
+    )  # fmt: skip
+    assert "type=Warning" in event and "memory 10240Mi advisory: the MPS server holds 20480Mi" in event
     # a client of the small claim without its variables: past its share (advisory, as said), not past the ceiling
     status, lines = run_client(shares, key, uuid, 10241, 10239, 1)
     assert lines[0]["pinned_limit_mib"] == 20480

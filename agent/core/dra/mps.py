@@ -115,12 +115,18 @@ def daemon_limits(records: Mapping[str, MpsRecord]) -> dict[str, Limits]:
     return {key: server_limits(limits) for key, limits in shares.items()}
 
 
-def share_enforcement(record: MpsRecord, records: Mapping[str, MpsRecord]) -> ShareEnforcement | None:
+def share_enforcement(
+    record: MpsRecord, records: Mapping[str, MpsRecord], held: object = None
+) -> ShareEnforcement | None:
     """How ``record``'s share is held next to the other recorded claims' (``records``, claim -> record); None for a
-    record that is not a share. Issue 27's driver limits will hold memory where the driver can."""
+    record that is not a share. ``held`` is what the daemon holds now (``MpsDaemonSpec.limits`` of its last good
+    setting, from the MPS manager): while it is being set to new limits, the old ones are what hold a new client.
+    Issue 27's driver limits will hold memory where the driver can."""
     if record.share is None:
         return None
     server = daemon_limits(records).get(record.key, Limits(None, None))
+    if held is not None:
+        server = _held(held, record.share.device_mib)
     mine = record.share.limits
     return ShareEnforcement(
         limits=mine,
@@ -157,6 +163,17 @@ def records_specs(records: Mapping[str, MpsRecord]) -> tuple[MpsDaemonSpec, ...]
             pinned_memory_mib=tuple((uuid, memory) for uuid in spec.visible_devices) if memory else (),
         )
     return tuple(specs.values())
+
+
+def _held(held: object, device_mib: int) -> Limits:
+    """A daemon's limits (thread percentage, ((uuid, MiB), ...)) as server Limits: 100% and the device's whole
+    memory are no limit."""
+    threads, pinned = held  # type: ignore[misc]
+    memory = min((mib for _, mib in pinned), default=None)
+    return Limits(
+        memory_mib=None if memory is None or memory >= device_mib > 0 else memory,
+        threads=None if threads >= NO_THREAD_LIMIT else threads,
+    )
 
 
 def enforcement_entry(held: ShareEnforcement) -> dict[str, object]:
