@@ -116,12 +116,13 @@ def daemon_limits(records: Mapping[str, MpsRecord]) -> dict[str, Limits]:
 
 
 def share_enforcement(
-    record: MpsRecord, records: Mapping[str, MpsRecord], held: object = None
+    record: MpsRecord, records: Mapping[str, MpsRecord], held: object = None, *, driver_memory: bool = False
 ) -> ShareEnforcement | None:
     """How ``record``'s share is held next to the other recorded claims' (``records``, claim -> record); None for a
     record that is not a share. ``held`` is what the daemon holds now (``MpsDaemonSpec.limits`` of its last good
     setting, from the MPS manager): while it is being set to new limits, the old ones are what hold a new client.
-    Issue 27's driver limits will hold memory where the driver can."""
+    ``driver_memory``: the driver holds the claim's containers to their memory (issue 27's per-container limits,
+    where the driver and the device allow them); then memory is ``driver``-held whatever the server's ceiling."""
     if record.share is None:
         return None
     server = daemon_limits(records).get(record.key, Limits(None, None))
@@ -131,7 +132,7 @@ def share_enforcement(
     return ShareEnforcement(
         limits=mine,
         server=server,
-        memory=enforced_by(mine.memory_mib, server.memory_mib),
+        memory=enforced_by(mine.memory_mib, server.memory_mib, driver=driver_memory),
         threads=enforced_by(mine.threads, server.threads),
     )
 
