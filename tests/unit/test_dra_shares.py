@@ -245,3 +245,46 @@ def test_a_request_policy_for_a_capacity_the_device_lacks_is_refused_before_publ
 def test_a_default_share_is_what_a_claim_that_asks_for_no_memory_gets_and_never_more_than_the_gpu() -> None:
     assert shareable(GPU, 10 * GIB).request_policies["memory"].default == 10 * GIB
     assert shareable(GPU, 100 * GIB).request_policies["memory"].default == 80 * GIB
+
+
+def test_a_shares_enforcement_follows_what_its_daemon_holds_now_and_the_driver_when_it_holds_memory() -> None:
+    from agent.core.dra.mps import records_specs, share_enforcement, share_record
+
+    small = share_record("GPU-0000", Limits(10240, None), 81920)
+    large = share_record("GPU-0000", Limits(20480, 30), 81920)
+    records = {"a": small, "b": large}
+    (spec,) = records_specs(records)
+    assert spec.limits == (100, (("GPU-0000", 20480),))  # the largest memory; a share without compute: no limit
+    held = share_enforcement(small, records)
+    assert held is not None and held.memory is Enforcement.MPS_SERVER_CEILING and held.advisory
+    alone = {"a": small}
+    assert records_specs(alone)[0].limits == (100, (("GPU-0000", 10240),))
+    # the daemon still holds the old ceiling (it is being set to the new one): that is what a new client meets
+    now = share_enforcement(small, alone, (100, (("GPU-0000", 20480),)))
+    assert now is not None and now.memory is Enforcement.MPS_SERVER_CEILING
+    done = share_enforcement(small, alone, records_specs(alone)[0].limits)
+    assert done is not None and done.memory is Enforcement.MPS_SERVER_EXACT and not done.advisory
+    driver = share_enforcement(small, records, driver_memory=True)  # issue 27
+    assert driver is not None and driver.memory is Enforcement.DRIVER
+    unlimited = {"a": small, "u": share_record("GPU-0000", Limits(None, None), 81920)}
+    assert records_specs(unlimited)[0].limits == (100, (("GPU-0000", 81920),))  # no ceiling: the whole memory
+    free = share_enforcement(small, unlimited, records_specs(unlimited)[0].limits)
+    assert free is not None and free.memory is Enforcement.ADVISORY
+
+
+def test_an_advisory_share_is_announced_on_its_claim_once_per_change() -> None:
+    from agent.core.announce import _shares
+
+    class View:
+        def __init__(self, note: str | None) -> None:
+            device = {"device": "gpu-0"}
+            if note is not None:
+                device["enforcement"] = {"advisory": "advisory" in note, "note": note}  # type: ignore[assignment]
+            self.dra = {"claims": [{"claim": "ml/small", "uid": "u-1", "devices": [device]}]}
+
+    exact, advisory = View("memory 10240Mi held by the MPS server"), View("memory 10240Mi advisory: …")
+    assert _shares(exact, advisory)[0].regarding == {  # type: ignore[arg-type]
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "namespace": "ml", "name": "small", "uid": "u-1",
+    }  # fmt: skip
+    assert _shares(advisory, View("memory 10240Mi advisory: …")) == []  # type: ignore[arg-type]
+    assert _shares(advisory, exact) == []  # type: ignore[arg-type]
