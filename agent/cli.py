@@ -942,6 +942,8 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
                     given = "all" if policy["default"] == memory["value"] else policy["default"]
                     step = policy["validRange"]["step"]
                     shares = f"  shared: memory in {step} steps ({given} if not asked), computePercent 0-100"
+                    count = device["capacity"].get("shares", {}).get("value")
+                    shares += f", {count} shares (1 if not asked)" if count else ""
                 print(f"  {device['name']:<28} {kind:<4} {what:<26} memory {memory.get('value', '-')}{shares}")
     return EXIT_OK
 
