@@ -228,6 +228,11 @@ class DraService:
         """Claim UID -> the MPS daemon it needs (a consistent view: the checkpoint is replaced whole)."""
         return mps_records(self._claims.checkpoint)
 
+    LEGACY_SHARE = (
+        "limits advisory: prepared before the MPS server held shares, only the client's CUDA_MPS_* variables hold "
+        "them until the claim is prepared again"
+    )
+
     def claims(self, held: Mapping[str, object] | None = None) -> list[dict[str, object]]:
         """The recorded claims as the status shows them: name, state, devices, and what Prepare made for them; for a
         share, what holds its limits (``held``: daemon key -> the limits the daemon holds now)."""
@@ -254,6 +259,8 @@ class DraService:
                     enforced = share_enforcement(record, records, now) if record is not None else None
                     if enforced is not None:
                         entry["enforcement"] = enforcement_entry(enforced)
+                    elif record is not None:  # recorded by a Tessera whose MPS server did not hold shares
+                        entry["enforcement"] = {"advisory": True, "note": self.LEGACY_SHARE}
                 devices.append(entry)
             shown.append({"claim": f"{claim.namespace}/{claim.name}", "uid": uid, "state": claim.state,
                           "devices": devices})  # fmt: skip

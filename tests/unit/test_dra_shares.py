@@ -288,3 +288,11 @@ def test_an_advisory_share_is_announced_on_its_claim_once_per_change() -> None:
     }  # fmt: skip
     assert _shares(advisory, View("memory 10240Mi advisory: …")) == []  # type: ignore[arg-type]
     assert _shares(advisory, exact) == []  # type: ignore[arg-type]
+
+
+def test_a_share_recorded_before_records_kept_limits_lifts_the_server_limit_rather_than_cap_it() -> None:
+    from agent.core.dra.mps import MpsRecord, records_specs, share_record
+
+    new = share_record("GPU-0000", Limits(10240, None), 81920)
+    old = MpsRecord(new.key, new.devices, ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=GPU-0000=20480M",))  # an older agent's
+    assert records_specs({"a": new, "b": old})[0].limits == (100, (("GPU-0000", 81920),))

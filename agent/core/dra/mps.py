@@ -112,6 +112,9 @@ def daemon_limits(records: Mapping[str, MpsRecord]) -> dict[str, Limits]:
     for record in records.values():
         if record.share is not None:
             shares.setdefault(record.key, []).append(record.share.limits)
+    for record in records.values():  # a share recorded before records kept its limits: the server must not hold it
+        if record.share is None and record.key in shares:
+            shares[record.key].append(Limits(None, None))
     return {key: server_limits(limits) for key, limits in shares.items()}
 
 
