@@ -685,8 +685,9 @@ class Agent:
             self._inventory,
             self._clock(),
             dynamic_mig=section.dynamic_mig if section else None,
-            gpu_shares=section.gpu_shares if section else None,
+            gpu_shares=section.shared_gpus if section else None,
             default_share=section.default_share if section else None,
+            share_mode=section.share_mode if section else "memory",
         )
 
     def _dra_settings(self, driver: str) -> DraSettings:

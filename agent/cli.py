@@ -879,12 +879,18 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
                 notes.append("the config does not enable dra: showing every GPU as DRA would publish it")
         node_name = args.node_name or _spec_node_name(args.node)
         dynamic = dynamic_mig_gpus(section.dynamic_mig, chosen, inventory) if section is not None else frozenset()
-        shared = shared_gpus(section.gpu_shares, chosen, dynamic, inventory) if section is not None else frozenset()
+        shared = shared_gpus(section.shared_gpus, chosen, dynamic, inventory) if section is not None else frozenset()
         default_share = section.default_share if section is not None else None
         # the agent's own publishing path (agent.dra.manager.publish): what is shown is what it publishes
         roots = _pcie_roots(inventory, chosen) if not args.node or args.node == "local" else {}  # sysfs: real GPUs
         pool = dra_pool(
-            inventory, served=chosen, dynamic_mig=dynamic, shared=shared, default_share=default_share, pcie_roots=roots
+            inventory,
+            served=chosen,
+            dynamic_mig=dynamic,
+            shared=shared,
+            default_share=default_share,
+            pcie_roots=roots,
+            share_mode=section.share_mode if section is not None else "memory",
         )
         devices = pool.offered
         kubernetes = args.kubernetes_version or DEFAULT_KUBERNETES
@@ -909,7 +915,7 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
         notes.append(note)
     in_mig_mode = [str(g.index) for g in inventory.gpus if g.uuid in shared and g.mig_enabled]
     if in_mig_mode:
-        notes.append(f"GPUs {', '.join(in_mig_mode)} are in MIG mode: shared through their MIG devices, not by memory")
+        notes.append(f"GPUs {', '.join(in_mig_mode)} are in MIG mode: each of their MIG devices is shared")
     if not args.node_uid:
         notes.append(
             "ownerReferences name the Node by a placeholder UID; give --node-uid "
@@ -941,6 +947,8 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
                     given = "all" if policy["default"] == memory["value"] else policy["default"]
                     step = policy["validRange"]["step"]
                     shares = f"  shared: memory in {step} steps ({given} if not asked), computePercent 0-100"
+                    count = device["capacity"].get("shares", {}).get("value")
+                    shares += f", {count} shares (1 if not asked)" if count else ""
                 print(f"  {device['name']:<28} {kind:<4} {what:<26} memory {memory.get('value', '-')}{shares}")
     return EXIT_OK
 

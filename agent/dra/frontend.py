@@ -50,7 +50,7 @@ class DraFrontEnd:
         self._publisher: Any = None
         self._registered_once = False
         self._mps_cond = threading.Condition()
-        self._mps_states: dict[str, tuple[str, str | None]] = {}
+        self._mps_states: dict[str, tuple[str, str | None, object]] = {}  # key -> (state, error, limits held)
         self._mps_root = settings.mps_root
         self._stopping = threading.Event()  # set by stop(): every wait of a claim worker ends
         self._checkpoint_lock: Any = None  # agent.plugin.lock.DirLock of the driver's plugin directory
@@ -101,25 +101,28 @@ class DraFrontEnd:
     def mps_records(self) -> dict[str, Any]:
         return self._service.mps_records() if self._service is not None else {}
 
-    def mps_changed(self, states: Mapping[str, tuple[str, str | None]], root: str) -> None:
-        """The loop's word on the MPS daemons DRA claims use: key -> (state, last error), and the MPS root."""
+    def mps_changed(self, states: Mapping[str, tuple[str, str | None, object]], root: str) -> None:
+        """The loop's word on the MPS daemons DRA claims use: key -> (state, last error, the limits it holds), and
+        the MPS root."""
         with self._mps_cond:
             self._mps_states, self._mps_root = dict(states), root
             self._mps_cond.notify_all()
 
-    def _wait_mps(self, key: str, timeout: float) -> str | None:
-        """Worker: None once the daemon ``key`` is ready; why not when it failed or did not answer in time."""
+    def _wait_mps(self, key: str, timeout: float, limits: object = None) -> str | None:
+        """Worker: None once the daemon ``key`` is ready (holding ``limits``, when given: a share's daemon whose
+        server defaults change with the shares); why not when it failed or did not answer in time."""
 
         def settled() -> bool:
-            state, error = self._mps_states.get(key, ("pending", None))
-            return state == "ready" or (state == "down" and error is not None) or self._stopping.is_set()
+            state, error, held = self._mps_states.get(key, ("pending", None, None))
+            ready = state == "ready" and (limits is None or held == limits)
+            return ready or (state == "down" and error is not None) or self._stopping.is_set()
 
         with self._mps_cond:
             if not self._mps_cond.wait_for(settled, timeout):
                 return f"it did not answer within {timeout:.0f} s"
             if self._stopping.is_set():  # the loop that would say "ready" has stopped: do not wait for it
                 return "the agent is stopping"
-            state, error = self._mps_states[key]
+            state, error, _ = self._mps_states[key]
         return None if state == "ready" else error
 
     def dropped_gates(self) -> tuple[str, ...]:
@@ -135,7 +138,9 @@ class DraFrontEnd:
         return claim_devices(self._service.checkpoint())
 
     def claims(self) -> list[dict[str, object]]:
-        return self._service.claims() if self._service is not None else []
+        with self._mps_cond:
+            held = {key: limits for key, (_, _, limits) in self._mps_states.items() if limits is not None}
+        return self._service.claims(held) if self._service is not None else []
 
     def register_again(self) -> None:
         if self._registrar is not None:

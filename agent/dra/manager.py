@@ -89,6 +89,7 @@ class DraManager:
         self._dynamic_mig: object = None  # the config's dra.dynamicMig
         self._gpu_shares: object = None  # the config's dra.gpuShares
         self._default_share: int | None = None  # ... and dra.defaultShare (bytes)
+        self._share_mode: str | int = "memory"  # ... and dra.consumableShares (NVIDIA's mode)
         self._seen_made: set[str] = set()  # MIG devices made for claims that a read after their making covered
         self._first_read: dict[str, Inventory | None] = {}  # made MIG device -> the loop's inventory when first known
         self._published: Inventory | None = None  # the inventory of the last publish
@@ -119,6 +120,7 @@ class DraManager:
         dynamic_mig: object = None,
         gpu_shares: object = None,
         default_share: int | None = None,
+        share_mode: str | int = "memory",
     ) -> None:
         """The config's ``dra`` section on this node; ``OwnershipError`` when ``gpus`` names GPUs it lacks,
         ``dynamic_mig`` GPUs DRA does not serve or that cannot do MIG, or ``gpu_shares`` GPUs DRA does not serve
@@ -129,6 +131,7 @@ class DraManager:
         self._dynamic_mig = dynamic_mig if enabled else None
         self._gpu_shares = gpu_shares if enabled else None
         self._default_share = default_share
+        self._share_mode = share_mode
         if wanted and self._front is None:
             client = self._api_client()
             if client is None:
@@ -171,7 +174,7 @@ class DraManager:
         from agent.core.dra.mps import KEY_PREFIX
 
         states = {
-            key: (str(entry.get("state")), entry.get("error"))  # type: ignore[misc]
+            key: (str(entry.get("state")), entry.get("error"), entry.get("limits"))  # type: ignore[misc]
             for key, entry in status.items()
             if key.startswith(f"{KEY_PREFIX}/")
         }
@@ -275,6 +278,7 @@ class DraManager:
             offered_gpus=frozenset(g for g in self._wanted if g not in stale),
             claimed_placements={g.uuid: recorded.claimed_placements(g.uuid) for g in inventory.gpus},
             claimed_migs=recorded.claimed_migs(),
+            share_mode=self._share_mode,
         )
         devices, offered = pool.devices, pool.offered
         self._unclaimed = pool.unclaimed  # a claim allocated a placement one covers could never be prepared

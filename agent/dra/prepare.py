@@ -39,6 +39,7 @@ from agent.core.dra.checkpoint import (
     PreparedClaim,
     PreparedDevice,
     held_devices,
+    mps_records,
     planned_mig,
     prepare_completed,
     prepare_started,
@@ -48,8 +49,9 @@ from agent.core.dra.checkpoint import (
     without_mps,
 )
 from agent.core.dra.claims import ClaimError, ClaimRef, PreparableDevice, PreparePlan, plan_prepare
-from agent.core.dra.mps import MpsRecord, client_edits, mps_record, share_record
+from agent.core.dra.mps import MpsRecord, client_edits, mps_record, records_specs, share_record
 from agent.core.dra.opaque import OpaqueConfigError
+from agent.core.dra.shares import MEMORY, limits
 from agent.dra.cdi_store import CdiStore, CdiStoreError
 from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
 from agent.dra.claims_api import ClaimReader, ClaimsUnavailable, ClaimUnreadable
@@ -128,7 +130,7 @@ class ClaimWorker:
         partitions: Partitions | None = None,
         timeslices: Timeslices | None = None,
         changed: Callable[[], None] = lambda: None,
-        mps_ready: Callable[[str, float], str | None] = lambda key, timeout: "no MPS manager runs for DRA here",
+        mps_ready: Callable[..., str | None] = lambda key, timeout, limits=None: "no MPS manager runs for DRA here",
         mps_root: Callable[[], str] = lambda: "/run/nvidia/mps",
         ledger: DeviceLedger | None = None,
     ) -> None:
@@ -155,7 +157,7 @@ class ClaimWorker:
             timeslices = NvidiaSmiTimeslices()
         self._timeslices = timeslices
         self._changed = changed  # told after every Prepare and Unprepare call
-        self._mps_ready = mps_ready  # (daemon key, timeout) -> None once the daemon is ready, else why not
+        self._mps_ready = mps_ready  # (daemon key, timeout, limits) -> None once it is ready (holding them), else why
         self._mps_root = mps_root  # the MPS root on the host now (the config's mpsRoot), for the clients' mounts
         self.checkpoint: Checkpoint = checkpoints.load()
         self.mig_mode_changes = 0  # how often a Prepare or Unprepare changed a GPU's MIG mode (the node changed)
@@ -408,7 +410,8 @@ class ClaimWorker:
         mps = [d for d in plan.devices if d.mps is not None]
         share = next((d for d in plan.devices if d.mps_share is not None), None)
         if share is not None:  # plan_prepare allows one share and no MPS devices beside it
-            record = share_record(devices[share.device].uuid, share.mps_share)  # type: ignore[arg-type]
+            held = limits(share.info, share.mps_share)  # type: ignore[arg-type]
+            record = share_record(devices[share.device].uuid, held, share.info.capacity.get(MEMORY, 0) >> 20)
         elif mps:
             record = mps_record([devices[d.device].uuid for d in mps], mps[0].mps)  # type: ignore[arg-type]
         else:
@@ -417,7 +420,9 @@ class ClaimWorker:
         self._store.save(staged)
         self.checkpoint = staged
         self._changed()  # the loop reads the daemons it must run from the checkpoint
-        problem = self._mps_ready(record.key, MPS_READY_SECONDS)
+        # a share's daemon holds the shares' limits: wait until it holds the ones with this claim's share in them
+        wanted = next((s.limits for s in records_specs(mps_records(staged)) if s.key == record.key), None)
+        problem = self._mps_ready(record.key, MPS_READY_SECONDS, wanted if record.share is not None else None)
         if problem is not None:
             devices_text = ", ".join(record.devices)
             raise MpsNotReady(f"its MPS daemon ({record.key}, devices {devices_text}) is not ready: {problem}")

@@ -111,7 +111,7 @@ class DraService:
         device_nodes: DeviceNodes | None = None,
         timeslices: Timeslices | None = None,
         claims_changed: Callable[[], None] = lambda: None,
-        mps_ready: Callable[[str, float], str | None] = lambda key, timeout: "no MPS manager runs for DRA here",
+        mps_ready: Callable[..., str | None] = lambda key, timeout, limits=None: "no MPS manager runs for DRA here",
         mps_root: Callable[[], str] = lambda: "/run/nvidia/mps",
         health_timeout_seconds: int = HEALTH_TIMEOUT_SECONDS,
         loop: GrpcLoop | None = None,
@@ -232,11 +232,19 @@ class DraService:
         """Claim UID -> the MPS daemon it needs (a consistent view: the checkpoint is replaced whole)."""
         return mps_records(self._claims.checkpoint)
 
-    def claims(self) -> list[dict[str, object]]:
-        """The recorded claims as the status shows them: name, state, devices, and what Prepare made for them."""
+    LEGACY_SHARE = (
+        "limits advisory: prepared before the MPS server held shares, only the client's CUDA_MPS_* variables hold "
+        "them until the claim is prepared again"
+    )
+
+    def claims(self, held: Mapping[str, object] | None = None) -> list[dict[str, object]]:
+        """The recorded claims as the status shows them: name, state, devices, and what Prepare made for them; for a
+        share, what holds its limits (``held``: daemon key -> the limits the daemon holds now)."""
+        from agent.core.dra.mps import enforcement_entry, share_enforcement
         from agent.core.dra.opaque import INTERVALS
 
         levels = {level: name for name, level in INTERVALS.items()}
+        records = mps_records(self._claims.checkpoint)
         shown = []
         for uid, claim in sorted(self._claims.checkpoint.claims.items(), key=lambda c: (c[1].namespace, c[1].name)):
             devices = []
@@ -248,6 +256,15 @@ class DraService:
                     entry["timeslice"] = levels.get(device.timeslice.level, str(device.timeslice.level))
                 if device.share is not None:
                     entry["share"] = {"memory": device.share.memory, "computePercent": device.share.compute_percent}
+                    if device.share.shares:
+                        entry["share"]["shares"] = device.share.shares  # type: ignore[index]
+                    record = claim.mps if claim.state == PREPARE_COMPLETED else None  # held once prepared
+                    now = (held or {}).get(record.key) if record is not None else None
+                    enforced = share_enforcement(record, records, now) if record is not None else None
+                    if enforced is not None:
+                        entry["enforcement"] = enforcement_entry(enforced)
+                    elif record is not None:  # recorded by a Tessera whose MPS server did not hold shares
+                        entry["enforcement"] = {"advisory": True, "note": self.LEGACY_SHARE}
                 devices.append(entry)
             shown.append({"claim": f"{claim.namespace}/{claim.name}", "uid": uid, "state": claim.state,
                           "devices": devices})  # fmt: skip

@@ -84,12 +84,14 @@ def attribute_kind(value: AttributeValue) -> AttributeKind:
 @dataclass(frozen=True, slots=True)
 class RequestPolicy:
     """A consumable capacity's ``requestPolicy``: what a claim that does not ask consumes (``default``), and the
-    valid range requests are rounded up into (``minimum + n * step``, at most ``maximum``)."""
+    valid range requests are rounded up into (``minimum + n * step``, at most ``maximum``) — or, when
+    ``valid_values`` is given, those values instead of a range."""
 
     default: int
     minimum: int
     maximum: int
     step: int
+    valid_values: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,7 @@ def dra_devices(
     dynamic_mig: Collection[str] = (),
     shared: Collection[str] = (),
     default_share: int | None = None,
+    share_mode: str | int = "memory",
 ) -> tuple[DraDevice, ...]:
     """The devices of ``inventory`` (only the GPUs in ``gpu_uuids`` when given), by GPU minor then name.
 
@@ -143,8 +146,9 @@ def dra_devices(
     (``pci0000:00``); GPUs without an entry get no ``pcieRoot`` attribute. GPUs in ``dynamic_mig`` (UUIDs) are
     listed as partitionable devices (``partitions``): every MIG profile and placement, and the full GPU where it can
     be prepared whole; one whose MIG mode is off and cannot change without a reset is listed as a plain GPU. GPUs in
-    ``shared`` (UUIDs) that are whole GPUs (MIG off) are listed for memory-sized shares (``shares``), a claim that
-    asks for no memory getting ``default_share`` bytes of one (None: all of it).
+    ``shared`` (UUIDs) are listed for shares (``shares``) in ``share_mode`` (NVIDIA's ``consumableShares``): a
+    whole GPU (MIG off) or each of its MIG devices, a claim that asks for no memory getting ``default_share`` bytes
+    of one in ``memory`` mode (None: all of it).
     """
     devices: list[DraDevice] = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor_number):
@@ -163,10 +167,14 @@ def dra_devices(
             if gpu.uuid in shared:
                 from agent.core.dra.shares import shareable  # it builds on this module
 
-                device = shareable(device, default_share)
+                device = shareable(device, default_share, share_mode)
             devices.append(device)
             continue
         migs = [_mig_device(gpu, mig, common) for mig in gpu.mig_devices if mig.is_full_instance]
+        if gpu.uuid in shared:
+            from agent.core.dra.shares import shareable
+
+            migs = [shareable(mig, default_share, share_mode) for mig in migs]
         devices.extend(sorted(migs, key=lambda d: d.name))
     return tuple(devices)
 

@@ -30,6 +30,7 @@ def dra_pool(
     dynamic_mig: Collection[str] = (),
     shared: Collection[str] = (),
     default_share: int | None = None,
+    share_mode: str | int = "memory",
     pcie_roots: Mapping[str, str] | None = None,
     offered_gpus: Collection[str] | None = None,
     claimed_placements: Mapping[str, Collection[tuple[int, int]]] | None = None,
@@ -48,6 +49,7 @@ def dra_pool(
         dynamic_mig=dynamic_mig,
         shared=shared,
         default_share=default_share,
+        share_mode=share_mode,
     )
     offered_on = frozenset(served) if offered_gpus is None else frozenset(offered_gpus)
     offered = tuple(d for d in devices if d.gpu_uuid in offered_on)
