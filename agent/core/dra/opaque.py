@@ -66,7 +66,11 @@ SUPPORTED_KINDS = (GPU_CONFIG, MIG_DEVICE_CONFIG)
 COMPUTE_DOMAIN_KINDS = ("ComputeDomainChannelConfig", "ComputeDomainDaemonConfig", "ComputeDomain")
 NVIDIA_ONLY_KINDS = (VFIO_DEVICE_CONFIG, *COMPUTE_DOMAIN_KINDS)
 ConfigKind = Literal[
-    "GpuConfig", "MigDeviceConfig", "VfioDeviceConfig", "ComputeDomainChannelConfig", "ComputeDomainDaemonConfig",
+    "GpuConfig",
+    "MigDeviceConfig",
+    "VfioDeviceConfig",
+    "ComputeDomainChannelConfig",
+    "ComputeDomainDaemonConfig",
     "ComputeDomain",
 ]
 MAX_PARAMETERS_BYTES = 10 * 1024  # resource.k8s.io OpaqueParametersMaxLength
