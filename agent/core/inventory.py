@@ -67,6 +67,7 @@ class Gpu:
     numa_node: int | None = None
     compute_mode: str | None = None  # None when the driver does not say (e.g. parent of a MIG GPU)
     brand: str = ""  # go-nvlib's brand string ("Nvidia", "Tesla", ...); "" when NVML does not say
+    addressing_mode: str | None = None  # NVML's addressing mode: "HMM", "ATS" or "None"; None when not reported
 
     @property
     def mig_change_pending(self) -> bool:

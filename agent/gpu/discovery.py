@@ -33,6 +33,12 @@ _ARCHITECTURES = {
     pynvml.NVML_DEVICE_ARCH_HOPPER: "Hopper",
     pynvml.NVML_DEVICE_ARCH_BLACKWELL: "Blackwell",
 }
+# NVML's addressing mode as NVIDIA's DRA driver publishes it (``addressingMode``: HMM, ATS or None; facts dra.md C3)
+_ADDRESSING_MODES = {
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_NONE: "None",
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_HMM: "HMM",
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_ATS: "ATS",
+}
 # go-nvlib's GetBrandAsString, which NVIDIA's DRA driver publishes as the ``brand`` attribute. A brand nvlib
 # has no string for (DLA, NPU, vGameDev: nvlib returns an error) is left empty.
 _BRANDS = {
@@ -196,6 +202,7 @@ def _describe_gpu(index: int, uuid: str, handle: object) -> Gpu:
     mig_enabled = bool(mig_capable and mig_mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE)
     compute_mode = None if mig_enabled else _optional(pynvml.nvmlDeviceGetComputeMode, handle)
     numa = _optional(pynvml.nvmlDeviceGetNumaNodeId, handle)
+    addressing = _optional(pynvml.nvmlDeviceGetAddressingMode, handle)
     return Gpu(
         index=index,
         uuid=uuid,
@@ -213,6 +220,7 @@ def _describe_gpu(index: int, uuid: str, handle: object) -> Gpu:
         numa_node=numa if numa is not None and numa >= 0 else None,
         compute_mode=_COMPUTE_MODES.get(compute_mode) if compute_mode is not None else None,
         brand=_BRANDS.get(brand, "") if brand is not None else "",
+        addressing_mode=_ADDRESSING_MODES.get(addressing) if addressing is not None else None,
     )
 
 

@@ -127,12 +127,14 @@ class World:
         return self.api.update("resourceclaims", allocated, status=True)
 
 
-def fake_sysfs(root: Path, links: dict[str, str]) -> None:
-    """``/sys/bus/pci/devices/<bus ID>`` linked to the device under its root, as the kernel lays it out."""
+def fake_sysfs(root: Path, links: dict[str, str], numa_node: int = 1) -> None:
+    """``/sys/bus/pci/devices/<bus ID>`` linked to the device under its root, as the kernel lays it out, with the
+    device's ``numa_node``."""
     (root / "bus" / "pci" / "devices").mkdir(parents=True)
     for bus_id, pcie_root in links.items():
         device = root / "devices" / pcie_root / "0000:00:01.0" / bus_id
         device.mkdir(parents=True)
+        (device / "numa_node").write_text(f"{numa_node}\n")
         (root / "bus" / "pci" / "devices" / bus_id).symlink_to(device)
 
 
@@ -204,6 +206,15 @@ def test_a_gpu_names_its_pcie_root_where_sysfs_has_it(world: World) -> None:
     assert devices["gpu-0"]["resource.kubernetes.io/pcieRoot"] == {"string": "pci0000:00"}
     assert devices["gpu-0"]["resource.kubernetes.io/pciBusID"] == {"string": world.driver.gpus[0].pci_bus_id[4:]}
     assert "resource.kubernetes.io/pcieRoot" not in devices["gpu-1"]  # sysfs does not say: no attribute
+
+
+def test_a_gpu_names_its_numa_node_from_sysfs_or_else_from_nvml(world: World) -> None:
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    devices = {d["name"]: d["attributes"] for s in world.slices() for d in s["spec"]["devices"]}
+    assert world.driver.gpus[0].numa_node == 0  # NVML's answer; sysfs (the kernel's) says 1 and wins
+    assert devices["gpu-0"]["resource.kubernetes.io/numaNode"] == {"int": 1}
+    assert devices["gpu-1"]["resource.kubernetes.io/numaNode"] == {"int": world.driver.gpus[1].numa_node}
+    assert "addressingMode" not in devices["gpu-0"]  # an A100 on x86: NVML reports no addressing mode
 
 
 def test_a_claim_selected_with_nvidias_class_is_prepared_for_a_pod_and_unprepared(world: World) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from agent.core.dra.devices import (
     DEFAULT_DRIVER,
+    NUMA_NODE,
     PCI_BUS_ID,
     PCIE_ROOT,
     DraDevice,
@@ -139,6 +140,7 @@ def test_full_a100_attributes_and_capacity(inventory):
         "driverVersion": "580.95.5",  # the simulator's driver is 580.95.05: semver drops the leading zero
         "cudaDriverVersion": "13.0.0",
         PCI_BUS_ID: "0000:18:00.0",
+        NUMA_NODE: 0,  # NVML's node (the shell passes sysfs's when it has one)
     }
     assert dict(device.capacity) == {"memory": 80 * GIB}
     kinds = {name: attribute_kind(value) for name, value in device.attributes.items()}
@@ -147,7 +149,7 @@ def test_full_a100_attributes_and_capacity(inventory):
         "driverVersion",
         "cudaDriverVersion",
     ]
-    assert set(kinds.values()) == {"string", "version"}
+    assert set(kinds.values()) == {"string", "version", "int"}
 
 
 def test_mig_device_attributes_carry_the_parents_and_its_own(inventory):
@@ -168,6 +170,7 @@ def test_mig_device_attributes_carry_the_parents_and_its_own(inventory):
         "driverVersion": "580.95.5",
         "cudaDriverVersion": "13.0.0",
         PCI_BUS_ID: "0000:18:00.0",
+        NUMA_NODE: 0,
     }
 
 
@@ -220,6 +223,25 @@ def test_pcie_root_only_when_the_shell_knows_it(inventory):
     devices = dra_devices(inv, pcie_roots={"0000:18:00.0": "pci0000:00"})
     assert devices[0].attributes[PCIE_ROOT] == "pci0000:00"
     assert PCIE_ROOT not in devices[1].attributes
+
+
+def test_the_numa_node_is_sysfs_s_where_the_shell_read_one_else_nvml_s_and_minus_one_is_none(inventory):
+    inv = inventory({"numa_nodes": 2, "gpus": [a100(count=8)]})
+    assert [g.numa_node for g in inv.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+    bus = [d.attributes[PCI_BUS_ID] for d in dra_devices(inv)]
+    devices = dra_devices(inv, numa_nodes={bus[0]: 1, bus[1]: None})  # sysfs: 1, and -1 (no affinity)
+    assert [d.attributes.get(NUMA_NODE) for d in devices] == [1, None, 0, 0, 1, 1, 1, 1]
+    assert attribute_kind(devices[0].attributes[NUMA_NODE]) == "int"
+    mig = dra_devices(inventory("a100-mig"), numa_nodes={"0000:18:00.0": 3})
+    assert {d.attributes[NUMA_NODE] for d in mig} == {3}  # MIG devices carry their GPU's
+
+
+def test_addressing_mode_is_nvmls_where_it_reports_one(inventory):
+    inv = inventory(node({"model": "GH200-H100-96GB"}, a100()))
+    assert [g.addressing_mode for g in inv.gpus] == ["ATS", None]
+    devices = dra_devices(inv)
+    assert devices[0].attributes["addressingMode"] == "ATS"
+    assert "addressingMode" not in devices[1].attributes
 
 
 def test_what_the_driver_does_not_say_is_left_out(inventory):
