@@ -26,6 +26,7 @@ from agent.core.dra.devices import (
     semver,
 )
 from agent.core.inventory import Inventory
+from agent.core.mig_catalog import mig_catalog
 from agent.gpu.discovery import discover
 from agent.sim.nvml.codes import Return
 from agent.sim.nvml.driver import SimDriver
@@ -202,6 +203,44 @@ def test_mig_capacities_come_from_the_gpu_instance_profile(inventory):
     big = devices["gpu-0-mig-3g40gb-9-4"].capacity
     assert (big["multiprocessors"], big["copyEngines"], big["decoders"], big["memory"]) == (42, 3, 2, 40192 * MIB)
     assert [n for n in big if n.startswith("memorySlice")] == [f"memorySlice{i}" for i in (4, 5, 6, 7)]
+
+
+def test_mig_engine_counts_are_what_nvmls_profile_info_says_not_the_packaged_table(sim_node):
+    """A driver whose profile info differs from the packaged table (a newer driver, another board): NVML wins."""
+    driver = sim_node(node(a100(["1g.10gb"])))
+    model = driver.gpus[0].model
+    richer = tuple(replace(p, copy_engine_count=2, jpeg_count=3) if p.id == 19 else p for p in model.gi_profiles)
+    driver.gpus[0].model = replace(model, gi_profiles=richer)
+    inv = discover()
+    counts = inv.gpus[0].gi_profile(19)
+    assert counts is not None and (counts.copy_engines, counts.jpeg_engines, counts.multiprocessors) == (2, 3, 14)
+    (device,) = dra_devices(inv)
+    assert (device.capacity["copyEngines"], device.capacity["jpegEngines"]) == (2, 3)
+
+
+def test_dynamic_mig_partitions_take_nvmls_engine_counts_when_mig_mode_is_on(sim_node):
+    driver = sim_node(node(a100([])))
+    model = driver.gpus[0].model
+    driver.gpus[0].model = replace(
+        model, gi_profiles=tuple(replace(p, copy_engine_count=2) if p.id == 19 else p for p in model.gi_profiles)
+    )
+    inv = discover()
+    devices = by_name(dra_devices(inv, dynamic_mig={inv.gpus[0].uuid}))
+    partition = devices["gpu-0-mig-1g10gb-19-0"]
+    assert partition.capacity["copyEngines"] == 2
+    assert partition.consumes_counters["gpu-0-counter-set"]["copy-engines"] == 2
+
+
+def test_a_model_the_packaged_mig_table_does_not_know_still_gets_its_engine_counts(inventory):
+    """Blackwell (B200, PCI device 0x2901) is not in the packaged table: the counts come from NVML's profile info."""
+    inv = inventory(node(a100(MIXED_A100)))
+    blackwell = replace(inv, gpus=(replace(inv.gpus[0], pci_device_id=0x290110DE),))
+    assert mig_catalog(0x290110DE) is None
+    devices = by_name(dra_devices(blackwell))
+    big = devices["gpu-0-mig-3g40gb-9-4"].capacity
+    assert (big["multiprocessors"], big["copyEngines"], big["decoders"], big["memory"]) == (42, 3, 2, 40192 * MIB)
+    media = devices["gpu-0-mig-1g10gb-me-20-2"].capacity
+    assert (media["decoders"], media["jpegEngines"], media["ofaEngines"]) == (1, 1, 1)
 
 
 def test_architecture_and_brand_are_go_nvlibs_strings(inventory):

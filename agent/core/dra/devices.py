@@ -29,9 +29,11 @@ unchanged, so names, attributes and capacities follow NVIDIA's driver (facts ``d
   cannot be a version (a driver string semver cannot read) is left out rather than failing the GPU.
 - Capacities, in base units: a GPU's ``memory`` in bytes (from the inventory's MiB, which NVML's byte count
   always is a whole multiple of on these products). A MIG device's ``multiprocessors``, ``copyEngines``,
-  ``decoders``, ``encoders``, ``jpegEngines``, ``ofaEngines`` (its GPU instance profile: SM count and memory as
-  NVML reported them for the device, engine counts from the packaged MIG facts; omitted for a model the facts
-  do not know), ``memory`` (bytes) and ``memorySlice<i>`` = 1 for each memory slice its placement covers.
+  ``decoders``, ``encoders``, ``jpegEngines``, ``ofaEngines`` (SM count and memory as NVML reported them for the
+  device; engine counts from NVML's GPU instance profile info, ``nvmlDeviceGetGpuInstanceProfileInfo``, as
+  NVIDIA's driver reads them, so a model the packaged MIG table does not know, Blackwell, gets them too; the
+  table is only the fallback for an inventory without profile info), ``memory`` (bytes) and ``memorySlice<i>``
+  = 1 for each memory slice its placement covers.
 """
 
 from __future__ import annotations
@@ -293,9 +295,18 @@ def _gpu_device(gpu: Gpu, common: Mapping[str, AttributeValue]) -> DraDevice:
 def _mig_device(gpu: Gpu, mig: MigDevice, common: Mapping[str, AttributeValue]) -> DraDevice:
     attributes = {"type": MIG, "uuid": mig.uuid, "parentUUID": gpu.uuid, "profile": mig.profile, **common}
     capacity = {"multiprocessors": mig.multiprocessor_count}
-    catalog = mig_catalog(gpu.pci_device_id)
+    counts = gpu.gi_profile(mig.gi_profile_id)
+    catalog = mig_catalog(gpu.pci_device_id) if counts is None else None
     profile = catalog.profile_by_id(mig.gi_profile_id) if catalog is not None else None
-    if profile is not None:
+    if counts is not None:  # NVML's GPU instance profile info, as NVIDIA's driver reads it
+        capacity |= {
+            "copyEngines": counts.copy_engines,
+            "decoders": counts.decoders,
+            "encoders": counts.encoders,
+            "jpegEngines": counts.jpeg_engines,
+            "ofaEngines": counts.ofa_engines,
+        }
+    elif profile is not None:  # fallback: an inventory without profile info (built by hand, an old reading)
         capacity |= {
             "copyEngines": profile.copy_engines,
             "decoders": profile.decoders,
