@@ -156,7 +156,7 @@ class DraFrontEnd:
         from agent.dra.claims_api import KubernetesClaimReader
         from agent.dra.names import dra_socket, registration_socket
         from agent.dra.publisher import SlicePublisher
-        from agent.dra.registration import DRA_SERVICES, HEALTH_SERVICE, DraRegistrar
+        from agent.dra.registration import DRA_SERVICES, HEALTH_SERVICES, DraRegistrar
         from agent.dra.service import DraService
         from agent.dra.timeslices import NvidiaSmiTimeslices
 
@@ -194,7 +194,7 @@ class DraFrontEnd:
             registration_socket(s.registry_dir, s.driver, s.pod_uid),
             s.driver,
             endpoint,
-            (*DRA_SERVICES, HEALTH_SERVICE),
+            (*DRA_SERVICES, *HEALTH_SERVICES),
             on_status=lambda registered, error: self._post(DraRegistration(registered, error)),
         )
         log.info("DRA driver starting driver=%s node=%s socket=%s", s.driver, s.node_name, endpoint)

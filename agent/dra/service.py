@@ -1,8 +1,10 @@
 """The DRA driver's gRPC service: NodePrepareResources / NodeUnprepareResources and the device health stream.
 
-One ``grpc.aio`` server on the agent's gRPC loop, on the driver's DRA socket (mode 0600), serves three services:
+One ``grpc.aio`` server on the agent's gRPC loop, on the driver's DRA socket (mode 0600), serves four services:
 ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` (kubelet 1.34+), ``...dra.v1beta1.DRAPlugin`` (older kubelets; the same
-behaviour, without ``Device.share_id``) and ``v1alpha1.DRAResourceHealth``.
+behaviour, without ``Device.share_id``), ``v1.DRAResourceHealth`` (kubelet 1.37+ prefers it) and
+``v1alpha1.DRAResourceHealth`` (1.34-1.36, and 1.37-1.39 for drivers without v1): the two health services have the
+same messages in two packages, so one handler serves both with the same bytes.
 
 Prepare and Unprepare: the handlers only translate. The work blocks (reading claims from the API server, writing
 CDI specs and the checkpoint, each with an fsync), so it runs on one worker thread, never on the loop: the
@@ -39,6 +41,7 @@ import grpc.aio
 
 from agent.api.dra.v1 import api_pb2 as dra_v1
 from agent.api.dra.v1beta1 import api_pb2 as dra_v1beta1
+from agent.api.drahealth.v1 import api_pb2 as dra_health_v1
 from agent.api.drahealth.v1alpha1 import api_pb2 as dra_health
 from agent.core.allocation import DEFAULT_CDI_KIND
 from agent.core.dra.checkpoint import PREPARE_COMPLETED, Checkpoint, mps_records
@@ -65,7 +68,8 @@ MAX_HEALTH_MESSAGE = 1024  # the kubelet truncates longer messages
 STOP_GRACE = 0.1
 DRA_V1 = dra_v1.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
 DRA_V1BETA1 = dra_v1beta1.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
-HEALTH = dra_health.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name
+HEALTH = dra_health.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name  # v1alpha1.DRAResourceHealth
+HEALTH_V1 = dra_health_v1.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name  # v1.DRAResourceHealth
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +294,7 @@ class DraService:
         for service, handlers in (
             (DRA_V1, self._plugin_handlers(dra_v1)),
             (DRA_V1BETA1, self._plugin_handlers(dra_v1beta1)),
+            (HEALTH_V1, {"NodeWatchResources": grpc.unary_stream_rpc_method_handler(self._watch_resources)}),
             (HEALTH, {"NodeWatchResources": grpc.unary_stream_rpc_method_handler(self._watch_resources)}),
         ):
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

@@ -243,6 +243,27 @@ def test_an_xid_taints_the_dra_device_in_its_slice(world: World) -> None:
     assert taint["value"] == "79" and taint["effect"] == "NoSchedule"
 
 
+@pytest.mark.parametrize(
+    ("kubelet", "service"), [("1.37", "v1.DRAResourceHealth"), ("1.36", "v1alpha1.DRAResourceHealth")]
+)
+def test_the_kubelet_streams_device_health_over_the_health_service_it_prefers(
+    world: World, kubelet: str, service: str
+) -> None:
+    """A 1.37 kubelet takes the v1 health service the agent advertises first; a 1.36 one knows v1alpha1 only. Both
+    see a GPU fall off the bus."""
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.dra.stop()
+    world.dra = DraKubeletEmulator(
+        world.base / "registry", NODE, world.api.api_client(), wipe_delay=1.0, kubelet_version=kubelet
+    )
+    world.dra.start()
+    world.dra.wait_for(lambda: world.dra.health_services(DRIVER) == [service], DEADLINE, f"a {service} stream")
+    world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, "gpu-0") == "Healthy", DEADLINE, "Healthy")
+    world.driver.inject_xid(0, 79)
+    world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, "gpu-0") == "Unhealthy", DEADLINE, "Unhealthy")
+    assert world.dra.device_health(DRIVER, NODE, "gpu-1") == "Healthy"
+
+
 def test_slices_wiped_by_a_kubelet_restart_come_back(world: World) -> None:
     world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
     world.dra.restart()  # the kubelet deletes every slice of its node when it starts
