@@ -153,7 +153,7 @@ class DraFrontEnd:
         told of the driver with the first ``update``."""
         from agent.dra.cdi_store import CdiStore
         from agent.dra.checkpoint_store import CheckpointStore, checkpoint_path
-        from agent.dra.claims_api import KubernetesClaimReader
+        from agent.dra.claims_api import KubernetesClaimReader, KubernetesClaimStatus
         from agent.dra.names import dra_socket, registration_socket
         from agent.dra.publisher import SlicePublisher
         from agent.dra.registration import DRA_SERVICES, HEALTH_SERVICES, DraRegistrar
@@ -179,6 +179,7 @@ class DraFrontEnd:
             mps_ready=self._wait_mps,
             mps_root=lambda: self._mps_root,
             ledger=self._ledger,
+            claim_status=KubernetesClaimStatus(self._api_client, s.driver, s.node_name),
         )
         if self._ledger is not None:
             self._ledger.attach_claims(self._service.checkpoint, s.node_name)

@@ -50,7 +50,7 @@ from agent.core.dra.devices import DraDevice
 from agent.core.dra.mps import MpsRecord
 from agent.dra.cdi_store import CdiStore
 from agent.dra.checkpoint_store import CheckpointStore
-from agent.dra.claims_api import ClaimReader
+from agent.dra.claims_api import ClaimReader, ClaimStatus
 from agent.dra.devnodes import DeviceNodes, default_device_nodes
 from agent.dra.names import MAX_SOCKET_PATH, check_driver_name
 from agent.dra.prepare import ClaimWorker, Timeslices
@@ -121,13 +121,15 @@ class DraService:
         loop: GrpcLoop | None = None,
         latency: Any = None,
         ledger: DeviceLedger | None = None,
+        claim_status: ClaimStatus | None = None,
     ) -> None:
         """``pool`` is the node's name; ``node_wide_cdi`` adds each device's ``<node_cdi_kind>=<uuid>`` CDI ID
         (the spec ``nvidia-ctk cdi generate`` writes brings the driver libraries; see ``agent.core.dra.cdi``).
         ``device_nodes`` gives each device's nodes for its claim entry; by default
         ``agent.dra.devnodes.default_device_nodes``: the GPU's node, and without node-wide CDI a MIG device's
         capability nodes read from the driver's ``/proc``. ``latency`` (``agent.telemetry.latency.OperationLatency``)
-        records each Prepare and Unprepare call as the kubelet's ``dra_operations_duration_seconds`` does. The
+        records each Prepare and Unprepare call as the kubelet's ``dra_operations_duration_seconds`` does.
+        ``claim_status`` writes each prepared claim's ``status.devices`` (and takes it back at Unprepare). The
         checkpoint is read here, so ``prepared`` answers before ``start``."""
         if health_timeout_seconds < 3:
             raise ValueError("health_timeout_seconds must be at least 3 (the stream reports every third of it)")
@@ -154,6 +156,7 @@ class DraService:
             mps_ready=mps_ready,
             mps_root=mps_root,
             ledger=ledger,
+            claim_status=claim_status,
         )
         self._executor: ThreadPoolExecutor | None = None
         self._server: grpc.aio.Server | None = None

@@ -232,6 +232,26 @@ def test_a_claim_selected_with_nvidias_class_is_prepared_for_a_pod_and_unprepare
     assert not spec.exists()
 
 
+def test_a_prepared_claim_says_so_in_its_status_devices_until_it_is_unprepared(world: World) -> None:
+    """After Prepare the claim's status.devices names the device, Ready, with its UUID (kubectl get resourceclaim
+    shows it); Unprepare takes the entry back."""
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered")
+    claim = world.claim("train", ["device.attributes['gpu.nvidia.com'].productName.contains('A100')"])
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert "devices" not in claim["status"]
+    world.dra.run_pod("default", "trainer", "pod-1", [("gpu", "train")], {"main": [("gpu", None)]})
+    (entry,) = world.api.get("resourceclaims", "train", "default")["status"]["devices"]
+    gpu = world.driver.gpus[int(result["device"].removeprefix("gpu-"))]
+    assert (entry["driver"], entry["pool"], entry["device"], entry["data"]) == (
+        DRIVER, NODE, result["device"], {"uuid": gpu.uuid},
+    )  # fmt: skip
+    (ready,) = entry["conditions"]
+    assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "True", "Prepared")
+    world.dra.stop_pod("pod-1")
+    assert world.api.get("resourceclaims", "train", "default")["status"].get("devices", []) == []
+
+
 def test_an_xid_taints_the_dra_device_in_its_slice(world: World) -> None:
     world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
     world.driver.inject_xid(0, 79)  # fell off the bus: critical
