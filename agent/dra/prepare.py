@@ -20,7 +20,9 @@ with an fsync) blocks, which is why none of it runs on the gRPC loop. The promis
 - A call's deadline is honoured per claim: a claim whose turn comes after the kubelet gave up is not started.
 - Once prepared, the claim's ``status.devices`` says so (``agent.core.dra.device_status``: a ``Ready`` condition and
   each device's UUID, a created MIG device's included), and Unprepare takes the entries back. Both are reports, not
-  steps: an API server that refuses them is logged and the Prepare or Unprepare stands.
+  steps, written by ``report`` after the kubelet has its answer (the service queues it on this same thread, so
+  reports keep the order of the calls): they never lengthen a call, and an API server that refuses them or hangs
+  is logged while the Prepare or Unprepare stands.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ class ClaimWorker:
     ) -> None:
         self._driver, self._pool = driver, pool
         self._claim_status = claim_status  # writes status.devices; None: not reported (a service without an API)
+        self._unreported: list[tuple[ClaimRef, str, Callable[[ClaimStatus], bool]]] = []  # for report()
         # The agent's ledger: a Prepare records PrepareStarted in its critical section, after asking that each GPU is
         # still DRA's, and time-slices change in it. Without one (a service on its own) every device of the view is
         # the service's, and a lock of its own orders the same steps.
@@ -288,7 +291,16 @@ class ClaimWorker:
         self._report(ref, "unprepared", lambda s: s.unprepared(ref.namespace, ref.name, ref.uid, self._pool, names))
 
     def _report(self, ref: ClaimRef, what: str, write: Callable[[ClaimStatus], bool]) -> None:
-        """A report only: whatever goes wrong is logged, the Prepare or Unprepare it follows stands."""
+        self._unreported.append((ref, what, write))
+
+    def report(self) -> None:
+        """Write the ``status.devices`` reports the calls since the last ``report`` left, in their order. A report
+        only: whatever goes wrong is logged, the Prepare or Unprepare it follows stands."""
+        reports, self._unreported = self._unreported, []
+        for ref, what, write in reports:
+            self._write_report(ref, what, write)
+
+    def _write_report(self, ref: ClaimRef, what: str, write: Callable[[ClaimStatus], bool]) -> None:
         assert self._claim_status is not None
         try:
             written = write(self._claim_status)

@@ -396,9 +396,12 @@ class DraService:
         if executor is None or self._stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the DRA driver is stopping")
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, work, refs, deadline)
+            result = await asyncio.get_running_loop().run_in_executor(executor, work, refs, deadline)
         except RuntimeError:  # the executor was shut down while the call waited: the agent is stopping
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the DRA driver is stopping")
+        with contextlib.suppress(RuntimeError):  # stopping: the reports are lost, as a report may be
+            executor.submit(self._claims.report)  # status.devices, after the kubelet has its answer
+        return result
 
     async def _watch_resources(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """The complete device list now, on every change, and every third of the timeout; until the stream ends.

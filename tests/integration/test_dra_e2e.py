@@ -241,7 +241,12 @@ def test_a_prepared_claim_says_so_in_its_status_devices_until_it_is_unprepared(w
     (result,) = claim["status"]["allocation"]["devices"]["results"]
     assert "devices" not in claim["status"]
     world.dra.run_pod("default", "trainer", "pod-1", [("gpu", "train")], {"main": [("gpu", None)]})
-    (entry,) = world.api.get("resourceclaims", "train", "default")["status"]["devices"]
+
+    def reported() -> list[dict]:
+        return world.api.get("resourceclaims", "train", "default")["status"].get("devices", [])
+
+    world.api.wait_for(reported, DEADLINE)  # written after the kubelet got its answer
+    (entry,) = reported()
     gpu = world.driver.gpus[int(result["device"].removeprefix("gpu-"))]
     assert (entry["driver"], entry["pool"], entry["device"], entry["data"]) == (
         DRIVER, NODE, result["device"], {"uuid": gpu.uuid},
@@ -249,7 +254,7 @@ def test_a_prepared_claim_says_so_in_its_status_devices_until_it_is_unprepared(w
     (ready,) = entry["conditions"]
     assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "True", "Prepared")
     world.dra.stop_pod("pod-1")
-    assert world.api.get("resourceclaims", "train", "default")["status"].get("devices", []) == []
+    world.api.wait_for(lambda: reported() == [], DEADLINE)
 
 
 def test_an_xid_taints_the_dra_device_in_its_slice(world: World) -> None:
