@@ -94,7 +94,7 @@ class ClaimStatus(Protocol):
 
 
 JSON_PATCH = "application/json-patch+json"
-STATUS_READ_TIMEOUT = 5.0  # a report: an API server that hangs delays the kubelet's call by this at most, per try
+STATUS_READ_TIMEOUT = 5.0  # a report: a hung API server holds the claim worker (the next claim) this long at most
 STATUS_ATTEMPTS = 3  # a claim another writer changed meanwhile (the scheduler, another driver) is read again
 
 
