@@ -254,10 +254,15 @@ def test_a_vfio_config_naming_another_request_does_not_touch_the_gpu():
     assert [(d.device, d.config) for d in answer.devices] == [("gpu-0", None)]
 
 
-def test_a_multi_user_mps_config_fails_the_claim_by_name():
+def test_a_multi_user_mps_config_fails_the_claim_it_applies_to_by_name_and_no_other():
     mps = {"sharing": {"strategy": "MPS", "mpsConfig": {"multiUser": True}}}
     answer = refused(claim([result("gpu-0")], [opaque(**mps)]))
-    assert "sharing.mpsConfig.multiUser: true is not supported by Tessera" in answer.reason
+    assert answer.reason.startswith(
+        "config[0] (FromClaim, GpuConfig, requests [all]): sharing.mpsConfig.multiUser: true"
+    )
+    assert "is not supported by Tessera" in answer.reason
+    elsewhere = planned(claim([result("gpu-0")], [opaque(requests=["mig"], **mps)]))  # applies to no device here
+    assert [(d.device, d.config) for d in elsewhere.devices] == [("gpu-0", None)]
 
 
 def test_an_invalid_config_source_is_refused():

@@ -17,6 +17,7 @@ from agent.core.dra.opaque import (
     decode,
     parse_quantity,
     pinned_memory_limits,
+    unsupported,
 )
 
 
@@ -142,12 +143,6 @@ def test_the_interval_is_the_number_nvidia_smi_takes():
             id="VfioDeviceConfig field of the wrong type",
         ),
         pytest.param(
-            gpu_config(sharing={"strategy": "MPS", "mpsConfig": {"multiUser": True}}),
-            "sharing.mpsConfig.multiUser: true is not supported by Tessera: an MPS control daemon runs one server "
-            "per user ID",
-            id="MPS multiUser",
-        ),
-        pytest.param(
             {"apiVersion": API_VERSION, "kind": "GPUConfig"},
             'unknown kind "GPUConfig" for apiVersion resource.nvidia.com/v1beta1: use GpuConfig or MigDeviceConfig',
             id="unknown kind",
@@ -253,9 +248,13 @@ def test_invalid_json_is_refused():
         decode(b'{"apiVersion": ')
 
 
-def test_mps_multi_user_false_from_nvidias_newer_releases_decodes():
+def test_mps_multi_user_from_nvidias_newer_releases_decodes_and_true_is_what_tessera_cannot_apply():
     config = decode(gpu_config(sharing={"strategy": "MPS", "mpsConfig": {"multiUser": False}}))
     assert config.sharing is not None and config.sharing.mps == MpsConfig(multi_user=False)
+    assert unsupported(config) is None
+    config = decode(gpu_config(sharing={"strategy": "MPS", "mpsConfig": {"multiUser": True}}))
+    assert config.sharing is not None and config.sharing.mps == MpsConfig(multi_user=True)
+    assert "multiUser: true is not supported by Tessera" in (unsupported(config) or "")
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,8 @@ decodes ``parameters`` with a strict Kubernetes decoder (facts/dra.md C5), and s
 Where NVIDIA is silent or would crash, this module decides (each noted where it happens): a
 ``timeSlicingConfig`` without ``interval`` means ``Default`` (NVIDIA dereferences a nil pointer there), limits
 below 1 MiB are refused at decode time (NVIDIA refuses them when it starts the MPS daemon), and ``mpsConfig.
-multiUser`` (added on NVIDIA's main after v0.4.1) decodes, but ``true`` is refused by name: an MPS control daemon
+multiUser`` (added on NVIDIA's main after v0.4.1) decodes, but ``true`` is refused by name (``unsupported``, for a
+config that applies to a device): an MPS control daemon
 starts one server per user ID and a client of another user waits until that server drains (facts/mig-mps.md d),
 so containers of different users cannot share a claim's daemon and Tessera does not pretend they can; ``false``
 (the default, one user) is what Tessera does.
@@ -180,6 +181,19 @@ def _decode(parameters: bytes | str | Mapping[str, Any]) -> DeviceConfig:
     if raw_sharing is None:
         return DeviceConfig(kind=kind)
     return DeviceConfig(kind=kind, sharing=_sharing(raw_sharing, kind))
+
+
+def unsupported(config: DeviceConfig) -> str | None:
+    """Why Tessera cannot apply a config NVIDIA's driver accepts, or None. Asked only of a config that applies to
+    a device (NVIDIA validates those alone): a config that applies to none fails no claim."""
+    mps = config.sharing.mps if config.sharing is not None else None
+    if mps is not None and mps.multi_user:
+        return (
+            "sharing.mpsConfig.multiUser: true is not supported by Tessera: an MPS control daemon runs one server per "
+            "user ID and a client of another user waits until that server drains, so the claim's containers must run "
+            "as one user; run them as one user and remove multiUser (or set it to false)"
+        )
+    return None
 
 
 def pinned_memory_limits(mps: MpsConfig, uuids: Sequence[str]) -> dict[str, str]:
@@ -385,12 +399,6 @@ def _mps(raw: Any) -> MpsConfig:
     multi_user = raw.get("multiUser")
     if multi_user is not None and not isinstance(multi_user, bool):
         raise OpaqueConfigError(f"{path}.multiUser: expected true or false, got {_json_type(multi_user)}")
-    if multi_user:
-        raise OpaqueConfigError(
-            f"{path}.multiUser: true is not supported by Tessera: an MPS control daemon runs one server per user ID "
-            "and a client of another user waits until that server drains, so the claim's containers must run as "
-            "one user; run them as one user and remove multiUser (or set it to false)"
-        )
     return MpsConfig(
         default_active_thread_percentage=percentage,
         default_pinned_device_memory_limit=(
