@@ -882,7 +882,8 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
         shared = shared_gpus(section.shared_gpus, chosen, dynamic, inventory) if section is not None else frozenset()
         default_share = section.default_share if section is not None else None
         # the agent's own publishing path (agent.dra.manager.publish): what is shown is what it publishes
-        roots = _pcie_roots(inventory, chosen) if not args.node or args.node == "local" else {}  # sysfs: real GPUs
+        real = not args.node or args.node == "local"  # sysfs describes real GPUs only
+        roots, numa = _sysfs_topology(inventory, chosen) if real else ({}, {})
         pool = dra_pool(
             inventory,
             served=chosen,
@@ -953,13 +954,13 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
     return EXIT_OK
 
 
-def _pcie_roots(inventory: Inventory, gpus: frozenset[str]) -> dict[str, str]:
-    """The PCIe roots the agent reads from the host's /sys for these GPUs (``agent.dra.manager``)."""
+def _sysfs_topology(inventory: Inventory, gpus: frozenset[str]) -> tuple[dict[str, str], dict[str, int | None]]:
+    """The PCIe roots and NUMA nodes the agent reads from the host's /sys for these GPUs (``agent.dra.manager``)."""
     from agent.core.dra.devices import pci_bus_id
-    from agent.dra.pcie import pcie_roots
+    from agent.dra.pcie import numa_nodes, pcie_roots
 
-    bus_ids = {pci_bus_id(g.pci_bus_id) for g in inventory.gpus if g.uuid in gpus}
-    return pcie_roots(b for b in bus_ids if b is not None)
+    bus_ids = {b for b in (pci_bus_id(g.pci_bus_id) for g in inventory.gpus if g.uuid in gpus) if b is not None}
+    return pcie_roots(bus_ids), numa_nodes(bus_ids)
 
 
 def _spec_node_name(node: str | None) -> str:

@@ -165,10 +165,10 @@ class DraFrontEnd:
         told of the driver with the first ``update``."""
         from agent.dra.cdi_store import CdiStore
         from agent.dra.checkpoint_store import CheckpointStore, checkpoint_path
-        from agent.dra.claims_api import KubernetesClaimReader
+        from agent.dra.claims_api import KubernetesClaimReader, KubernetesClaimStatus
         from agent.dra.names import dra_socket, registration_socket
         from agent.dra.publisher import SlicePublisher
-        from agent.dra.registration import DRA_SERVICES, HEALTH_SERVICE, DraRegistrar
+        from agent.dra.registration import DRA_SERVICES, HEALTH_SERVICES, DraRegistrar
         from agent.dra.service import DraService
         from agent.dra.timeslices import NvidiaSmiTimeslices
 
@@ -191,6 +191,7 @@ class DraFrontEnd:
             mps_ready=self._wait_mps,
             mps_root=lambda: self._mps_root,
             ledger=self._ledger,
+            claim_status=KubernetesClaimStatus(self._api_client, s.driver, s.node_name),
         )
         if self._ledger is not None:
             self._ledger.attach_claims(self._service.checkpoint, s.node_name)
@@ -206,7 +207,7 @@ class DraFrontEnd:
             registration_socket(s.registry_dir, s.driver, s.pod_uid),
             s.driver,
             endpoint,
-            (*DRA_SERVICES, HEALTH_SERVICE),
+            (*DRA_SERVICES, *HEALTH_SERVICES),
             on_status=lambda registered, error: self._post(DraRegistration(registered, error)),
         )
         log.info("DRA driver starting driver=%s node=%s socket=%s", s.driver, s.node_name, endpoint)

@@ -96,6 +96,7 @@ class DraManager:
         self._last_made: frozenset[str] = frozenset()
         self._last_modes = 0  # the front end's count of MIG mode changes by claims, when last asked
         self._pcie_roots: dict[str, str | None] = {}  # by PCI bus ID, read once per GPU (None: sysfs does not say)
+        self._numa_nodes: dict[str, int | None] = {}  # by PCI bus ID, as sysfs says (None: -1, no affinity)
         self._leaving_check = 0.0
         self._unclaimed: tuple[Unclaimed, ...] = ()  # GPU instances on dynamic-MIG GPUs no claim made (as published)
         self._sweep = _Waiting()  # destroying them: one job at a time, again after CHECK_INTERVAL while held
@@ -225,8 +226,11 @@ class DraManager:
         served = (pci_bus_id(g.pci_bus_id) for g in inventory.gpus if g.uuid in self._served)
         bus_ids = {bus_id for bus_id in served if bus_id is not None} - self._pcie_roots.keys()
         if bus_ids:
+            from agent.dra.pcie import numa_nodes
+
             found = pcie_roots(bus_ids, self._sys_root)
             self._pcie_roots.update({bus_id: found.get(bus_id) for bus_id in bus_ids})
+            self._numa_nodes.update(numa_nodes(bus_ids, self._sys_root))
         return {bus_id: root for bus_id, root in self._pcie_roots.items() if root is not None}
 
     def _adopt(self) -> bool:
@@ -272,6 +276,7 @@ class DraManager:
             inventory,
             served=served,
             dynamic_mig=self._named_dynamic(inventory, served),
+            numa_nodes=self._numa_nodes,  # read with the roots, the first time a GPU is served
             shared=self._shared_gpus(inventory),
             default_share=self._default_share,
             pcie_roots=self._roots(inventory),

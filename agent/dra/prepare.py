@@ -18,6 +18,11 @@ with an fsync) blocks, which is why none of it runs on the gRPC loop. The promis
 - Unprepare works from the checkpoint alone (the claim may be deleted from the API server by then) and does not
   assume this process prepared the claim; an unknown claim is a success.
 - A call's deadline is honoured per claim: a claim whose turn comes after the kubelet gave up is not started.
+- Once prepared, the claim's ``status.devices`` says so (``agent.core.dra.device_status``: a ``Ready`` condition and
+  each device's UUID, a created MIG device's included), and Unprepare takes the entries back. Both are reports, not
+  steps, written by ``report`` after the kubelet has its answer (the service queues it on this same thread, so
+  reports keep the order of the calls): they never lengthen a call, and an API server that refuses them or hangs
+  is logged while the Prepare or Unprepare stands.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from agent.core.dra.opaque import OpaqueConfigError
 from agent.core.dra.shares import MEMORY, limits
 from agent.dra.cdi_store import CdiStore, CdiStoreError
 from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
-from agent.dra.claims_api import ClaimReader, ClaimsUnavailable, ClaimUnreadable
+from agent.dra.claims_api import ClaimReader, ClaimStatus, ClaimsUnavailable, ClaimUnreadable
 from agent.dra.devnodes import DeviceNodes
 from agent.dra.partitions import MigModeBusy, PartitionError
 from agent.dra.timeslices import TimesliceFailed
@@ -133,8 +138,11 @@ class ClaimWorker:
         mps_ready: Callable[..., str | None] = lambda key, timeout, limits=None: "no MPS manager runs for DRA here",
         mps_root: Callable[[], str] = lambda: "/run/nvidia/mps",
         ledger: DeviceLedger | None = None,
+        claim_status: ClaimStatus | None = None,
     ) -> None:
         self._driver, self._pool = driver, pool
+        self._claim_status = claim_status  # writes status.devices; None: not reported (a service without an API)
+        self._unreported: list[tuple[ClaimRef, str, Callable[[ClaimStatus], bool]]] = []  # for report()
         # The agent's ledger: a Prepare records PrepareStarted in its critical section, after asking that each GPU is
         # still DRA's, and time-slices change in it. Without one (a service on its own) every device of the view is
         # the service's, and a lock of its own orders the same steps.
@@ -274,7 +282,58 @@ class ClaimWorker:
                 return ClaimError(ref, f"{reason}; nothing was prepared, the kubelet retries", True)
             return ClaimError(ref, f"{reason}; nothing was left prepared")
         self.checkpoint = completed
-        return completed.claims[ref.uid].devices
+        prepared = completed.claims[ref.uid].devices
+        self._report_prepared(ref, prepared, {name: info.uuid for name, info in made})
+        return prepared
+
+    # ----- status.devices -----------------------------------------------------------------------------------------
+
+    def _report_prepared(self, ref: ClaimRef, devices: Sequence[PreparedDevice], uuids: Mapping[str, str]) -> None:
+        if self._claim_status is None:
+            return
+        from agent.core.dra.device_status import DeviceStatus
+
+        statuses = [DeviceStatus(d.pool, d.device, uuids.get(d.device, ""), d.share_id) for d in devices]
+        self._report(ref, "prepared", lambda s: s.prepared(ref.namespace, ref.name, ref.uid, statuses))
+
+    def _report_unprepared(self, ref: ClaimRef, devices: Sequence[PreparedDevice]) -> None:
+        if self._claim_status is None or not devices:
+            return
+        names = [d.device for d in devices]
+        self._report(ref, "unprepared", lambda s: s.unprepared(ref.namespace, ref.name, ref.uid, self._pool, names))
+
+    def _report(self, ref: ClaimRef, what: str, write: Callable[[ClaimStatus], bool]) -> None:
+        self._unreported.append((ref, what, write))
+
+    def report(self) -> None:
+        """Write the ``status.devices`` reports the calls since the last ``report`` left, in their order. A report
+        only: whatever goes wrong is logged, the Prepare or Unprepare it follows stands."""
+        reports, self._unreported = self._unreported, []
+        for ref, what, write in reports:
+            self._write_report(ref, what, write)
+
+    def _write_report(self, ref: ClaimRef, what: str, write: Callable[[ClaimStatus], bool]) -> None:
+        assert self._claim_status is not None
+        try:
+            written = write(self._claim_status)
+        except Exception as error:  # ClaimStatusNotWritten, or a bug: never undoes what was done
+            log.warning(
+                "claim status.devices not written claim=%s/%s uid=%s after=%s error=%s",
+                ref.namespace,
+                ref.name,
+                ref.uid,
+                what,
+                error,
+            )
+            return
+        log.debug(
+            "claim status.devices claim=%s/%s uid=%s after=%s written=%s",
+            ref.namespace,
+            ref.name,
+            ref.uid,
+            what,
+            written,
+        )
 
     # ----- the ledger's critical section ----------------------------------------------------------------------------
 
@@ -561,6 +620,7 @@ class ClaimWorker:
         except CheckpointSaveError as error:
             return _failed_unprepare(ref, str(error))
         self.checkpoint = rolled
+        self._report_unprepared(ref, claim.devices)
         log.info(
             "claim unprepared claim=%s/%s uid=%s devices=%s state=%s",
             ref.namespace,

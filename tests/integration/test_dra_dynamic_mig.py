@@ -249,6 +249,11 @@ def test_a_claim_gets_its_mig_device_created_at_the_placement_and_destroyed_afte
     mig_uuid = instances(world)[(start, 4)]  # exactly the allocated placement
     assert (world.base / "cdi" / f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.yaml").exists()
     assert f"nvidia.com/gpu={mig_uuid}" in ids["main"]  # the node-wide CDI spec's entry for the new MIG device
+    statuses = world.api.wait_for(
+        lambda: world.api.get("resourceclaims", "small", "default")["status"].get("devices"), test_dra_e2e.DEADLINE
+    )  # written once the kubelet has its answer
+    (reported,) = statuses
+    assert (reported["device"], reported["data"]) == (result["device"], {"uuid": mig_uuid})  # the device it became
 
     text = test_dra_e2e.poll(lambda: "claim default/small" in status_text(world) and status_text(world), "status")
     assert f"claim default/small: {result['device']} (MIG device {mig_uuid})" in text  # what `tessera status` says

@@ -55,6 +55,7 @@ from agent.core.dra.opaque import (
     OpaqueConfigError,
     decode,
     parse_quantity,
+    unsupported,
 )
 from agent.core.dra.shares import Share, over_committed, share_of, whole
 
@@ -266,6 +267,9 @@ def plan_prepare(
             problems.append(chosen)
             continue
         config, source = chosen
+        if config is not None and (refusal := unsupported(config)) is not None:
+            problems.append(f"{source}: {refusal}")
+            continue
         if share is not None and not whole(info, share) and config is not None and config.sharing is not None:
             problems.append(
                 f"requested device {name} is a share of a GPU, enforced through MPS with the limits of its "

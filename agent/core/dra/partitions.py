@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from agent.core.dra.devices import GPU, MIG, AttributeValue, DraDevice, canonical_profile
-from agent.core.inventory import Gpu, MigDevice
+from agent.core.inventory import GiProfileCounts, Gpu, MigDevice
 from agent.core.mig_catalog import GiProfileInfo, MigCatalog
 
 _MIB = 1 << 20
@@ -86,8 +86,19 @@ def partition_device_name(gpu_minor: int, profile: GiProfileInfo, start: int) ->
     return f"gpu-{gpu_minor}-mig-{canonical_profile(profile.name)}-{profile.id}-{start}"
 
 
-def profile_capacity(profile: GiProfileInfo) -> dict[str, int]:
-    """A profile's MIG capacities, in base units (memory in bytes), by the device's capacity names."""
+def profile_capacity(profile: GiProfileInfo, nvml: GiProfileCounts | None = None) -> dict[str, int]:
+    """A profile's MIG capacities, in base units (memory in bytes), by the device's capacity names: NVML's GPU
+    instance profile info (``nvml``) where discovery read it (MIG mode on), else the packaged table's."""
+    if nvml is not None:
+        return {
+            "multiprocessors": nvml.multiprocessors,
+            "copyEngines": nvml.copy_engines,
+            "decoders": nvml.decoders,
+            "encoders": nvml.encoders,
+            "jpegEngines": nvml.jpeg_engines,
+            "ofaEngines": nvml.ofa_engines,
+            "memory": nvml.memory_mib * _MIB,
+        }
     return {
         "multiprocessors": profile.multiprocessors,
         "copyEngines": profile.copy_engines,
@@ -109,7 +120,7 @@ def partitionable_devices(gpu: Gpu, catalog: MigCatalog, common: Mapping[str, At
     if not profiles:
         return ()
     set_name = counter_set_name(gpu.minor_number)
-    largest = {name: max(profile_capacity(p)[name] for p in profiles) for name in DIMENSIONS}
+    largest = {name: max(profile_capacity(p, gpu.gi_profile(p.id))[name] for p in profiles) for name in DIMENSIONS}
     slices = max(placement.start + placement.size for p in profiles for placement in p.placements)
     whole = {DIMENSIONS[name]: value for name, value in largest.items()}
     whole |= {memory_slice_counter(i): 1 for i in range(slices)}
@@ -125,7 +136,7 @@ def partitionable_devices(gpu: Gpu, catalog: MigCatalog, common: Mapping[str, At
     )
     partitions = []
     for profile in profiles:
-        capacity = profile_capacity(profile)
+        capacity = profile_capacity(profile, gpu.gi_profile(profile.id))
         attributes = {"type": MIG, "parentUUID": gpu.uuid, "profile": profile.name, **common}
         for placement in profile.placements:
             consumed = {DIMENSIONS[name]: value for name, value in capacity.items()}
