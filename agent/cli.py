@@ -891,6 +891,7 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
             shared=shared,
             default_share=default_share,
             pcie_roots=roots,
+            numa_nodes=numa,
             share_mode=section.share_mode if section is not None else "memory",
         )
         devices = pool.offered
