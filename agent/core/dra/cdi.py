@@ -139,12 +139,15 @@ def cdi_device_ids(
     return tuple(ids)
 
 
-def gpu_nodes(minor: int) -> tuple[DeviceNode, ...]:
-    """A full GPU's device node, ``/dev/nvidia<minor>``."""
-    return (DeviceNode(f"/dev/nvidia{minor}"),)
+def gpu_nodes(minor: int, dev_root: str = "/") -> tuple[DeviceNode, ...]:
+    """A full GPU's device node, ``/dev/nvidia<minor>`` (from ``<dev_root>/dev/nvidia<minor>`` on the host)."""
+    path = f"/dev/nvidia{minor}"
+    return (DeviceNode(path, host_path=None if dev_root in ("", "/") else dev_root.rstrip("/") + path),)
 
 
-def mig_nodes(parent_minor: int, caps_major: int, gi_minor: int, ci_minor: int) -> tuple[DeviceNode, ...]:
+def mig_nodes(
+    parent_minor: int, caps_major: int, gi_minor: int, ci_minor: int, dev_root: str = "/"
+) -> tuple[DeviceNode, ...]:
     """A MIG device's nodes: the parent GPU's node and its GI and CI capability nodes (``nvidia-caps`` major).
 
     The capability minors come from ``/proc/driver/nvidia/capabilities/gpu<m>/mig/gi<g>[/ci<c>]/access`` and the
@@ -155,7 +158,7 @@ def mig_nodes(parent_minor: int, caps_major: int, gi_minor: int, ci_minor: int) 
         DeviceNode(f"{CAPS_DIR}/nvidia-cap{minor}", type="c", major=caps_major, minor=minor, permissions="rw")
         for minor in (gi_minor, ci_minor)
     )
-    return (*gpu_nodes(parent_minor), *caps)
+    return (*gpu_nodes(parent_minor, dev_root), *caps)
 
 
 def claim_spec(
