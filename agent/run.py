@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from agent.agent import Agent, AgentExit, AgentOptions
 from agent.config.effective import FlagOverrides
@@ -22,7 +23,9 @@ from agent.config.labels import validate_node_name
 from agent.config.model import safe_host_path
 from agent.config.watch import ConfigSourceChanged
 from agent.core.allocation import DeviceListStrategy
+from agent.core.dra.cdi import NODE_WIDE_CDI_KIND
 from agent.core.health import health_policy
+from agent.gpu.driver_root import DriverRoot
 from agent.nvidia_flags import NvidiaFlagError, read
 from agent.telemetry.server import parse_address
 from agent.telemetry.service import TelemetrySettings
@@ -83,7 +86,7 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> RunOptio
             mig_strategy=nvidia.value("mig_strategy"),
             device_list_strategy=strategies,
             allocation_policy=nvidia.value("shared_devices_allocation_policy"),
-            cdi_kind=args.cdi_kind,
+            cdi_kind=args.cdi_kind or (NODE_WIDE_CDI_KIND if args.node_wide_cdi else None),
             mps_root=_mps_root(mps_root.value, mps_root.source),
         ),
         mps_control=args.mps_control,
@@ -92,6 +95,8 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> RunOptio
         dra_registry_dir=_host_dir("--dra-registry-dir", args.dra_registry_dir),
         dra_plugins_dir=_host_dir("--dra-plugins-dir", args.dra_plugins_dir),
         cdi_root=_host_dir("--cdi-root", args.cdi_root),
+        driver_root=_driver_root(nvidia.driver_root(), args.host_proc),
+        node_wide_cdi=args.node_wide_cdi,
         sys_root=_host_dir("--host-sys", args.host_sys),
         pod_uid=_pod_uid(args.pod_uid),
         mig_config=Path(args.mig_config) if args.mig_config else None,
@@ -172,6 +177,20 @@ def _mps_root(value: str | None, source: str) -> str | None:
         return safe_host_path(value)
     except ValueError as error:
         raise OptionsError(f"{source}: {error}") from error
+
+
+def _driver_root(given: dict[str, str | None], proc: str) -> DriverRoot:
+    """Where the driver is (NVIDIA's --driver-root, --dev-root, --container-driver-root, --nvidia-cdi-hook-path)."""
+    paths: dict[str, Any] = {}
+    for name, flag in (("root", "--driver-root"), ("container_root", "--container-driver-root"),
+                       ("dev_root", "--dev-root")):  # fmt: skip
+        value = given.get(name)
+        if value:
+            paths[name] = _host_dir(flag, value)
+    hook = given.get("hook_path")
+    if hook and not hook.startswith("/"):
+        raise OptionsError(f"--nvidia-cdi-hook-path: {hook!r} is not an absolute path on the host")
+    return DriverRoot(**paths, hook_path=hook or None, proc=Path(proc))
 
 
 def _host_dir(flag: str, value: str) -> Path:

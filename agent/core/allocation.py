@@ -16,7 +16,7 @@ from agent.core.resources import Device, MpsLimits
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
-DEFAULT_CDI_KIND = "nvidia.com/gpu"
+DEFAULT_CDI_KIND = "k8s.device-plugin.nvidia.com/gpu"  # the spec Tessera writes, named as NVIDIA's plugin names it
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 
 
