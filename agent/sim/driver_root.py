@@ -21,6 +21,9 @@ import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+
+from agent.gpu.driver_root import DriverRoot
 
 VERSION = "550.54.15"
 LIBRARY_DIR = "usr/lib/x86_64-linux-gnu"
@@ -110,3 +113,10 @@ def _symlink(path: Path, target: str) -> None:
 def _script(path: Path, text: str) -> None:
     path.write_text(text)
     path.chmod(0o755)
+
+
+def sim_driver_root(root: Path, gpu_minors: Iterable[int] = range(MAX_GPUS), **options: Any) -> DriverRoot:
+    """A simulated driver at ``root`` and the ``DriverRoot`` an agent on the simulated node is given for it (its
+    ``proc`` the layout's own, for the MIG capability minors)."""
+    make_driver_root(root, gpu_minors, **options)
+    return DriverRoot(root, proc=root / "proc")
