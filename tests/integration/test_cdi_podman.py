@@ -60,13 +60,22 @@ def _unavailable() -> str | None:
     if os.geteuid() != 0:
         return "podman runs containers here as root only"
     tools = {
-        "podman": shutil.which("podman"), "runc": os.access(RUNC, os.X_OK), "busybox-static": BUSYBOX.is_file(),
+        "podman": shutil.which("podman"), "runc": os.access(RUNC, os.X_OK), "busybox-static": _static(BUSYBOX),
         "util-linux": shutil.which("unshare"),
     }  # fmt: skip
     missing = [package for package, found in tools.items() if not found]
     if missing:
         return f"missing {', '.join(missing)}: apt-get install {' '.join(missing)} (as .ci/run does)"
     return None
+
+
+def _static(binary: Path) -> bool:
+    """A statically linked executable (Debian's busybox-static; plain busybox needs a libc the image lacks)."""
+    try:
+        with binary.open("rb") as file:
+            return b"ld-linux" not in file.read(1 << 16)  # a dynamic one names its loader (PT_INTERP) up front
+    except OSError:
+        return False
 
 
 class Podman:
