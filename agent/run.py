@@ -239,6 +239,8 @@ def run_agent(
             except SimSpecError as error:
                 raise OptionsError(str(error)) from None
             log.warning("using a SIMULATED GPU driver spec=%s", simulate)
+            if options.driver_root == DriverRoot():  # no --driver-root: the simulated node's driver files, on disk
+                options = _simulated_driver_root(stack, options, [gpu.minor_number for gpu in driver.gpus])
             if sim_control:
                 from agent.sim.nvml.control import SimControlServer
 
@@ -263,6 +265,21 @@ def run_agent(
             print(f"tessera: {error}", file=sys.stderr)
             return 1
     return 0
+
+
+def _simulated_driver_root(stack: ExitStack, options: AgentOptions, minors: list[int]) -> AgentOptions:
+    """``options`` with a simulated driver root (stand-in files in a directory removed at the end), so the CDI
+    specs of a simulated node name files that exist."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from agent.sim.driver_root import sim_driver_root
+
+    root = Path(tempfile.mkdtemp(prefix="tessera-sim-driver-"))
+    stack.callback(shutil.rmtree, root, True)
+    log.warning("using a SIMULATED driver root for CDI specs path=%s", root)
+    return dataclasses.replace(options, driver_root=sim_driver_root(root, minors))
 
 
 def _resume_collector_once_served(served: threading.Event) -> None:
