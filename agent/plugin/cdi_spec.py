@@ -28,7 +28,7 @@ from agent.core.cdi_edits import device_plugin_spec, spec_file_name
 from agent.core.dra.cdi import CdiError, DeviceNode, gpu_nodes, mig_nodes
 from agent.core.inventory import Inventory
 from agent.core.snapshot import ResourceSnapshot
-from agent.dra.cdi_store import DIR_MODE, FILE_MODE
+from agent.dra.cdi_store import DIR_MODE, FILE_MODE, dump
 from agent.dra.devnodes import caps_major, mig_minors
 from agent.gpu.driver_root import CommonEdits, DriverRoot
 
@@ -61,7 +61,7 @@ class DevicePluginCdi:
             if key == self._key and path.is_file():
                 return path
             spec = device_plugin_spec(kind, self._nodes(inventory, physical), common)
-            content = yaml.safe_dump(spec, sort_keys=False, default_flow_style=False).encode()
+            content = dump(spec)
             if self._written != (path, content) or not path.is_file():
                 self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
                 write_atomically(path, content, FILE_MODE)
