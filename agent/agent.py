@@ -850,7 +850,7 @@ class Agent:
             if snapshot.sharing is not Sharing.MPS or (self._mps is not None and self._mps.advertised(name))
             # an MPS resource is advertised once its daemons have their limits in place, then clients connect
         }
-        self._refresh_cdi(snapshots)  # the names Allocate returns resolve before the kubelet hears of the devices
+        snapshots = self._refresh_cdi(snapshots)  # the names Allocate returns resolve before the kubelet hears them
         changed = self._servers.apply(snapshots)
         self._snapshots = snapshots
         before = self._set_status()  # what `tessera status` says never lags what the kubelet hears
@@ -859,17 +859,22 @@ class Agent:
             send_updates(updated)  # the kubelet next: the events, logs and NVML reads that follow come after
         self._node.announce(before, self.status)
 
-    def _refresh_cdi(self, snapshots: dict[str, ResourceSnapshot]) -> None:
-        """With a cdi-* strategy, the device plugin's CDI spec holds exactly the advertised devices."""
+    def _refresh_cdi(self, snapshots: dict[str, ResourceSnapshot]) -> dict[str, ResourceSnapshot]:
+        """With a cdi-* strategy, the device plugin's CDI spec holds exactly the advertised devices; where it
+        cannot be written (no driver found), Allocate refuses with the reason rather than hand out names that do
+        not resolve."""
         allocation = self._effective.allocation
         cdi = {DeviceListStrategy.CDI_CRI, DeviceListStrategy.CDI_ANNOTATIONS}
         if self.options.node_wide_cdi or not cdi.intersection(allocation.strategies) or self._inventory is None:
-            return
+            return snapshots
         if self._plugin_cdi is None:
             from agent.plugin.cdi_spec import DevicePluginCdi
 
             self._plugin_cdi = DevicePluginCdi(self.options.cdi_root, self.options.driver_root)
-        self._plugin_cdi.refresh(allocation.cdi_kind, self._inventory, snapshots)
+        if self._plugin_cdi.refresh(allocation.cdi_kind, self._inventory, snapshots) is not None:
+            return snapshots
+        unavailable = replace(allocation, cdi_unavailable=self._plugin_cdi.error)
+        return {name: replace(s, options=unavailable) for name, s in snapshots.items()}
 
     # ----- registration ---------------------------------------------------------------------------
 
