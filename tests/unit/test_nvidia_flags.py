@@ -394,3 +394,17 @@ def test_a_configs_flags_that_tessera_does_not_honour_are_warnings_that_keep_the
     flagged = sorted(w.split(": ")[1] for w in warnings)
     assert flagged == ["flags.gdsEnabled", "flags.plugin.deviceIDStrategy"]
     assert all(w.startswith("cm/default: ") and w.endswith("the setting is ignored") for w in warnings)
+
+
+def test_a_configs_driver_root_is_a_warning_naming_the_flag_that_sets_it():
+    """Where the driver is comes from the agent's command line (each node's own); a shared config's value is
+    said and ignored, NVIDIA's defaults pass in silence."""
+    from agent.config.source import parse_document
+
+    text = (
+        "version: v1\nflags:\n  nvidiaDriverRoot: /run/nvidia/driver\n  nvidiaDevRoot: /\n"
+        "  plugin:\n    nvidiaCTKPath: /usr/bin/nvidia-ctk\n    containerDriverRoot: /driver-root\n"
+    )
+    _, warnings = parse_document(text, "cm/default")
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("cm/default: flags.nvidiaDriverRoot: ") and "--nvidia-driver-root" in warnings[0]
