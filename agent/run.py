@@ -239,7 +239,8 @@ def run_agent(
             except SimSpecError as error:
                 raise OptionsError(str(error)) from None
             log.warning("using a SIMULATED GPU driver spec=%s", simulate)
-            if options.driver_root == DriverRoot():  # no --driver-root: the simulated node's driver files, on disk
+            if options.driver_root.root == DriverRoot().root and options.driver_root.container_root is None:
+                # no --driver-root: the simulated node's driver files, on disk
                 options = _simulated_driver_root(stack, options, [gpu.minor_number for gpu in driver.gpus])
             if sim_control:
                 from agent.sim.nvml.control import SimControlServer
