@@ -277,10 +277,15 @@ def _simulated_driver_root(stack: ExitStack, options: AgentOptions, minors: list
 
     from agent.sim.driver_root import sim_driver_root
 
-    root = Path(tempfile.mkdtemp(prefix="tessera-sim-driver-"))
-    stack.callback(shutil.rmtree, root, True)
+    try:
+        root = Path(tempfile.mkdtemp(prefix="tessera-sim-driver-"))
+        stack.callback(shutil.rmtree, root, True)
+        driver_root = sim_driver_root(root, minors)
+    except OSError as error:  # a read-only /tmp: CDI specs then fail naming the missing driver, nothing else does
+        log.warning("cannot lay out a simulated driver root for CDI specs error=%r", str(error))
+        return options
     log.warning("using a SIMULATED driver root for CDI specs path=%s", root)
-    return dataclasses.replace(options, driver_root=sim_driver_root(root, minors))
+    return dataclasses.replace(options, driver_root=driver_root)
 
 
 def _resume_collector_once_served(served: threading.Event) -> None:
