@@ -41,7 +41,8 @@ from agent.config.labels import (
 from agent.config.model import ConfigError, ConfigModel, DraSection
 from agent.config.source import LoadedConfig, load_config, read_config_set
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
-from agent.core.allocation import DeviceListStrategy
+from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
+from agent.core.dra.cdi import NODE_WIDE_CDI_KIND
 from agent.core.health import HealthPolicy, HealthState
 from agent.core.inventory import Inventory, keep_unanswered
 from agent.core.mps import MpsDaemonSpec, mps_daemons
@@ -544,6 +545,8 @@ class Agent:
                 allocation_policy=str(explicit.policy),
                 cdi_kind=explicit.cdi_kind,
             )
+        if self.options.node_wide_cdi and given.cdi_kind in (None, DEFAULT_CDI_KIND):  # nvidia-ctk's names then
+            given = replace(given, cdi_kind=NODE_WIDE_CDI_KIND)
         return given
 
     def _apply_config(self, *, force: bool = False) -> None:
