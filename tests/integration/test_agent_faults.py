@@ -383,6 +383,17 @@ def test_without_a_driver_a_cdi_allocate_is_refused_naming_the_fix_and_envvar_st
     assert not (harness.base / "cdi" / "k8s.device-plugin.nvidia.com-gpu.yaml").exists()
 
 
+def test_with_node_wide_cdi_the_names_are_nvidia_ctks_and_no_spec_is_written(harness: Harness, sim_node) -> None:
+    driver = sim_node(TWO_GPUS)
+    kubelet = harness.kubelet()
+    cdi = AllocationOptions(strategies=(DeviceListStrategy.CDI_CRI,))
+    harness.agent(allocation=cdi, cdi_root=harness.base / "cdi", node_wide_cdi=True)  # no driver root needed
+    kubelet.wait_for(_registered(kubelet, GPU, 2), timeout=5, what="registered")
+    (response,) = kubelet.allocate_raw(GPU, [driver.gpus[0].uuid]).container_responses
+    assert [d.name for d in response.cdi_devices] == [f"nvidia.com/gpu={driver.gpus[0].uuid}"]
+    assert not (harness.base / "cdi").exists()
+
+
 # ------------------------------------------------------------------------------------- 5. preferred allocation
 
 
