@@ -429,7 +429,20 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         help="also write the node labels (and nvidia.com/mig.config.state) on the Node itself, where NFD is not "
         "deployed; needs patch on nodes (daemonset/overlays/node-labels) [env TESSERA_LABEL_NODE=true]",
     )
-    _env_flag(parser, "--cdi-kind", "TESSERA_CDI_KIND", help="CDI device kind for cdi-* strategies (nvidia.com/gpu)")
+    _env_flag(
+        parser,
+        "--cdi-kind",
+        "TESSERA_CDI_KIND",
+        help="CDI kind of the device plugin's spec for cdi-* strategies (k8s.device-plugin.nvidia.com/gpu; with "
+        "--node-wide-cdi nvidia.com/gpu)",
+    )
+    parser.add_argument(
+        "--node-wide-cdi",
+        action="store_true",
+        default=os.environ.get("TESSERA_NODE_WIDE_CDI", "") == "true",
+        help="CDI IDs name the node-wide spec nvidia-ctk cdi generate writes (nvidia.com/gpu=<uuid>) instead of "
+        "specs Tessera writes whole; only for nodes that keep that spec current [env TESSERA_NODE_WIDE_CDI=true]",
+    )
     _env_flag(
         parser,
         "--ignored-xids",

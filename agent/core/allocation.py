@@ -16,7 +16,7 @@ from agent.core.resources import Device, MpsLimits
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
-DEFAULT_CDI_KIND = "nvidia.com/gpu"
+DEFAULT_CDI_KIND = "k8s.device-plugin.nvidia.com/gpu"  # the spec Tessera writes, named as NVIDIA's plugin names it
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 
 
@@ -132,6 +132,7 @@ class Allocator:
     mps_envs: Mapping[str, Mapping[str, str]]  # daemon key -> its pipe directory and thread percentage
     mps_mounts: Mapping[str, tuple[Mount, ...]]  # daemon key -> pipe and shared-memory mounts
     mps_memory: Mapping[str, str]  # physical ID -> "<uuid>=<MiB>M", its pinned-memory limit
+    cdi_unavailable: str = ""  # why the CDI names would not resolve (the spec could not be written): refused
 
     @classmethod
     def of(
@@ -144,6 +145,7 @@ class Allocator:
         cdi_kind: str = DEFAULT_CDI_KIND,
         mps: MpsClient | None = None,
         fail_requests_greater_than_one: bool = False,
+        cdi_unavailable: str = "",
     ) -> Allocator:
         by_id = {d.id: d for d in devices}
         chosen = set(strategies)
@@ -189,10 +191,13 @@ class Allocator:
             mps_envs=mps_envs,
             mps_mounts=mps_mounts,
             mps_memory=mps_memory,
+            cdi_unavailable=cdi_unavailable if DeviceListStrategy.CDI_CRI in chosen or annotate else "",
         )
 
     def allocate(self, requested: Sequence[str]) -> ContainerAllocation:
         """Validate one container's request and answer it; ``AllocationError`` names every bad ID."""
+        if self.cdi_unavailable:  # CDI names no spec holds would fail the container's creation: refuse up front
+            raise AllocationError(f"{self.resource}: its CDI devices cannot be given: {self.cdi_unavailable}")
         valid = 0 < len(requested) == len(set(requested)) and self.healthy.issuperset(requested)
         if not valid or (self.fail_requests_greater_than_one and len(requested) > 1):
             # the rare path: validate_request says precisely what is wrong (or that nothing is)

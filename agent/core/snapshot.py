@@ -23,6 +23,7 @@ class AllocationOptions:
     cdi_kind: str = DEFAULT_CDI_KIND
     policy: AllocationPolicy = AllocationPolicy.DISTRIBUTED
     mps_root: str = "/run/nvidia/mps"  # on the host
+    cdi_unavailable: str = ""  # why the device plugin's CDI spec could not be written (cdi-* strategies refuse)
 
 
 @dataclass(frozen=True, slots=True)

@@ -166,11 +166,13 @@ class DraFrontEnd:
         from agent.dra.cdi_store import CdiStore
         from agent.dra.checkpoint_store import CheckpointStore, checkpoint_path
         from agent.dra.claims_api import KubernetesClaimReader, KubernetesClaimStatus
+        from agent.dra.devnodes import default_device_nodes
         from agent.dra.names import dra_socket, registration_socket
         from agent.dra.publisher import SlicePublisher
         from agent.dra.registration import DRA_SERVICES, HEALTH_SERVICES, DraRegistrar
         from agent.dra.service import DraService
         from agent.dra.timeslices import NvidiaSmiTimeslices
+        from agent.gpu.driver_root import CommonEdits
 
         s = self.settings
         endpoint = dra_socket(s.plugins_dir, s.driver, s.pod_uid)
@@ -186,6 +188,9 @@ class DraFrontEnd:
             checkpoints=store,
             latency=s.latency,
             node_cdi_kind=s.cdi_kind,
+            node_wide_cdi=s.node_wide_cdi,
+            cdi_common_edits=None if s.node_wide_cdi else CommonEdits(s.driver_root),
+            device_nodes=default_device_nodes(s.node_wide_cdi, s.driver_root.proc, str(s.driver_root.host_dev_root)),
             timeslices=NvidiaSmiTimeslices(s.nvidia_smi),
             claims_changed=lambda: self._post(DraClaimsChanged()),
             mps_ready=self._wait_mps,

@@ -130,7 +130,7 @@ class ClaimWorker:
         view: Callable[[], Devices | None],
         node_wide: bool,
         node_cdi_kind: str,
-        common_edits: Mapping[str, Any] | None,
+        common_edits: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None,
         device_nodes: DeviceNodes,
         partitions: Partitions | None = None,
         timeslices: Timeslices | None = None,
@@ -229,11 +229,13 @@ class ClaimWorker:
         )
         if isinstance(plan, ClaimError):
             return plan
-        if not any(planned_mig(d) for d in plan.devices):  # a spec that cannot be built fails before anything is done
-            try:
+        try:  # a spec that cannot be built fails before anything is done
+            if any(planned_mig(d) for d in plan.devices):
+                self._common()  # the driver's files at least: the MIG devices' own nodes are known once made
+            else:
                 self._spec(ref.uid, [(d.device, d.info) for d in plan.devices])
-            except CdiError as error:
-                return ClaimError(ref, f"cannot build its CDI spec: {error}")
+        except CdiError as error:
+            return ClaimError(ref, f"cannot build its CDI spec: {error}")
         gpus = {d.info.parent_uuid or d.info.uuid for d in plan.devices}
         with self._reserving(gpus) as foreign:  # no hand-over or destructive step slips in before PrepareStarted
             if foreign:
@@ -519,7 +521,7 @@ class ClaimWorker:
         device_edits: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]]:
         nodes = {name: tuple(self._device_nodes(info)) for name, info in devices}
-        spec = claim_spec(claim_uid, nodes, common_edits=self._common_edits, device_edits=device_edits)
+        spec = claim_spec(claim_uid, nodes, common_edits=self._common(), device_edits=device_edits)
         ids = {
             name: cdi_device_ids(
                 claim_uid, name, info.uuid, node_wide=self._node_wide, node_cdi_kind=self._node_cdi_kind
@@ -527,6 +529,11 @@ class ClaimWorker:
             for name, info in devices
         }
         return spec, ids
+
+    def _common(self) -> Mapping[str, Any] | None:
+        """The spec-level edits (the driver's files); ``CdiError`` (``DriverMissing``) when the node has no driver."""
+        common = self._common_edits
+        return common() if callable(common) else common
 
     def _roll_back(self, ref: ClaimRef, done: _Done | None = None) -> str | None:
         """Undo a prepare that did not complete (spec, time-slices, MIG devices, then the record); the reason when

@@ -43,7 +43,7 @@ from agent.api.dra.v1 import api_pb2 as dra_v1
 from agent.api.dra.v1beta1 import api_pb2 as dra_v1beta1
 from agent.api.drahealth.v1 import api_pb2 as dra_health_v1
 from agent.api.drahealth.v1alpha1 import api_pb2 as dra_health
-from agent.core.allocation import DEFAULT_CDI_KIND
+from agent.core.dra.cdi import NODE_WIDE_CDI_KIND
 from agent.core.dra.checkpoint import PREPARE_COMPLETED, Checkpoint, mps_records
 from agent.core.dra.claims import ClaimError, ClaimRef
 from agent.core.dra.devices import DraDevice
@@ -109,9 +109,9 @@ class DraService:
         read_claim: ClaimReader,
         cdi: CdiStore,
         checkpoints: CheckpointStore,
-        node_wide_cdi: bool = True,
-        node_cdi_kind: str = DEFAULT_CDI_KIND,
-        cdi_common_edits: Mapping[str, Any] | None = None,
+        node_wide_cdi: bool = False,
+        node_cdi_kind: str = NODE_WIDE_CDI_KIND,
+        cdi_common_edits: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
         device_nodes: DeviceNodes | None = None,
         timeslices: Timeslices | None = None,
         claims_changed: Callable[[], None] = lambda: None,
@@ -123,8 +123,11 @@ class DraService:
         ledger: DeviceLedger | None = None,
         claim_status: ClaimStatus | None = None,
     ) -> None:
-        """``pool`` is the node's name; ``node_wide_cdi`` adds each device's ``<node_cdi_kind>=<uuid>`` CDI ID
-        (the spec ``nvidia-ctk cdi generate`` writes brings the driver libraries; see ``agent.core.dra.cdi``).
+        """``pool`` is the node's name; ``cdi_common_edits`` (edits, or a callable giving them:
+        ``agent.gpu.driver_root.CommonEdits``, which raises ``DriverMissing`` on a node without a driver) go at the
+        spec level of every claim's spec, so the claim's IDs resolve to its spec alone. ``node_wide_cdi`` (off by
+        default) instead adds each device's ``<node_cdi_kind>=<uuid>`` CDI ID of the spec ``nvidia-ctk cdi generate``
+        writes (see ``agent.core.dra.cdi``).
         ``device_nodes`` gives each device's nodes for its claim entry; by default
         ``agent.dra.devnodes.default_device_nodes``: the GPU's node, and without node-wide CDI a MIG device's
         capability nodes read from the driver's ``/proc``. ``latency`` (``agent.telemetry.latency.OperationLatency``)

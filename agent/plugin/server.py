@@ -87,6 +87,7 @@ class _Served:
             cdi_kind=options.cdi_kind,
             mps=mps,
             fail_requests_greater_than_one=snapshot.fail_requests_greater_than_one,
+            cdi_unavailable=options.cdi_unavailable,
         )
         return cls(snapshot, message, entries, allocator)
 

@@ -3,6 +3,7 @@ against the API server stand-in (in this process, on loopback, every written obj
 kubelet emulator and the device-plugin kubelet emulator.
 
 Run: python tests/bench/bench_dra.py [--rounds 5] [--prepares 200] [--pods 30] [--xids 20] [--restarts 10] [--writes 30]
+(the self-contained CDI spec's Prepare, in process: python tests/bench/bench_dra.py self-contained [ROUNDS [PREPARES]])
 
 Every round runs every part once with a fresh agent process, stand-in and emulators (a noisy neighbour spreads
 over all of them); the figures printed are the medians over the rounds of each round's p50 and p99 (single
@@ -449,7 +450,7 @@ def prepare_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure
                 name = claim["metadata"]["name"]
                 pod, containers = f"pod-{n}-{count}", {"c": [("gpu", None)]}
                 ids = _timed(pods[f"run {count}"], world.dra.run_pod, "default", pod, uid, [("gpu", name)], containers)
-                if len(ids["c"]) != 2 * count:  # the claim's device and the node-wide ID of each GPU
+                if len(ids["c"]) != count:  # the claim's own ID for each GPU (its spec stands alone)
                     raise RuntimeError(f"pod of {name}: CDI IDs {ids}")
                 _timed(pods[f"stop {count}"], world.dra.stop_pod, uid)
             for _ in range(2):  # add the reservation, take it away: the two writes of a pod's life
@@ -1105,5 +1106,81 @@ def bench_prepare_dynamic_mig_mode(base: Path, args: argparse.Namespace, figures
     _with_world(base, "dgx-h100", "all", args, body, dra_extra="  dynamicMig: all\n")
 
 
+def bench_prepare_self_contained(rounds: int = 5, prepares: int = 200) -> None:
+    """Prepare p99 of a whole GPU with the self-contained claim spec (issue 25: < 50 ms), in process.
+
+    The DRA service alone (``tests/integration/test_dra_service.py``'s node: real gRPC on its unix socket, the
+    checkpoint and the CDI spec fsynced on this disk) on a simulated A100 node whose driver lies on disk
+    (``agent.sim.driver_root``): per round, ``prepares`` prepare/unprepare pairs of a 1-GPU claim with the spec
+    holding the driver's common edits (control nodes, libraries, binaries, firmware), then as many with
+    ``--node-wide-cdi`` (the claim spec holds the GPU's node only: what the self-contained spec adds is the
+    difference), and the floor: ``write_atomically`` of the self-contained spec's bytes in the same directory (a
+    prepare writes the spec once and the checkpoint twice). Also the driver root's discovery uncached (what a
+    Prepare pays once a minute, ``agent.gpu.driver_root.CACHE_SECONDS``). Medians over the rounds of each round's
+    p50 and p99.
+    """
+    from agent.core.dra.devices import dra_devices
+    from agent.gpu.discovery import discover
+    from agent.gpu.driver_root import CommonEdits
+    from agent.sim.nvml.install import simulated_node
+    from agent.sim.nvml.spec import parse_node_spec
+    from tests.integration.test_dra_service import NODE_SPEC, Claims, Node, claim, ref, uid
+
+    figures = {
+        "self-contained": Figure("Prepare, 1 GPU, self-contained spec", "< 50 ms p99"),
+        "node-wide": Figure("Prepare, 1 GPU, --node-wide-cdi (GPU node only)"),
+        "unprepare": Figure("Unprepare, 1 GPU, self-contained spec"),
+        "floor": Figure("floor: atomic write of the spec's bytes (fsync file + directory)"),
+        "discovery": Figure("driver root discovery, uncached"),
+    }
+    logging.disable(logging.ERROR)
+    with simulated_node(parse_node_spec(NODE_SPEC)):
+        devices = dra_devices(discover())
+        for n in range(rounds):
+            base = Path(tempfile.mkdtemp(prefix="bs", dir="/tmp"))  # unix socket paths must stay short
+            try:
+                node = Node(base, devices, Claims())
+                node.claims.add(claim(1, "gpu-0"))
+                times: dict[str, list[float]] = {key: [] for key in figures}
+                modes = [("self-contained", {}), ("node-wide", {"node_wide_cdi": True, "cdi_common_edits": None})]
+                for mode, options in modes[n % 2 :] + modes[: n % 2]:  # each round starts with the other
+                    node.start(**options)
+                    assert node.kubelet is not None
+                    for i in range(WARM_UP + prepares):
+                        began = time.perf_counter()
+                        answer = node.kubelet.prepare(ref(1)).claims[uid(1)]
+                        took = time.perf_counter() - began
+                        if answer.error or len(answer.devices) != 1:
+                            raise RuntimeError(f"prepare ({mode}): {answer.error!r}")
+                        if i >= WARM_UP:
+                            times[mode].append(took)
+                        if mode == "self-contained":
+                            spec = node.spec_file(1).read_bytes()
+                        measured = times["unprepare"] if mode == "self-contained" and i >= WARM_UP else []
+                        _timed(measured, node.kubelet.unprepare, ref(1))
+                    node.stop()
+                source = CommonEdits(node.driver_root, ttl=0)
+                for _ in range(prepares):
+                    _timed(times["floor"], write_atomically, base / "floor.yaml", spec, 0o644)
+                    _timed(times["discovery"], source)
+                for key, values in times.items():
+                    figures[key].add(values)
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+            print(f"round {n + 1}/{rounds} done", file=sys.stderr, flush=True)
+    print(
+        f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, Python {platform.python_version()}; "
+        f"{rounds} rounds of {prepares} prepare/unprepare pairs per mode; p50 / p99: medians of the per-round values"
+    )
+    print()
+    print("| measure | p50 | p99 | min | max | n | target |")
+    print("|---|---|---|---|---|---|---|")
+    for figure in figures.values():
+        print(_row(figure))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["self-contained"]:  # python tests/bench/bench_dra.py self-contained [ROUNDS [PREPARES]]
+        bench_prepare_self_contained(*(int(a) for a in sys.argv[2:4]))
+    else:
+        main()

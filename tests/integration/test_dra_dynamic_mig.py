@@ -20,6 +20,7 @@ from agent.core.dra.checkpoint import CHECKPOINT_FILE, PREPARE_STARTED, decode, 
 from agent.sim.apiserver import ApiServer
 from agent.sim.kubelet.dra_common import PodStartError, PodStopError
 from agent.sim.scheduler import Unschedulable, allocate
+from tests import cdi_devices
 
 from . import test_dra_e2e
 from .test_dra_e2e import DEADLINE, NODE, World
@@ -248,7 +249,7 @@ def test_a_claim_gets_its_mig_device_created_at_the_placement_and_destroyed_afte
     ids = world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
     mig_uuid = instances(world)[(start, 4)]  # exactly the allocated placement
     assert (world.base / "cdi" / f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.yaml").exists()
-    assert f"nvidia.com/gpu={mig_uuid}" in ids["main"]  # the node-wide CDI spec's entry for the new MIG device
+    assert cdi_devices.physical(world.base / "cdi", ids["main"], world.driver) == [mig_uuid]  # the claim's spec has it
     statuses = world.api.wait_for(
         lambda: world.api.get("resourceclaims", "small", "default")["status"].get("devices"), test_dra_e2e.DEADLINE
     )  # written once the kubelet has its answer

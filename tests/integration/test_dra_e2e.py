@@ -25,6 +25,7 @@ import pytest
 from agent.agent import Agent, AgentOptions
 from agent.core.health import HealthPolicy
 from agent.sim.apiserver import ApiServer
+from agent.sim.driver_root import sim_driver_root
 from agent.sim.kubelet import DraKubeletEmulator, KubeletEmulator
 from agent.sim.kubelet.dra_common import PodStartError
 from agent.sim.nvml.driver import SimDriver
@@ -70,6 +71,7 @@ def start_agent(
         dra_registry_dir=base / "registry",
         dra_plugins_dir=base / "plugins",
         cdi_root=base / "cdi",
+        driver_root=sim_driver_root(base / "driver"),  # the node's driver: the claims' CDI specs mount it
         sys_root=base / "sys",
     )
     agent = Agent(AgentOptions(**{**more, **defaults, **options}))  # type: ignore[arg-type]

@@ -51,8 +51,8 @@ def test_a_checkpoint_round_trips_through_its_bytes():
         namespace="ml",
         name="train",
         devices=(
-            PreparedDevice("node-a", "gpu-0", ("gpu",), (f"{CLAIM_KIND}={UID_A}-gpu-0", "nvidia.com/gpu=GPU-aaaa")),
-            PreparedDevice("node-a", "gpu-1", ("gpu",), (f"{CLAIM_KIND}={UID_A}-gpu-1", "nvidia.com/gpu=GPU-bbbb")),
+            PreparedDevice("node-a", "gpu-0", ("gpu",), (f"{CLAIM_KIND}={UID_A}-gpu-0",)),
+            PreparedDevice("node-a", "gpu-1", ("gpu",), (f"{CLAIM_KIND}={UID_A}-gpu-1",)),
         ),
     )
     assert both.claims[UID_B].state == "PrepareStarted"
