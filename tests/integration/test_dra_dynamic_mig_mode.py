@@ -13,6 +13,7 @@ import pytest
 
 from agent.sim.kubelet.dra_common import PodStartError
 from agent.sim.scheduler import Unschedulable
+from tests import cdi_devices
 
 from . import test_dra_e2e
 from .test_dra_dynamic_mig import MIG_CLASS, mig_claim
@@ -99,7 +100,7 @@ def test_the_whole_of_a_hopper_in_mig_mode_is_prepared_with_mig_mode_off(world: 
     assert mig_on(world)
     ids = world.dra.run_pod("default", "whole", "pod-1", [("gpu", "whole")], {"main": [("gpu", None)]})
     assert not mig_on(world)  # a container given the whole GPU can use it: CUDA sees no MIG mode
-    assert f"nvidia.com/gpu={uuid}" in ids["main"]
+    assert cdi_devices.physical(world.base / "cdi", ids["main"], world.driver) == [uuid]  # the claim's spec has it
     world.dra.stop_pod("pod-1")
     assert not mig_on(world)
 
