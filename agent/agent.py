@@ -854,11 +854,14 @@ class Agent:
         visible = self._plan.without(mig | mps | stale | dra)
         if self._dra is not None:
             self._dra.publish(self._inventory, self._health, self._node.cordon.units, self._stale_gpus)
+        allocation = self._effective.allocation
+        if self.options.memory_limits is not None:
+            allocation = replace(allocation, memory_envs=True)  # sized replicas get the toolkit hook's variables
         snapshots = build_snapshots(
             visible,
             self._health,
             self._inventory,
-            self._effective.allocation,
+            allocation,
             unavailable=self._mps.unavailable() if self._mps is not None else frozenset(),
             cordoned=self._node.cordon.units,
             previous=self._snapshots,
