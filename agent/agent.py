@@ -879,6 +879,8 @@ class Agent:
         if updated:
             send_updates(updated)  # the kubelet next: the events, logs and NVML reads that follow come after
         self._node.announce(before, self.status)
+        if self._memlimits is not None:
+            self._memlimits.plan_published(self._plan)  # a resized replica reaches running containers now
 
     # ----- registration ---------------------------------------------------------------------------
 
@@ -967,6 +969,7 @@ class Agent:
             cordoned=self._node.cordon.sources,
             cordon_problems=self._node.cordon.problems,
             dra=self._dra.status() if self._dra else None,
+            memory_limits=self._memlimits.snapshot() if self._memlimits is not None else (),
         )
         return before
 
