@@ -806,19 +806,23 @@ def _plan(args: argparse.Namespace) -> int:
         return EXIT_NVML
     except (ConfigError, LayoutFileError, LayoutError, PlanError) as error:
         return report_invalid(error)
-    from agent.render import plan_table
+    from agent.core.memlimits import plan_enforcement
+    from agent.render import memory_limit_lines, plan_table
 
     for note in notes:
         print(f"tessera: {note}", file=sys.stderr)
+    held = plan_enforcement(result, inventory.driver_version)  # which enforcement would hold each sized resource
     if args.format in ("json", "yaml"):
         document = result.to_json()
         if layout is not None:
             document["mig_layout"] = layout.to_json()
+        if held:
+            document["memory_limits"] = {row.resource: row.to_json() for row in held}
         print(json.dumps(document, indent=2) if args.format == "json" else _yaml(document), end="\n")
     else:
         if layout is not None:
             print("\n".join([*layout.lines(), ""]))
-        print(plan_table(result))
+        print("\n".join([plan_table(result), *memory_limit_lines(held)]))
     return EXIT_OK
 
 

@@ -182,12 +182,16 @@ def wanted_limits(
 def enforcement(wanted: Wanted, *, driver_refusal: str | None) -> Verdict:
     """How ``wanted`` is enforced. ``driver_refusal``: why the driver cannot do it on this GPU (the call is missing,
     the agent is not root, the call failed), None when it can."""
-    if not wanted.mig and driver_refusal is None:
+    return _verdict(wanted.mig, wanted.server_default, wanted.claim, driver_refusal)
+
+
+def _verdict(mig: bool, server_default: bool, claim: str | None, driver_refusal: str | None) -> Verdict:
+    if not mig and driver_refusal is None:
         return Verdict(Enforcement.DRIVER, "nvmlDeviceSetMemoryLimits_v1 on the container's cgroup")
-    why = "MIG devices have no per-cgroup limits" if wanted.mig else driver_refusal
-    if wanted.server_default:
+    why = "MIG devices have no per-cgroup limits" if mig else driver_refusal
+    if server_default:
         return Verdict(Enforcement.MPS, f"{why}; the MPS server's default per-client limit holds it")
-    if wanted.claim is None:  # a time-sliced replica: no MPS server, no client variable
+    if claim is None:  # a time-sliced replica: no MPS server, no client variable
         return Verdict(
             Enforcement.ADVISORY,
             f"{why}; nothing holds a time-sliced replica to its size but the workload's own goodwill",
@@ -196,6 +200,62 @@ def enforcement(wanted: Wanted, *, driver_refusal: str | None) -> Verdict:
         Enforcement.ADVISORY,
         f"{why}; only the client's own CUDA_MPS_PINNED_DEVICE_MEM_LIMIT holds it, which a container can drop",
     )
+
+
+MIN_DRIVER = 615  # nvmlDeviceSetMemoryLimits_v1 came with driver r615
+
+
+def driver_refusal(driver_version: str) -> str | None:
+    """Why a driver of this version cannot hold containers to a size (None: it has the call)."""
+    try:
+        major = int(driver_version.split(".")[0])
+    except ValueError:
+        return f"driver {driver_version!r} is not a version this agent reads; memory limits need r{MIN_DRIVER}+"
+    if major < MIN_DRIVER:
+        return f"driver {driver_version} has no nvmlDeviceSetMemoryLimits_v1 (it needs r{MIN_DRIVER} or newer)"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceEnforcement:
+    """What would hold a sized resource's containers on a node (``tessera plan``)."""
+
+    resource: str
+    request_mib: int  # per replica
+    limit_mib: int
+    enforcement: Enforcement
+    reason: str
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "request_mib": self.request_mib,
+            "limit_mib": self.limit_mib,
+            "enforcement": str(self.enforcement),
+            "reason": self.reason,
+        }
+
+
+def plan_enforcement(plan: ResourcePlan, driver_version: str) -> list[ResourceEnforcement]:
+    """Per sized resource of ``plan``, what would hold its containers to their size with this driver: the driver's
+    limits (when the agent runs as root, as the DaemonSet does), else the MPS server, else nothing (advisory). A
+    resource with devices of both kinds (MIG and not) is shown by its weakest."""
+    refusal = driver_refusal(driver_version)
+    found = []
+    for resource in plan.resources:
+        verdicts, sizes = [], set()
+        for device in resource.devices:
+            limits = resource.limits_of(device)
+            if limits is None:
+                continue
+            sizes.add(limits)
+            server = resource.sharing is Sharing.MPS
+            verdicts.append(_verdict(device.mig_uuid is not None, server, None, refusal))
+        if not verdicts:
+            continue
+        weakest = max(verdicts, key=lambda v: list(Enforcement).index(v.enforcement))
+        request, limit = max(sizes)
+        found.append(ResourceEnforcement(resource.name, request, limit, weakest.enforcement, weakest.reason))
+    return found
 
 
 def holds(wanted: Wanted, soft: int, hard: int) -> bool:
