@@ -807,7 +807,7 @@ def _plan(args: argparse.Namespace) -> int:
     except (ConfigError, LayoutFileError, LayoutError, PlanError) as error:
         return report_invalid(error)
     from agent.core.memlimits import plan_enforcement
-    from agent.render import memory_limit_lines, plan_table
+    from agent.render import plan_table
 
     for note in notes:
         print(f"tessera: {note}", file=sys.stderr)
@@ -822,7 +822,7 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         if layout is not None:
             print("\n".join([*layout.lines(), ""]))
-        print("\n".join([plan_table(result), *memory_limit_lines(held)]))
+        print(plan_table(result, held))
     return EXIT_OK
 
 

@@ -38,7 +38,8 @@ def inventory_details(inventory: Inventory) -> str:
     return "\n".join(lines)
 
 
-def plan_table(plan: ResourcePlan) -> str:
+def plan_table(plan: ResourcePlan, held: Sequence[ResourceEnforcement] = ()) -> str:
+    """The devices, what would hold each sized resource's memory (``held``), then the one-line summary."""
     rows = [("RESOURCE", "DEVICE ID", "GPU", "INDEX", "PROFILE", "MEMORY")]
     for resource in plan.resources:
         for device in resource.devices:
@@ -55,6 +56,7 @@ def plan_table(plan: ResourcePlan) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     summary = ", ".join(_resource_summary(r) for r in plan.resources) or "nothing"
+    lines += memory_limit_lines(held)
     lines.append("")
     lines.append(f"Advertised (mig-strategy {plan.mig_strategy}): {summary}")
     lines += [f"warning: {w}" for w in plan.warnings]
