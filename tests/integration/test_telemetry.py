@@ -120,11 +120,15 @@ class TelemetryNode:
         self.proc.mkdir(exist_ok=True)
 
     @classmethod
-    def create(cls, driver: SimDriver, config: str, *, pod_resources: bool = True) -> TelemetryNode:
-        """``@BASE@`` in ``config`` becomes the node's temporary directory (for an MPS root, say)."""
+    def create(
+        cls, driver: SimDriver, config: str, *, pod_resources: bool = True, cgroups: bool = False
+    ) -> TelemetryNode:
+        """``@BASE@`` in ``config`` becomes the node's temporary directory (for an MPS root, say). ``cgroups``: the
+        kubelet makes started containers cgroup directories and log links under it (``cgroup``, ``log``)."""
         base = Path(tempfile.mkdtemp(prefix="tm", dir="/tmp"))  # short: unix socket paths are limited
         (base / "config.yaml").write_text(config.replace("@BASE@", str(base)))
-        kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock" if pod_resources else None)
+        roots = {"cgroup_root": base / "cgroup", "log_root": base / "log"} if cgroups else {}
+        kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock" if pod_resources else None, **roots)
         return cls(driver, base, kubelet)
 
     def start_agent(self, **options: object) -> Agent:
