@@ -66,7 +66,8 @@ def test_every_panel_returns_data_from_a_scraped_agent(world) -> None:  # noqa: 
     shared, busy, quiet, other, lonely = shared_pair(node, pods)
     for pod in pods:  # started: the driver holds each to its replica's memory ("used vs limit")
         kubelet.start_container(pod.name, "main", pod.namespace)
-    node.run_process(busy, shared, 8100, 20000, kind="mps_client", sm=65, memory=30)
+    cgroup = str(kubelet.started_container(busy.name, "main", busy.namespace).cgroup)
+    node.run_process(busy, shared, 8100, 20000, kind="mps_client", sm=65, memory=30, cgroup=cgroup)
     node.run_process(quiet, shared, 8101, 6000, kind="mps_client")  # holds memory, computes nothing
     node.run_process(lonely, other, 8102, 9000, kind="mps_client", sm=35)
     node.proc_entry(8200, "0::/system.slice/monitoring-agent.service\n")

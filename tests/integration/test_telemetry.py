@@ -229,11 +229,13 @@ class TelemetryNode:
         kind: str = "compute",
         sm: int = 0,
         memory: int = 0,
+        cgroup: str | None = None,
     ) -> None:
         """A process of ``pod`` on the GPU: in the driver, and in the fake /proc with the pod's cgroup and its
-        start time; it keeps the GPU's SM and memory controller ``sm`` and ``memory`` percent busy."""
+        start time; it keeps the GPU's SM and memory controller ``sm`` and ``memory`` percent busy. ``cgroup``: its
+        container's cgroup directory, where the driver counts it against the container's memory limit."""
         self.proc_entry(pid, cgroup_line(pod.uid))
-        self.driver.add_process(gpu, pid, used_mib, mig_uuid=mig_uuid, kind=kind, sm=sm, memory=memory)
+        self.driver.add_process(gpu, pid, used_mib, mig_uuid=mig_uuid, kind=kind, sm=sm, memory=memory, cgroup=cgroup)
 
     def proc_entry(self, pid: int, cgroup: str) -> None:
         """``/proc/<pid>``: its cgroup, and its stat with a start time of now (replacing an earlier process's)."""
