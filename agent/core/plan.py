@@ -143,6 +143,12 @@ def _share(
         if not devices:
             warnings.append(f"{rule.where}: no device on this node is {rule.name}; nothing is shared by this entry")
             continue
+        if rule.memory is not None and rule.target == rule.name:
+            warnings.append(
+                f"{rule.where}: replicas held to {rule.memory.request_mib} MiB keep the name {rule.name}: a pod asking "
+                f"for {rule.name} gets a {rule.memory.request_mib} MiB share, not a whole device; set rename or "
+                "renameByDefault to tell them apart"
+            )
         for device in _select(rule, devices, inventory):
             if rule.mps is not None:
                 _check_mps(rule, device, inventory)

@@ -180,3 +180,9 @@ def test_the_toolkit_hook_seam_is_one_create_runtime_hook_per_gpu() -> None:
     assert hook["args"] == [
         "nvidia-ctk", "hook", "apply-cuda-memory-limits", "--driver-root", "/run/nvidia/driver", "--gpu-id", "GPU-1234"
     ]  # fmt: skip
+
+
+def test_a_sized_replica_that_keeps_the_devices_name_is_warned_about() -> None:
+    result = planned("  timeSlicing:\n    resources:\n      - {name: nvidia.com/gpu, replicas: 4, memoryLimit: 10Gi}\n")
+    assert any("keep the name nvidia.com/gpu" in w and "set rename or renameByDefault" in w for w in result.warnings)
+    assert not any("keep the name" in w for w in planned(TS_10GI).warnings)  # renamed: nothing to say
