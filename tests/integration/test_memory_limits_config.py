@@ -9,15 +9,20 @@ cgroup directories and log links, an in-process agent.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
-from agent.sim.kubelet import Pod
+from agent.sim.kubelet import KubeletEmulator, Pod
 from agent.status_report import render_text, status_document
+from tests.fake_events_api import FakeEventsApi
+from tests.fake_kube import FakeKube, serving, write_kubeconfig
 from tests.integration import test_memory_limits as path_b
 from tests.integration.test_memory_limits import GIB, OLD, Node
 from tests.integration.test_telemetry import wait_until
 
 SHARED = "nvidia.com/gpu-shared"
+NODE_NAME = "gpu-node-1"
 TIME_SLICED = """
 version: v1
 sharing:
@@ -107,3 +112,41 @@ def test_status_says_which_enforcement_holds_each_container(make_node: Callable[
     text = render_text(document)
     assert "team-a/unheld/main on GPU " in text
     assert "advisory: the driver has no nvmlDeviceSetMemoryLimits_v1 (it needs r615 or newer); nothing holds" in text
+
+
+def test_a_fallback_is_one_warning_event_on_the_node_not_one_per_container(sim_node) -> None:
+    """A driver without the call: the Node gets one MemoryLimitFallback Event, however many containers it holds."""
+    base = Path(tempfile.mkdtemp(prefix="mle", dir="/tmp"))
+    (base / "config.yaml").write_text(config("10Gi"))
+    kubelet = KubeletEmulator(
+        base / "dp", base / "pr" / "kubelet.sock", cgroup_root=base / "cgroup", log_root=base / "log"
+    )
+    node = Node(sim_node(OLD), base, kubelet)
+    events = FakeEventsApi()
+    with serving(FakeKube(NODE_NAME, {"kubernetes.io/hostname": NODE_NAME}), events) as kube:
+        kubelet.start()
+        try:
+            node.start_agent(
+                memory_limits=path_b.settings(node, RECHECK),
+                node_name=NODE_NAME,
+                kubeconfig=str(write_kubeconfig(base / "kubeconfig", kube.port)),
+            )
+            node.wait_registered(timeout=30, resources=(SHARED,))
+            agent = node.agent
+            assert agent is not None
+            start(node, node.kubelet.create_pod("first", {"main": {SHARED: 1}}))
+            events.wait_for(lambda: _fallbacks(events) != [])
+            start(node, node.kubelet.create_pod("second", {"main": {SHARED: 1}}))
+            wait_until(lambda: len(agent.status.memory_limits) == 2, 10, "both containers in the status")
+            rewrite(node, config("30Gi"))  # a rejection: its Event comes after any the second container caused
+            events.wait_for(lambda: any(e.get("reason") == "ConfigRejected" for e in events.events.values()))
+            (said,) = _fallbacks(events)
+            assert said["type"] == "Warning" and said["regarding"]["name"] == NODE_NAME
+            assert "(advisory), not the driver: the driver has no nvmlDeviceSetMemoryLimits_v1" in said["note"]
+            assert said.get("series") is None  # said once: the second container did not repeat it
+        finally:
+            node.stop()
+
+
+def _fallbacks(events: FakeEventsApi) -> list[dict]:
+    return [e for e in events.events.values() if e.get("reason") == "MemoryLimitFallback"]
