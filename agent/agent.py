@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent.config.effective import FlagOverrides, effective
 from agent.config.labels import (
@@ -41,6 +41,8 @@ from agent.config.labels import (
 from agent.config.model import ConfigError, ConfigModel, DraSection
 from agent.config.source import LoadedConfig, load_config, read_config_set
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
+from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
+from agent.core.dra.cdi import NODE_WIDE_CDI_KIND
 from agent.core.health import HealthPolicy, HealthState
 from agent.core.inventory import Inventory, keep_unanswered
 from agent.core.mps import MpsDaemonSpec, mps_daemons
@@ -48,6 +50,7 @@ from agent.core.plan import plan
 from agent.core.resources import MigStrategy, PlanError, ResourcePlan, Sharing
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
 from agent.gpu.discovery import discover
+from agent.gpu.driver_root import DriverRoot
 from agent.gpu.health import GpuLost, NvmlEventWatcher, WatchFailed, WatchRestored, XidEvent
 from agent.gpu.mig_recheck import MigRecheck
 from agent.health_keeper import HealthKeeper
@@ -100,7 +103,9 @@ class AgentOptions:
     mps_keeper: Path | None = None  # a `tessera mps-keeper` socket: MPS daemons start in its container
     dra_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")  # the kubelet's plugin watcher
     dra_plugins_dir: Path = Path("/var/lib/kubelet/plugins")  # <dir>/<driver>/: the DRA socket and checkpoint
-    cdi_root: Path = Path("/var/run/cdi")  # CDI specs of prepared DRA claims
+    cdi_root: Path = Path("/var/run/cdi")  # CDI specs of prepared DRA claims (and the device plugin's, for cdi-*)
+    driver_root: DriverRoot = field(default_factory=DriverRoot)  # the driver's files, for self-contained CDI specs
+    node_wide_cdi: bool = False  # CDI IDs name nvidia-ctk cdi generate's node-wide spec instead (no spec of ours)
     sys_root: Path = Path("/sys")  # the host's sysfs: each DRA GPU's PCIe root
     nvidia_smi: str = "nvidia-smi"  # sets the time-slice of DRA claims' time-sliced GPUs
     pod_uid: str | None = None  # this agent's pod: DRA socket names that allow a rolling update
@@ -202,6 +207,7 @@ class Agent:
             on_allocate=self._ledger.note_allocated,
             latency=self._latency,
         )
+        self._plugin_cdi: Any = None  # agent.plugin.cdi_spec.DevicePluginCdi, once a cdi-* strategy is in force
         self._settling = False  # started, the kubelet not served yet: what comes second (metrics) waits
         self._settle_by = 0.0  # what comes second starts by then even if the kubelet has not watched everything
         self._kubelet_known = False  # the watcher has said whether kubelet.sock is there
@@ -565,6 +571,8 @@ class Agent:
                 allocation_policy=str(explicit.policy),
                 cdi_kind=explicit.cdi_kind,
             )
+        if self.options.node_wide_cdi and given.cdi_kind in (None, DEFAULT_CDI_KIND):  # nvidia-ctk's names then
+            given = replace(given, cdi_kind=NODE_WIDE_CDI_KIND)
         return given
 
     def _apply_config(self, *, force: bool = False) -> None:
@@ -685,8 +693,9 @@ class Agent:
             self._inventory,
             self._clock(),
             dynamic_mig=section.dynamic_mig if section else None,
-            gpu_shares=section.gpu_shares if section else None,
+            gpu_shares=section.shared_gpus if section else None,
             default_share=section.default_share if section else None,
+            share_mode=section.share_mode if section else "memory",
         )
 
     def _dra_settings(self, driver: str) -> DraSettings:
@@ -702,6 +711,8 @@ class Agent:
             nvidia_smi=self.options.nvidia_smi,
             pod_uid=self.options.pod_uid,
             cdi_kind=self._effective.allocation.cdi_kind,
+            node_wide_cdi=self.options.node_wide_cdi,
+            driver_root=self.options.driver_root,
             mps_root=self._effective.allocation.mps_root,
             latency=self._latency,
         )
@@ -872,6 +883,7 @@ class Agent:
             if snapshot.sharing is not Sharing.MPS or (self._mps is not None and self._mps.advertised(name))
             # an MPS resource is advertised once its daemons have their limits in place, then clients connect
         }
+        snapshots = self._refresh_cdi(snapshots)  # the names Allocate returns resolve before the kubelet hears them
         changed = self._servers.apply(snapshots)
         self._snapshots = snapshots
         before = self._set_status()  # what `tessera status` says never lags what the kubelet hears
@@ -881,6 +893,23 @@ class Agent:
         self._node.announce(before, self.status)
         if self._memlimits is not None:
             self._memlimits.plan_published(self._plan)  # a resized replica reaches running containers now
+
+    def _refresh_cdi(self, snapshots: dict[str, ResourceSnapshot]) -> dict[str, ResourceSnapshot]:
+        """With a cdi-* strategy, the device plugin's CDI spec holds exactly the advertised devices; where it
+        cannot be written (no driver found), Allocate refuses with the reason rather than hand out names that do
+        not resolve."""
+        allocation = self._effective.allocation
+        cdi = {DeviceListStrategy.CDI_CRI, DeviceListStrategy.CDI_ANNOTATIONS}
+        if self.options.node_wide_cdi or not cdi.intersection(allocation.strategies) or self._inventory is None:
+            return snapshots
+        if self._plugin_cdi is None:
+            from agent.plugin.cdi_spec import DevicePluginCdi
+
+            self._plugin_cdi = DevicePluginCdi(self.options.cdi_root, self.options.driver_root)
+        if self._plugin_cdi.refresh(allocation.cdi_kind, self._inventory, snapshots) is not None:
+            return snapshots
+        unavailable = replace(allocation, cdi_unavailable=self._plugin_cdi.error)
+        return {name: replace(s, options=unavailable) for name, s in snapshots.items()}
 
     # ----- registration ---------------------------------------------------------------------------
 

@@ -144,10 +144,14 @@ def render_text(document: Mapping[str, Any]) -> str:
                 if device.get("share"):
                     share = device["share"]
                     compute = f", {share['computePercent']}% of its compute" if share["computePercent"] else ""
-                    extra.append(f"share of {share['memory'] / (1 << 30):g}Gi{compute}")
+                    shares = f", {share['shares']} shares" if share.get("shares") else ""
+                    extra.append(f"share of {_memory(share['memory'])}{compute}{shares}")
                 made.append(device["device"] + (f" ({', '.join(extra)})" if extra else ""))
             state = "" if claim["state"] == "PrepareCompleted" else f" [{claim['state']}]"
             lines.append(f"  claim {claim['claim']}{state}: {', '.join(made)}")
+            for device in claim["devices"]:  # what holds a share's limits: the MPS server, or only its clients
+                if device.get("enforcement"):
+                    lines.append(f"    {device['device']} limits: {device['enforcement']['note']}")
     lines += memory_limit_lines(document.get("memory_limits") or [])
     for entry in document["cordoned"]:
         lines.append(f"Cordoned:   {entry['unit']} (by {', '.join(entry['by'])})")
@@ -223,3 +227,12 @@ def duration(seconds: float) -> str:
     if whole < 86400:
         return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
     return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def _memory(amount: int) -> str:
+    """A share's memory as a quantity: ``10Gi``, ``1500Mi``; ``no memory`` for none (unlimited or shares mode)."""
+    if not amount:
+        return "no memory"
+    if amount % (1 << 30) == 0:
+        return f"{amount >> 30}Gi"
+    return f"{amount >> 20}Mi"

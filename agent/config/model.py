@@ -224,6 +224,21 @@ class DraSection:
     dynamic_mig: Literal["all"] | list[int | str] | None = None  # partitionable devices: MIG made per claim
     gpu_shares: Literal["all"] | list[int | str] | None = None  # consumable capacity: memory-sized shares
     default_share: int | None = None  # bytes a claim that asks for no memory gets of a shared GPU (None: all)
+    consumable_shares: int | str | None = None  # NVIDIA's --consumable-shares: memory, unlimited, N or disabled
+
+    @property
+    def shared_gpus(self) -> Literal["all"] | list[int | str] | None:
+        """The GPUs published for shares: ``gpuShares``, or every one when only ``consumableShares`` is set."""
+        if self.consumable_shares == "disabled":
+            return None
+        if self.gpu_shares is None and self.consumable_shares is not None:
+            return "all"
+        return self.gpu_shares
+
+    @property
+    def share_mode(self) -> int | str:
+        """NVIDIA's ``consumableShares`` mode of the shared GPUs (``memory`` unless set)."""
+        return "memory" if self.consumable_shares is None else self.consumable_shares
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -343,10 +343,14 @@ class DraSection(_Section):
     ResourceSlices of driver ``driverName``; every other GPU stays with the device plugin. Off by default.
     ``dynamicMig`` (``all``: every MIG-capable GPU DRA serves, or indices and UUIDs) lists those GPUs as
     partitionable devices: MIG devices are created for a claim and destroyed after it. ``gpuShares`` (``all``:
-    every GPU DRA serves outside dynamic MIG, or indices and UUIDs) publishes those GPUs for memory-sized shares:
-    several claims each take an amount of the GPU's memory (and compute), enforced through MPS. ``defaultShare``
-    (a whole number of GiB) is what a claim that asks for no memory gets of such a GPU (default: all of it), so
-    requests by count — an unchanged pod's ``nvidia.com/gpu.shared: 1`` through a DeviceClass — share GPUs too."""
+    every GPU DRA serves outside dynamic MIG, or indices and UUIDs) publishes those GPUs (and their MIG devices) for
+    shares: several claims each take part of the device, enforced through MPS. ``consumableShares`` is NVIDIA's
+    ``--consumable-shares``: ``memory`` (the default: memory in 1Mi steps, a claim that asks for none gets all of
+    it), ``unlimited`` (memory in 1Mi steps, none by default: any number of claims), a number N (plus a ``shares``
+    capacity of N, one per claim by default) or ``disabled``; set without ``gpuShares`` it shares every GPU DRA
+    serves outside dynamic MIG, as NVIDIA's does. ``defaultShare`` (``memory`` mode, whole MiB) is what a claim that
+    asks for no memory gets of such a GPU (default: all of it), so requests by count — an unchanged pod's
+    ``nvidia.com/gpu.shared: 1`` through a DeviceClass — share GPUs too."""
 
     enabled: StrictBool = False
     driver_name: GoString = Field("gpu.nvidia.com", alias="driverName")
@@ -354,6 +358,28 @@ class DraSection(_Section):
     dynamic_mig: Literal["all"] | list[StrictInt | GoString] | None = Field(None, alias="dynamicMig")
     gpu_shares: Literal["all"] | list[StrictInt | GoString] | None = Field(None, alias="gpuShares")
     default_share: StrictInt | None = Field(None, alias="defaultShare")  # bytes, from a quantity such as "10Gi"
+    consumable_shares: StrictInt | GoString | None = Field(None, alias="consumableShares")  # NVIDIA's spelling
+
+    @field_validator("consumable_shares", mode="before")
+    @classmethod
+    def _consumable_shares(cls, value: object) -> object:
+        from agent.core.dra.shares import check_mode
+
+        return None if value is None else check_mode(value)
+
+    @property
+    def shared_gpus(self) -> Literal["all"] | list[int | str] | None:
+        """The GPUs published for shares: ``gpuShares``, or every one when only ``consumableShares`` is set."""
+        if self.consumable_shares == "disabled":
+            return None
+        if self.gpu_shares is None and self.consumable_shares is not None:
+            return "all"
+        return self.gpu_shares
+
+    @property
+    def share_mode(self) -> int | str:
+        """NVIDIA's ``consumableShares`` mode of the shared GPUs (``memory`` unless set)."""
+        return "memory" if self.consumable_shares is None else self.consumable_shares
 
     @field_validator("default_share", mode="before")
     @classmethod
@@ -366,16 +392,27 @@ class DraSection(_Section):
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise ValueError("write a memory size such as 10Gi")
         # bounded before any arithmetic: "1e10000000" is refused at once, naming the bound (QuantityError)
-        amount = parse_quantity(value, what="memory size", hint="write a whole number of GiB such as 10Gi")
+        amount = parse_quantity(value, what="memory size", hint="write a whole number of MiB such as 1500Mi or 10Gi")
         if amount <= 0 or amount.denominator != 1 or amount % MEMORY_STEP:
             shown = repr(value) if isinstance(value, int) or len(value) <= 40 else f"{value[:40]!r}..."
-            raise ValueError(f"{shown} is not a whole number of GiB (1Gi, 10Gi, …): shares come in 1Gi steps")
+            raise ValueError(f"{shown} is not a whole number of MiB (1500Mi, 10Gi, …): shares come in 1Mi steps")
         return int(amount)
 
     @model_validator(mode="after")
     def _shares_named(self) -> DraSection:
-        if self.default_share is not None and self.gpu_shares is None:
+        if self.consumable_shares == "disabled" and self.gpu_shares is not None:
+            raise ValueError(
+                "consumableShares is disabled but gpuShares names GPUs to share: remove one of dra.consumableShares "
+                "and dra.gpuShares"
+            )
+        if self.default_share is not None and self.shared_gpus is None:
             raise ValueError("defaultShare is set but gpuShares names no GPU to share: add dra.gpuShares")
+        if self.default_share is not None and self.share_mode != "memory":
+            raise ValueError(
+                f"defaultShare is what a claim that asks for no memory gets with consumableShares: memory; with "
+                f"consumableShares: {self.share_mode} such a claim takes no memory (as on NVIDIA's driver): remove "
+                "dra.defaultShare"
+            )
         return self
 
     @field_validator("driver_name")

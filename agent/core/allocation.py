@@ -20,7 +20,7 @@ VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 MEMORY_REQUEST_ENV = "NVIDIA_GPU_MEMORY_REQUEST"
 MEMORY_LIMIT_ENV = "NVIDIA_GPU_MEMORY_LIMIT"
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
-DEFAULT_CDI_KIND = "nvidia.com/gpu"
+DEFAULT_CDI_KIND = "k8s.device-plugin.nvidia.com/gpu"  # the spec Tessera writes, named as NVIDIA's plugin names it
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 
 
@@ -138,6 +138,7 @@ class Allocator:
     mps_memory: Mapping[str, str]  # physical ID -> "<uuid>=<MiB>M", its pinned-memory limit
     # device ID -> (its GPU, request MiB, limit MiB): the memory-limit variables; empty when they are not given
     memory_sizes: Mapping[str, tuple[str, int, int]] = field(default_factory=dict)
+    cdi_unavailable: str = ""  # why the CDI names would not resolve (the spec could not be written): refused
 
     @classmethod
     def of(
@@ -153,6 +154,7 @@ class Allocator:
         memory: ReplicaMemory | None = None,
         replicas: int = 1,
         memory_envs: bool = False,
+        cdi_unavailable: str = "",
     ) -> Allocator:
         """``memory``: a time-sliced resource's replica size; ``memory_envs``: give a container of a sized replica
         (MPS or time-sliced) ``NVIDIA_GPU_MEMORY_REQUEST`` / ``NVIDIA_GPU_MEMORY_LIMIT`` (the node enforces memory
@@ -202,10 +204,13 @@ class Allocator:
             mps_mounts=mps_mounts,
             mps_memory=mps_memory,
             memory_sizes=_memory_sizes(by_id, mps, memory, replicas) if memory_envs else {},
+            cdi_unavailable=cdi_unavailable if DeviceListStrategy.CDI_CRI in chosen or annotate else "",
         )
 
     def allocate(self, requested: Sequence[str]) -> ContainerAllocation:
         """Validate one container's request and answer it; ``AllocationError`` names every bad ID."""
+        if self.cdi_unavailable:  # CDI names no spec holds would fail the container's creation: refuse up front
+            raise AllocationError(f"{self.resource}: its CDI devices cannot be given: {self.cdi_unavailable}")
         valid = 0 < len(requested) == len(set(requested)) and self.healthy.issuperset(requested)
         if not valid or (self.fail_requests_greater_than_one and len(requested) > 1):
             # the rare path: validate_request says precisely what is wrong (or that nothing is)

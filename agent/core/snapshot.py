@@ -24,6 +24,7 @@ class AllocationOptions:
     policy: AllocationPolicy = AllocationPolicy.DISTRIBUTED
     mps_root: str = "/run/nvidia/mps"  # on the host
     memory_envs: bool = False  # sized replicas' containers get NVIDIA_GPU_MEMORY_REQUEST / _LIMIT (limits enforced)
+    cdi_unavailable: str = ""  # why the device plugin's CDI spec could not be written (cdi-* strategies refuse)
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,6 +90,7 @@ class _Served:
             memory=snapshot.memory,
             replicas=snapshot.replicas,
             memory_envs=options.memory_envs,
+            cdi_unavailable=options.cdi_unavailable,
         )
         return cls(snapshot, message, entries, allocator)
 

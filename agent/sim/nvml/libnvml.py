@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from agent.sim.nvml.codes import (
+    ADDRESSING_MODE_V1,
     COMPUTE_INSTANCE_PROFILE_INFO_V2,
     ERROR_STRINGS,
     GPU_INSTANCE_PROFILE_INFO_V2,
@@ -371,6 +372,16 @@ def _compute_capability(lib: SimulatedNvmlLibrary, handle: Any, major: Any, mino
 @_export("nvmlDeviceGetNumaNodeId")
 def _numa_node(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
     _set(out, lib.driver.gpus[lib.gpu_index(handle)].numa_node)
+
+
+@_export("nvmlDeviceGetAddressingMode")
+def _addressing_mode(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
+    mode = lib.driver.gpus[lib.gpu_index(handle)].model.addressing_mode
+    if mode is None:
+        raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "no addressing mode on this GPU")
+    target = _target(out)
+    _check_version(target, ADDRESSING_MODE_V1)
+    target.value = mode
 
 
 # ----- memory, utilization, processes, compute mode --------------------------------------------------
