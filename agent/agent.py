@@ -865,11 +865,14 @@ class Agent:
         visible = self._plan.without(mig | mps | stale | dra)
         if self._dra is not None:
             self._dra.publish(self._inventory, self._health, self._node.cordon.units, self._stale_gpus)
+        allocation = self._effective.allocation
+        if self.options.memory_limits is not None:
+            allocation = replace(allocation, memory_envs=True)  # sized replicas get the toolkit hook's variables
         snapshots = build_snapshots(
             visible,
             self._health,
             self._inventory,
-            self._effective.allocation,
+            allocation,
             unavailable=self._mps.unavailable() if self._mps is not None else frozenset(),
             cordoned=self._node.cordon.units,
             previous=self._snapshots,
@@ -888,6 +891,8 @@ class Agent:
         if updated:
             send_updates(updated)  # the kubelet next: the events, logs and NVML reads that follow come after
         self._node.announce(before, self.status)
+        if self._memlimits is not None:
+            self._memlimits.plan_published(self._plan)  # a resized replica reaches running containers now
 
     def _refresh_cdi(self, snapshots: dict[str, ResourceSnapshot]) -> dict[str, ResourceSnapshot]:
         """With a cdi-* strategy, the device plugin's CDI spec holds exactly the advertised devices; where it
@@ -993,6 +998,7 @@ class Agent:
             cordoned=self._node.cordon.sources,
             cordon_problems=self._node.cordon.problems,
             dra=self._dra.status() if self._dra else None,
+            memory_limits=self._memlimits.snapshot() if self._memlimits is not None else (),
         )
         return before
 

@@ -445,6 +445,32 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
     )
     _env_flag(
         parser,
+        "--memory-limits",
+        "TESSERA_MEMORY_LIMITS",
+        default="on",
+        choices=["on", "off"],
+        help="hold each container of a sized replica (MPS memoryLimit, time-slicing memoryLimit, a DRA share) to its "
+        "size through the driver (r615+; else the MPS server or advisory, said in the status) and give it "
+        "NVIDIA_GPU_MEMORY_REQUEST/LIMIT; off: neither",
+    )
+    _env_flag(
+        parser,
+        "--cgroup-root",
+        "TESSERA_CGROUP_ROOT",
+        default="/sys/fs/cgroup",
+        help="with memory limits: the host's cgroup v2 hierarchy as the agent sees it (mount the host's "
+        "/sys/fs/cgroup there read-only); containers' cgroups are found under it and named to the driver",
+    )
+    _env_flag(
+        parser,
+        "--container-logs",
+        "TESSERA_CONTAINER_LOGS",
+        default="/var/log/containers",
+        help="with memory limits: the kubelet's container log links (read-only), watched for containers "
+        "starting: each link names its container's ID",
+    )
+    _env_flag(
+        parser,
         "--ignored-xids",
         "TESSERA_IGNORED_XIDS",
         help="XIDs that never make a device unhealthy; giving it switches to NVIDIA's model (every other XID "
@@ -793,19 +819,23 @@ def _plan(args: argparse.Namespace) -> int:
         return EXIT_NVML
     except (ConfigError, LayoutFileError, LayoutError, PlanError) as error:
         return report_invalid(error)
+    from agent.core.memlimits import plan_enforcement
     from agent.render import plan_table
 
     for note in notes:
         print(f"tessera: {note}", file=sys.stderr)
+    held = plan_enforcement(result, inventory.driver_version)  # which enforcement would hold each sized resource
     if args.format in ("json", "yaml"):
         document = result.to_json()
         if layout is not None:
             document["mig_layout"] = layout.to_json()
+        if held:
+            document["memory_limits"] = {row.resource: row.to_json() for row in held}
         print(json.dumps(document, indent=2) if args.format == "json" else _yaml(document), end="\n")
     else:
         if layout is not None:
             print("\n".join([*layout.lines(), ""]))
-        print(plan_table(result))
+        print(plan_table(result, held))
     return EXIT_OK
 
 

@@ -26,6 +26,7 @@ from agent.core.allocation import DeviceListStrategy
 from agent.core.dra.cdi import NODE_WIDE_CDI_KIND
 from agent.core.health import health_policy
 from agent.gpu.driver_root import DriverRoot
+from agent.memlimits.settings import MemoryLimitSettings
 from agent.nvidia_flags import NvidiaFlagError, read
 from agent.telemetry.server import parse_address
 from agent.telemetry.service import TelemetrySettings
@@ -102,6 +103,7 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> RunOptio
         mig_config=Path(args.mig_config) if args.mig_config else None,
         mig_config_name=args.mig_config_name,
         telemetry=_telemetry(args, node_name),
+        memory_limits=_memory_limits(args),
         config_path=Path(config) if config else None,
         config_name=args.config_name,
         node_name=node_name,
@@ -167,6 +169,18 @@ def _telemetry(args: argparse.Namespace, node_name: str | None) -> TelemetrySett
         shared_product_suffix=args.shared_product_suffix,
         label_node=args.label_node,
         status_socket=status_socket,
+    )
+
+
+def _memory_limits(args: argparse.Namespace) -> MemoryLimitSettings | None:
+    """``--memory-limits on`` (the default): the agent holds sized replicas' containers to their size (``off``:
+    no room, no variables). On by default because only a config that gives sizes has anything to hold, and
+    where the driver cannot (older than r615, MIG) the room says which fallback holds instead of failing."""
+    if args.memory_limits == "off":
+        return None
+    return MemoryLimitSettings(
+        cgroup_root=_host_dir("--cgroup-root", args.cgroup_root),
+        container_logs=_host_dir("--container-logs", args.container_logs),
     )
 
 

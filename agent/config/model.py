@@ -161,8 +161,9 @@ class ReplicatedResource:
     rename: str | None = None
     replicas: int
     devices: Literal["all"] | int | list[int | str] = "all"
-    # Tessera's MPS extensions (sharing.mps only):
+    # Tessera's extensions (memoryBurstLimit: time-slicing only; activeThreadPercentage, oversubscribe: MPS only):
     memory_limit: str | None = None  # a quantity: 10Gi, 512Mi, 20G
+    memory_burst_limit: str | None = None  # the hard limit a time-sliced replica may burst to (>= memory_limit)
     active_thread_percentage: int | None = None
     oversubscribe: bool | None = None
 

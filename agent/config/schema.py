@@ -166,17 +166,37 @@ class ReplicatedResource(_Exact):
     rename: GoString | None = None
     replicas: StrictInt
     devices: Literal["all"] | StrictInt | list[StrictInt | GoString] = "all"
-    # Tessera's MPS extensions (sharing.mps only):
+    # Tessera's extensions. memoryLimit: each replica's GPU memory (MPS: the client's pinned-memory limit;
+    # time-slicing: what the driver holds its container to); memoryBurstLimit (time-slicing only): the hard limit
+    # a replica may burst to above its memoryLimit (its request); the rest sharing.mps only.
     memory_limit: GoString | None = Field(None, alias="memoryLimit")  # a quantity: 10Gi, 512Mi, 20G
+    memory_burst_limit: GoString | None = Field(None, alias="memoryBurstLimit")  # a quantity >= memoryLimit
     active_thread_percentage: StrictInt | None = Field(None, alias="activeThreadPercentage", ge=1, le=100)
     oversubscribe: StrictBool | None = None
 
-    @field_validator("memory_limit")
+    @field_validator("memory_limit", "memory_burst_limit")
     @classmethod
     def _quantity(cls, value: str | None) -> str | None:
-        if value is not None:
-            quantity_mib(value)
+        if value is not None and quantity_mib(value) <= 0:
+            raise ValueError(f"{value!r} is no memory at all; give a size such as 10Gi")
         return value
+
+    @model_validator(mode="after")
+    def _burst_above_size(self) -> ReplicatedResource:
+        if self.memory_burst_limit is None:
+            return self
+        if self.memory_limit is None:
+            raise ValueError(
+                "memoryBurstLimit needs memoryLimit: a replica bursts from its memoryLimit (its guaranteed request) "
+                "up to memoryBurstLimit; set memoryLimit too"
+            )
+        size, ceiling = quantity_mib(self.memory_limit), quantity_mib(self.memory_burst_limit)
+        if ceiling < size:
+            raise ValueError(
+                f"memoryBurstLimit {self.memory_burst_limit} ({ceiling} MiB) is below memoryLimit {self.memory_limit} "
+                f"({size} MiB): the request would be above the limit; raise memoryBurstLimit or remove it"
+            )
+        return self
 
     @field_validator("name")
     @classmethod
@@ -241,11 +261,23 @@ class SharingModel(_Section):
     @classmethod
     def _mps_keys_only_for_mps(cls, value: ReplicatedResources | None) -> ReplicatedResources | None:
         for position, entry in enumerate(value.resources if value else ()):
-            used = [k for k in ("memoryLimit", "activeThreadPercentage", "oversubscribe") if _given(entry, k)]
+            used = [k for k in ("activeThreadPercentage", "oversubscribe") if _given(entry, k)]
             if used:
                 raise ValueError(
                     f"resources[{position}]: {', '.join(used)} only apply to sharing.mps; "
-                    "time-slicing cannot limit a client's memory or threads"
+                    "time-slicing cannot limit a client's threads (memoryLimit holds its memory)"
+                )
+        return value
+
+    @field_validator("mps")
+    @classmethod
+    def _no_burst_under_mps(cls, value: ReplicatedResources | None) -> ReplicatedResources | None:
+        for position, entry in enumerate(value.resources if value else ()):
+            if entry.memory_burst_limit is not None:
+                raise ValueError(
+                    f"resources[{position}]: memoryBurstLimit only applies to sharing.timeSlicing: the MPS server "
+                    "holds every client to its memoryLimit, so a replica cannot burst above it; remove "
+                    "memoryBurstLimit (or raise memoryLimit)"
                 )
         return value
 

@@ -57,6 +57,19 @@ class StatusView(Protocol):
     def cordon_problems(self) -> tuple[str, ...]: ...
     @property
     def dra(self) -> Mapping[str, object] | None: ...
+    @property
+    def memory_limits(self) -> tuple[HeldView, ...]: ...
+
+
+class HeldView(Protocol):
+    """One container's memory limits on one GPU (``agent.memlimits.manager.HeldLimit``)."""
+
+    @property
+    def gpu_uuid(self) -> str: ...
+    @property
+    def enforcement(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
 
 
 def announcements(before: StatusView, after: StatusView) -> list[Announcement]:
@@ -68,6 +81,7 @@ def announcements(before: StatusView, after: StatusView) -> list[Announcement]:
     said += _mps(before, after)
     said += _cordon(before, after)
     said += _shares(before, after)
+    said += _memory_limits(before, after)
     return said
 
 
@@ -211,6 +225,38 @@ def _cordon(before: StatusView, after: StatusView) -> list[Announcement]:
     for problem in after.cordon_problems:
         if problem not in before.cordon_problems:
             said.append(Announcement("Warning", "CordonEntryIgnored", "Cordon", problem))
+    return said
+
+
+def _fallbacks(status: StatusView) -> dict[tuple[str, str], set[str]]:
+    """(enforcement, reason) -> the GPUs where a container's memory size is held by something else than the
+    driver."""
+    found: dict[tuple[str, str], set[str]] = {}
+    for held in status.memory_limits:
+        if str(held.enforcement) != "driver":
+            found.setdefault((str(held.enforcement), held.reason), set()).add(held.gpu_uuid)
+    return found
+
+
+def _memory_limits(before: StatusView, after: StatusView) -> list[Announcement]:
+    """A fallback from the driver's memory limits, once when it starts (not once per container it holds)."""
+    if before.memory_limits is after.memory_limits:
+        return []
+    known = _fallbacks(before)
+    said = []
+    for (how, why), gpus in sorted(_fallbacks(after).items()):
+        if (how, why) in known:
+            continue
+        where = ", ".join(_name(uuid, after.inventory) for uuid in sorted(gpus))
+        holds = "the MPS server's per-client default" if how == "mps" else "nothing but the workload's goodwill"
+        said.append(
+            Announcement(
+                "Warning",
+                "MemoryLimitFallback",
+                "LimitMemory",
+                f"containers' GPU memory sizes on {where} are held by {holds} ({how}), not the driver: {why}",
+            )
+        )
     return said
 
 

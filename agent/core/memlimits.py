@@ -5,9 +5,10 @@ allocations above it fail) on one GPU (``nvmlDeviceSetMemoryLimits_v1``). A cont
 size is held to their sum on each GPU: request = limit = its share (bursting above the share is a later config).
 
 Where the sizes come from (``sized_devices``): MPS replicas with a memory size (``gpu-10gb`` style: every
-replica of an MPS resource is given the daemon's per-client pinned-memory limit, ``Resource.memory_of``), and
-DRA shares' ``memory`` consumed capacity (``claim_sizes``). A time-sliced replica or a whole GPU has no size: it
-may use all of its device.
+replica of an MPS resource is given the daemon's per-client pinned-memory limit, ``Resource.limits_of``),
+time-sliced replicas given a ``memoryLimit`` (Tessera's extension; with ``memoryBurstLimit`` the hard limit is
+above the request), and DRA shares' ``memory`` consumed capacity (``claim_sizes``). A time-sliced replica without
+a size or a whole GPU has none: it may use all of its device.
 
 How a size is enforced (``enforcement``), said out loud for each device, never silently:
 
@@ -61,9 +62,14 @@ class SizedDevice:
     gpu_uuid: str  # the physical GPU
     gpu_index: int
     mig: bool  # a MIG device: the driver's limits are not supported on it
-    size: int  # bytes
+    size: int  # bytes: what its holder is guaranteed (the request)
     server_default: bool  # the GPU's MPS server holds every client to this size by default (a fallback)
     claim: str | None = None  # "namespace/name" of a DRA claim; None for a device-plugin device
+    burst: int | None = None  # bytes: the hard limit when above ``size`` (a time-sliced replica's memoryBurstLimit)
+
+    @property
+    def limit(self) -> int:
+        return self.size if self.burst is None else self.burst
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,19 +94,26 @@ class Verdict:
 
 
 def sized_devices(plan: ResourcePlan) -> dict[str, SizedDevice]:
-    """Device ID -> its size, for the plan's MPS replicas (the only device-plugin devices with a memory size)."""
+    """Device ID -> its size, for the plan's MPS replicas and sized time-sliced replicas (the device-plugin
+    devices with a memory size)."""
     sized: dict[str, SizedDevice] = {}
     for resource in plan.resources:
-        if resource.sharing is not Sharing.MPS or resource.mps is None:
+        mps = resource.sharing is Sharing.MPS and resource.mps is not None
+        if not mps and (resource.sharing is not Sharing.TIME_SLICING or resource.memory is None):
             continue
         for device in resource.devices:
+            limits = resource.limits_of(device)
+            if limits is None:
+                continue
+            request, limit = limits
             sized[device.id] = SizedDevice(
                 device_id=device.id,
                 gpu_uuid=device.gpu_uuid,
                 gpu_index=device.gpu_index,
                 mig=device.mig_uuid is not None,
-                size=resource.memory_of(device) * MIB,
-                server_default=True,  # the resource's daemon sets this as every client's default pinned limit
+                size=request * MIB,
+                server_default=mps,  # an MPS resource's daemon sets this as every client's default pinned limit
+                burst=limit * MIB if limit != request else None,
             )
     return sized
 
@@ -150,14 +163,13 @@ def wanted_limits(
             grouped[(container, device.gpu_uuid)].append(device)
     wanted = []
     for (container, gpu_uuid), devices in sorted((k, v) for k, v in grouped.items() if v):
-        total = sum(d.size for d in devices)
         wanted.append(
             Wanted(
                 container=container,
                 gpu_uuid=gpu_uuid,
                 gpu_index=devices[0].gpu_index,
-                request=total,
-                limit=total,
+                request=sum(d.size for d in devices),
+                limit=sum(d.limit for d in devices),
                 devices=tuple(sorted(d.device_id for d in devices)),
                 mig=any(d.mig for d in devices),
                 server_default=all(d.server_default for d in devices),
@@ -170,17 +182,98 @@ def wanted_limits(
 def enforcement(wanted: Wanted, *, driver_refusal: str | None) -> Verdict:
     """How ``wanted`` is enforced. ``driver_refusal``: why the driver cannot do it on this GPU (the call is missing,
     the agent is not root, the call failed), None when it can."""
-    if not wanted.mig and driver_refusal is None:
+    return _verdict(wanted.mig, wanted.server_default, wanted.claim, driver_refusal)
+
+
+def _verdict(mig: bool, server_default: bool, claim: str | None, driver_refusal: str | None) -> Verdict:
+    if not mig and driver_refusal is None:
         return Verdict(Enforcement.DRIVER, "nvmlDeviceSetMemoryLimits_v1 on the container's cgroup")
-    why = "MIG devices have no per-cgroup limits" if wanted.mig else driver_refusal
-    if wanted.server_default:
+    why = "MIG devices have no per-cgroup limits" if mig else driver_refusal
+    if server_default:
         return Verdict(Enforcement.MPS, f"{why}; the MPS server's default per-client limit holds it")
+    if claim is None:  # a time-sliced replica: no MPS server, no client variable
+        return Verdict(
+            Enforcement.ADVISORY,
+            f"{why}; nothing holds a time-sliced replica to its size but the workload's own goodwill",
+        )
     return Verdict(
         Enforcement.ADVISORY,
         f"{why}; only the client's own CUDA_MPS_PINNED_DEVICE_MEM_LIMIT holds it, which a container can drop",
     )
 
 
+MIN_DRIVER = 615  # nvmlDeviceSetMemoryLimits_v1 came with driver r615
+
+
+def driver_refusal(driver_version: str) -> str | None:
+    """Why a driver of this version cannot hold containers to a size (None: it has the call)."""
+    try:
+        major = int(driver_version.split(".")[0])
+    except ValueError:
+        return f"driver {driver_version!r} is not a version this agent reads; memory limits need r{MIN_DRIVER}+"
+    if major < MIN_DRIVER:
+        return f"driver {driver_version} has no nvmlDeviceSetMemoryLimits_v1 (it needs r{MIN_DRIVER} or newer)"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceEnforcement:
+    """What would hold a sized resource's containers on a node (``tessera plan``)."""
+
+    resource: str
+    request_mib: int  # per replica
+    limit_mib: int
+    enforcement: Enforcement
+    reason: str
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "request_mib": self.request_mib,
+            "limit_mib": self.limit_mib,
+            "enforcement": str(self.enforcement),
+            "reason": self.reason,
+        }
+
+
+def plan_enforcement(plan: ResourcePlan, driver_version: str) -> list[ResourceEnforcement]:
+    """Per sized resource of ``plan``, what would hold its containers to their size with this driver: the driver's
+    limits (when the agent runs as root, as the DaemonSet does), else the MPS server, else nothing (advisory). A
+    resource with devices of both kinds (MIG and not) is shown by its weakest."""
+    refusal = driver_refusal(driver_version)
+    found = []
+    for resource in plan.resources:
+        verdicts, sizes = [], set()
+        for device in resource.devices:
+            limits = resource.limits_of(device)
+            if limits is None:
+                continue
+            sizes.add(limits)
+            server = resource.sharing is Sharing.MPS
+            verdicts.append(_verdict(device.mig_uuid is not None, server, None, refusal))
+        if not verdicts:
+            continue
+        weakest = max(verdicts, key=lambda v: list(Enforcement).index(v.enforcement))
+        request, limit = max(sizes)
+        found.append(ResourceEnforcement(resource.name, request, limit, weakest.enforcement, weakest.reason))
+    return found
+
+
 def holds(wanted: Wanted, soft: int, hard: int) -> bool:
     """Whether limits read back from the driver are the ones wanted."""
     return soft == wanted.request and hard == wanted.limit
+
+
+TOOLKIT_HOOK = "apply-cuda-memory-limits"  # NVIDIA Container Toolkit v1.20.1+
+
+
+def toolkit_hook(gpu_uuid: str, *, driver_root: str = "/", hook_path: str = "/usr/bin/nvidia-ctk") -> dict[str, object]:
+    """The CDI ``containerEdits.hooks`` entry that has the container toolkit apply ``NVIDIA_GPU_MEMORY_REQUEST`` /
+    ``NVIDIA_GPU_MEMORY_LIMIT`` to the container's cgroup for one GPU, before the workload runs (one per GPU, as the
+    toolkit's own discoverer adds it). A seam for a CDI spec that names the device plugin's devices: Allocate gives
+    the variables (``agent.core.allocation.memory_limit_envs``); without the hook the agent's own path sets the
+    limits once the container started."""
+    return {
+        "hookName": "createRuntime",
+        "path": hook_path,
+        "args": ["nvidia-ctk", "hook", TOOLKIT_HOOK, "--driver-root", driver_root, "--gpu-id", gpu_uuid],
+    }

@@ -1,15 +1,18 @@
 """The memory-limits room: holds each container given sized devices to its size through the driver, on its worker.
 
-On every ``ContainersChanged`` (a container started or went, the watcher's safety re-check, the start) the
-worker looks at the node again: the plan's sizes (``agent.core.memlimits``), who holds which device (the kubelet's
-PodResources), which cgroup each holder has (``containers``). For each container and GPU it reads the limits back
+On every ``ContainersChanged`` (a container started or went, the watcher's safety re-check, the start) and every
+new plan the loop publishes (``plan_published``: a config resized a replica, so running containers get the new
+size at once, not at the next re-check) the worker looks at the node again: the plan's sizes
+(``agent.core.memlimits``), who holds which device (the kubelet's PodResources), which cgroup each holder has
+(``containers``). For each container and GPU it reads the limits back
 from the driver; where they are not the wanted ones it sets them, inside the ledger's critical section, and reads
 them again. So a container is limited when it starts, a limit changed behind the agent's back is restored at the
 next look, and after an agent restart limits already in place are found and kept (read, not set again).
 
 Where the driver cannot (an older driver, no root, a MIG device) the fallback is said once in the log and kept in
-``report()`` for the status, per container and GPU. The worker owns all of this state; the loop and metrics read
-only the immutable ``snapshot``.
+``report()`` for the status, per container and GPU; when that picture changes the worker posts ``LimitsChanged``
+so the loop publishes it (``tessera status``, the Node Event of a fallback). The worker owns all of this state; the
+loop and metrics read only the immutable ``snapshot``.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from agent.gpu.memory_limits import MemoryLimitError, read_memory_limits, set_me
 from agent.gpu.nvml import nvml_session
 from agent.memlimits.containers import ContainerCgroups
 from agent.memlimits.settings import MemoryLimitSettings
-from agent.memlimits.watch import ContainerLogWatcher, ContainersChanged
-from agent.news import NOTHING, News
+from agent.memlimits.watch import ContainerLogWatcher, ContainersChanged, LimitsChanged
+from agent.news import NOTHING, STATUS, News
 
 if TYPE_CHECKING:
     from agent.core.dra.checkpoint import Checkpoint
@@ -74,6 +77,7 @@ class HeldLimit:
             "container": self.container.container,
             "claim": self.claim,
             "gpu": self.gpu_uuid,
+            "gpu_index": self.gpu_index,
             "request_bytes": self.request,
             "limit_bytes": self.limit,
             "enforcement": str(self.enforcement),
@@ -111,6 +115,8 @@ class MemoryLimits:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memory-limits", daemon=True)
         self._snapshot: tuple[HeldLimit, ...] = ()
+        self._post = post
+        self._published: ResourcePlan | None = None  # the plan of the last look the loop asked for
         self._set: dict[tuple[str, str], tuple[int, int]] = {}  # (GPU UUID, cgroup) -> what this agent set there
         self._refusals: dict[str, str] = {}  # GPU UUID (or "*": every GPU) -> why the driver cannot limit there
         self._said: set[tuple[str, str]] = set()
@@ -138,7 +144,16 @@ class MemoryLimits:
             if event.reason == "re-check":
                 self._recheck = True  # a refusal that may pass (NO_PERMISSION) is tried again
             self._dirty.set()
+        if isinstance(event, LimitsChanged):
+            return STATUS
         return NOTHING
+
+    def plan_published(self, plan: ResourcePlan | None) -> None:
+        """The loop published ``plan``: a new one (a config applied, the node read again) may size replicas anew,
+        so the worker looks now and running containers are held to the new sizes at once."""
+        if plan is not self._published:
+            self._published = plan
+            self._dirty.set()
 
     def snapshot(self) -> tuple[HeldLimit, ...]:
         return self._snapshot
@@ -175,7 +190,7 @@ class MemoryLimits:
         sizes: dict[Hashable, SizedDevice] = dict(sized_devices(plan)) if plan is not None else {}
         sizes.update(claim_sizes(self._claims(), self._inventory()))
         if not sizes:
-            self._snapshot = ()
+            self._show(())
             return False
         try:
             answer = self._holders()
@@ -195,7 +210,7 @@ class MemoryLimits:
         ]
         wanted = wanted_limits(sizes, holders)
         if not wanted:
-            self._snapshot = ()
+            self._show(())
             return False
         cgroups = self._containers.scan()
         live = {c.cgroup for found in cgroups.values() for c in found}
@@ -207,7 +222,7 @@ class MemoryLimits:
                 row, failed = self._hold(want, [c.cgroup for c in cgroups.get(want.container, [])])
                 rows.append(row)
                 retry = retry or failed
-        self._snapshot = tuple(rows)
+        self._show(tuple(rows))
         return retry
 
     def _hold(self, want: Wanted, cgroups: list[str]) -> tuple[HeldLimit, bool]:
@@ -301,6 +316,12 @@ class MemoryLimits:
             devices=want.devices,
             claim=want.claim,
         )
+
+    def _show(self, rows: tuple[HeldLimit, ...]) -> None:
+        """The new picture, for metrics and the status; the loop hears of it only when it changed."""
+        if rows != self._snapshot:
+            self._snapshot = rows
+            self._post(LimitsChanged())
 
     def _say(self, key: str, message: str, level: int) -> None:
         """Log once per key (a fallback or a failure is said when it starts, not at every look)."""

@@ -19,6 +19,12 @@ class ContainersChanged:
     reason: str  # "start", "containers", "re-check"
 
 
+@dataclass(frozen=True, slots=True)
+class LimitsChanged:
+    """The room's picture changed (a container limited, a fallback): the loop publishes the status again, and the
+    Node Events it calls for (a fallback is announced once)."""
+
+
 class ContainerLogWatcher(InotifyWatcher):
     def __init__(self, container_logs: Path, post: Callable[[object], None], *, safety_interval: float) -> None:
         super().__init__(post, safety_interval=safety_interval, thread_name="memory-limits-watch")

@@ -62,6 +62,10 @@ HOST_PATHS = {
         False,
     ),
     ("/proc", "Directory", "/host/proc", True),
+    # memory limits: the host's cgroup v2 tree where the host has it (NVML is given a container's cgroup by this
+    # path) and the kubelet's container log links (a starting container's ID); the agent only reads both
+    ("/sys/fs/cgroup", "Directory", "/sys/fs/cgroup", True),
+    ("/var/log/containers", "DirectoryOrCreate", "/var/log/containers", True),
 }
 MPS_ROOT = ("/run/nvidia/mps", "DirectoryOrCreate", "/run/nvidia/mps", False)
 # The directory of the MPS keeper's socket, which the keeper and the agent mount from the same host path.
@@ -786,6 +790,18 @@ def test_every_environment_variable_is_a_flag_twin_of_tessera_run(rendered):
     assert env(c)["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
     # the image's entrypoint (`tessera`) with `run`, said in the manifest rather than left to the image's CMD
     assert "command" not in c and c["args"] == ["run"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_memory_limits_are_on_and_read_where_the_host_mounts_are(rendered, variant):
+    """Every variant holds sized replicas to their size: TESSERA_CGROUP_ROOT and TESSERA_CONTAINER_LOGS point at
+    read-only mounts of the host's cgroup tree (at the host's own path, which NVML is given) and log links."""
+    c = container(rendered[variant])
+    assert env(c)["TESSERA_MEMORY_LIMITS"] == "on"
+    mounted = {m["mountPath"]: m.get("readOnly", False) for m in c["volumeMounts"]}
+    for name, host in (("TESSERA_CGROUP_ROOT", "/sys/fs/cgroup"), ("TESSERA_CONTAINER_LOGS", "/var/log/containers")):
+        assert env(c)[name] == host and mounted[host] is True, (variant, name)
+    assert {"TESSERA_MEMORY_LIMITS", "TESSERA_CGROUP_ROOT", "TESSERA_CONTAINER_LOGS"} <= flag_twins("run")
 
 
 def test_status_is_served_on_a_socket_in_the_pod_not_on_the_metrics_port(rendered):

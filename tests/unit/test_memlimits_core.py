@@ -40,14 +40,25 @@ def test_the_fallback_chain_is_said_out_loud() -> None:
     container = ContainerRef("ns", "p", "c")
     full = wanted_limits({"a::0": sized("a::0")}, [("a::0", container)])[0]
     on_mig = wanted_limits({"m::0": sized("m::0", mig=True)}, [("m::0", container)])[0]
-    client_only = wanted_limits({"a::0": sized("a::0", server=False)}, [("a::0", container)])[0]
+    share = SizedDevice("ns/claim/gpu-0", "GPU-a", 0, False, 10 * GIB, False, claim="ns/claim")
+    client_only = wanted_limits({"k": share}, [("k", container)])[0]
+    time_sliced = wanted_limits({"a::0": sized("a::0", server=False)}, [("a::0", container)])[0]
     assert enforcement(full, driver_refusal=None).enforcement is Enforcement.DRIVER
     assert enforcement(full, driver_refusal="not root").enforcement is Enforcement.MPS
     verdict = enforcement(on_mig, driver_refusal=None)
     assert verdict.enforcement is Enforcement.MPS and "MIG" in verdict.reason
     verdict = enforcement(client_only, driver_refusal="old driver")
     assert verdict.enforcement is Enforcement.ADVISORY and "old driver" in verdict.reason and "drop" in verdict.reason
+    verdict = enforcement(time_sliced, driver_refusal="old driver")
+    assert verdict.enforcement is Enforcement.ADVISORY and "time-sliced" in verdict.reason
     assert holds(full, 10 * GIB, 10 * GIB) and not holds(full, 0, 0xFFFFFFFFFFFFFFFF)
+
+
+def test_a_burst_ceiling_is_the_hard_limit_and_the_size_the_request() -> None:
+    container = ContainerRef("ns", "p", "c")
+    bursting = SizedDevice("a::0", "GPU-a", 0, False, 10 * GIB, False, burst=30 * GIB)
+    (wanted,) = wanted_limits({"a::0": bursting, "a::1": sized("a::1")}, [("a::0", container), ("a::1", container)])
+    assert (wanted.request, wanted.limit) == (20 * GIB, 40 * GIB)
 
 
 def test_a_log_link_names_the_container_and_its_pod() -> None:
