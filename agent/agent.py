@@ -334,6 +334,8 @@ class Agent:
         self._take_lock()
         self._read_inventory("start")
         self._node.start(self.post, self._inventory)
+        if self.options.memory_limits is not None:  # before the first status: what holds DRA shares is known
+            self._memlimits = self._memory_limits(self.options.memory_limits)
         self._guarded("config", self._apply_config)
         self._publish()
         if self.options.config_path is not None:
@@ -345,17 +347,19 @@ class Agent:
         self._event_watcher.start()
         self._kubelet_watcher = PluginDirWatcher(self.options.device_plugin_dir, self.post)
         self._kubelet_watcher.start()
-        if self.options.memory_limits is not None:
-            self._start_memory_limits(self.options.memory_limits)
+        if self._memlimits is not None:
+            self._routes["agent.memlimits.watch"] = self._routes["agent.memlimits.manager"] = self._memlimits.on_event
+            self._memlimits.start()
         self._settling, self._settle_by = True, self._clock() + TELEMETRY_WAIT_SECONDS
 
-    def _start_memory_limits(self, settings: MemoryLimitSettings) -> None:
-        """The memory-limits room (its worker calls NVML and the kubelet; the loop only routes its events)."""
+    def _memory_limits(self, settings: MemoryLimitSettings) -> MemoryLimits:
+        """The memory-limits room (its worker calls NVML and the kubelet; the loop only routes its events and hands
+        its report to the DRA front end), with the driver probed so the first status knows what the driver holds."""
         from agent.memlimits.manager import MemoryLimits
         from agent.plugin.podresources import list_pod_resources
 
         socket = self.options.pod_resources_socket
-        self._memlimits = MemoryLimits(
+        room = MemoryLimits(
             settings,
             plan=lambda: self._plan,
             holders=lambda: list_pod_resources(socket),
@@ -364,8 +368,11 @@ class Agent:
             claims=self._ledger.claims_checkpoint,
             inventory=lambda: self._inventory,
         )
-        self._routes["agent.memlimits.watch"] = self._memlimits.on_event
-        self._memlimits.start()
+        try:
+            room.probe()
+        except Exception as error:  # NVML did not answer: the worker's looks probe again
+            log.warning("memory limits: cannot probe the driver yet error=%r", str(error))
+        return room
 
     def _settle(self) -> None:
         """The kubelet is served (or waited for long enough): what comes second starts."""
@@ -997,7 +1004,7 @@ class Agent:
             faults=self._health.faults,
             cordoned=self._node.cordon.sources,
             cordon_problems=self._node.cordon.problems,
-            dra=self._dra.status() if self._dra else None,
+            dra=self._dra.status(self._memlimits.driver_report() if self._memlimits else None) if self._dra else None,
             memory_limits=self._memlimits.snapshot() if self._memlimits is not None else (),
         )
         return before

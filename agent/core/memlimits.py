@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from agent.core.resources import ResourcePlan, Sharing
@@ -119,23 +120,32 @@ def sized_devices(plan: ResourcePlan) -> dict[str, SizedDevice]:
 
 
 def claim_sizes(checkpoint: Checkpoint | None, inventory: Inventory | None) -> dict[ClaimKey, SizedDevice]:
-    """(claim namespace, claim name, pool, device) -> its size, for the prepared claims' shares of a GPU (the
-    ``memory`` they consume). Their clients are held by ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` in the claim's CDI
-    edits only: a client-side limit a container can drop, so without the driver a share is advisory."""
+    """(claim namespace, claim name, pool, device) -> its size, for the prepared claims' whole GPUs that have one:
+    a share of a GPU (the ``memory`` it consumes) or a GPU of an MPS claim whose ``GpuConfig`` gives it a pinned
+    memory limit (``defaultPinnedDeviceMemoryLimit`` / ``defaultPerDevicePinnedMemoryLimit``). Their clients are
+    held by ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` in the claim's CDI edits only: a client-side limit a container can
+    drop, so without the driver such a size is advisory (a share's MPS server may hold it: ``agent.core.dra.mps``).
+    MIG devices have no per-container limits and are left out."""
     if checkpoint is None or inventory is None:
         return {}
     from agent.core.dra.checkpoint import PREPARE_COMPLETED
     from agent.core.dra.devices import gpu_minor_of
+    from agent.core.dra.mps import pinned_mib
 
     by_minor = {gpu.minor_number: gpu for gpu in inventory.gpus}
     sized: dict[ClaimKey, SizedDevice] = {}
     for claim in checkpoint.claims.values():
         if claim.state != PREPARE_COMPLETED:
             continue
+        pinned = pinned_mib(claim.mps) if claim.mps is not None and claim.mps.share is None else {}
         for device in claim.devices:
             minor = gpu_minor_of(device.device)
             gpu = by_minor.get(minor) if minor is not None else None
-            if device.share is None or device.admin_access or gpu is None or device.mig is not None:
+            whole = gpu is not None and device.device == f"gpu-{minor}" and device.mig is None
+            if device.admin_access or gpu is None or not whole:
+                continue
+            size = device.share.memory if device.share is not None else pinned.get(gpu.uuid, 0) * MIB
+            if not size:
                 continue
             name = f"{claim.namespace}/{claim.name}"
             sized[(claim.namespace, claim.name, device.pool, device.device)] = SizedDevice(
@@ -143,11 +153,31 @@ def claim_sizes(checkpoint: Checkpoint | None, inventory: Inventory | None) -> d
                 gpu_uuid=gpu.uuid,
                 gpu_index=gpu.index,
                 mig=False,
-                size=device.share.memory,
+                size=size,
                 server_default=False,
                 claim=name,
             )
     return sized
+
+
+@dataclass(frozen=True, slots=True)
+class DriverReport:
+    """What the memory-limits room tells the reconcile loop after each look, for the DRA shares' status: on which
+    GPUs the driver can hold containers (``capable``: the call answered; not MIG), why it cannot elsewhere
+    (``refusals``: GPU UUID, or ``*`` for every GPU), and how each claim's containers are held now (``claims``:
+    (claim ``namespace/name``, GPU UUID) -> each container's enforcement)."""
+
+    capable: frozenset[str] = frozenset()
+    refusals: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    claims: Mapping[tuple[str, str], tuple[Enforcement, ...]] = field(default_factory=lambda: MappingProxyType({}))
+
+    def holds(self, claim: str, gpu_uuid: str) -> bool:
+        """Whether the driver holds ``claim``'s containers on ``gpu_uuid`` to their size: the GPU is one it can
+        limit, and every container of the claim found there is held by it (none started yet: each will be, as it
+        starts). False on a MIG device (never ``capable``), an older driver, a refusal (not root)."""
+        if gpu_uuid not in self.capable or "*" in self.refusals or gpu_uuid in self.refusals:
+            return False
+        return all(how is Enforcement.DRIVER for how in self.claims.get((claim, gpu_uuid), ()))
 
 
 def wanted_limits(

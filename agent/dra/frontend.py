@@ -137,10 +137,10 @@ class DraFrontEnd:
 
         return claim_devices(self._service.checkpoint())
 
-    def claims(self) -> list[dict[str, object]]:
+    def claims(self, driver: object = None) -> list[dict[str, object]]:
         with self._mps_cond:
             held = {key: limits for key, (_, _, limits) in self._mps_states.items() if limits is not None}
-        return self._service.claims(held) if self._service is not None else []
+        return self._service.claims(held, driver) if self._service is not None else []
 
     def register_again(self) -> None:
         if self._registrar is not None:

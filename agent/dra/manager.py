@@ -434,7 +434,9 @@ class DraManager:
             waiting["unclaimed-mig"] = self._sweep.why  # MIG devices no claim made, held by something
         return waiting
 
-    def status(self) -> dict[str, object] | None:
+    def status(self, driver: object = None) -> dict[str, object] | None:
+        """``driver``: where the driver holds containers to their memory (``agent.core.memlimits.DriverReport``, from
+        the memory-limits room through the loop; None: no such room), for the shares' enforcement."""
         if self._front is None and self.error is None:
             return None
         return {
@@ -444,7 +446,7 @@ class DraManager:
             "waiting": {uuid: list(w.why) for uuid, w in self._arriving.items()},
             "leaving": sorted(self._served - self._wanted),
             "error": self.error,
-            "claims": self._front.claims() if self._front is not None else [],
+            "claims": self._front.claims(driver) if self._front is not None else [],
             "unavailable": self._unavailable(),
         }
 

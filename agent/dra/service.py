@@ -247,9 +247,10 @@ class DraService:
         "them until the claim is prepared again"
     )
 
-    def claims(self, held: Mapping[str, object] | None = None) -> list[dict[str, object]]:
+    def claims(self, held: Mapping[str, object] | None = None, driver: Any = None) -> list[dict[str, object]]:
         """The recorded claims as the status shows them: name, state, devices, and what Prepare made for them; for a
-        share, what holds its limits (``held``: daemon key -> the limits the daemon holds now)."""
+        share, what holds its limits (``held``: daemon key -> the limits the daemon holds now; ``driver``: where the
+        driver holds containers to their memory, ``agent.core.memlimits.DriverReport``, None: nowhere)."""
         from agent.core.dra.mps import enforcement_entry, share_enforcement
         from agent.core.dra.opaque import INTERVALS
 
@@ -270,7 +271,12 @@ class DraService:
                         entry["share"]["shares"] = device.share.shares  # type: ignore[index]
                     record = claim.mps if claim.state == PREPARE_COMPLETED else None  # held once prepared
                     now = (held or {}).get(record.key) if record is not None else None
-                    enforced = share_enforcement(record, records, now) if record is not None else None
+                    by_driver = (
+                        driver is not None
+                        and record is not None
+                        and driver.holds(f"{claim.namespace}/{claim.name}", record.devices[0])
+                    )
+                    enforced = share_enforcement(record, records, now, driver_memory=by_driver) if record else None
                     if enforced is not None:
                         entry["enforcement"] = enforcement_entry(enforced)
                     elif record is not None:  # recorded by a Tessera whose MPS server did not hold shares

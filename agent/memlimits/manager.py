@@ -13,6 +13,11 @@ Where the driver cannot (an older driver, no root, a MIG device) the fallback is
 ``report()`` for the status, per container and GPU; when that picture changes the worker posts ``LimitsChanged``
 so the loop publishes it (``tessera status``, the Node Event of a fallback). The worker owns all of this state; the
 loop and metrics read only the immutable ``snapshot``.
+
+The loop hears what the room found (``LimitsReported``, after each look that changed it, and once at start from
+a probe of every GPU: does the driver have the call at all): ``driver_report()`` is the loop's copy, which it
+hands to the DRA front end so a claim's share says ``held by the driver`` exactly when the driver holds it
+(``agent.core.memlimits.DriverReport``), and falls back — with the claim's Event — when the driver path does.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import logging
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from agent.core.memlimits import (
     NO_LIMIT,
     ContainerRef,
+    DriverReport,
     Enforcement,
     SizedDevice,
     Wanted,
@@ -52,6 +59,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RETRY_SECONDS = (0.2, 30.0)  # backoff of a look that failed (NVML or the kubelet did not answer)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsReported:
+    """The room's news for the loop: where the driver holds containers now (after a look that changed it)."""
+
+    report: DriverReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,10 +136,22 @@ class MemoryLimits:
         self._said: set[tuple[str, str]] = set()
         self._failures = 0
         self._recheck = False
+        self._capable: set[str] = set()  # GPUs whose driver answered the call (worker's)
+        self._probed: set[str] = set()
+        self._reported = DriverReport()  # the last report posted (worker's)
+        self._told = DriverReport()  # the loop's copy (``driver_report``)
         self.applied_total = 0  # limits set (new or repaired)
         self.repaired_total = 0  # limits found changed behind the agent's back and set again
 
     # ----- the loop's side ----------------------------------------------------------------------------------
+
+    def probe(self) -> DriverReport:
+        """Before the room starts (on the loop, at the agent's start): whether each GPU's driver has the call, so the
+        first status already says what holds the DRA shares (one read per GPU)."""
+        with nvml_session():
+            self._probe()
+        self._reported = self._told = self._report()
+        return self._told
 
     def start(self) -> None:
         self._thread.start()
@@ -146,6 +172,9 @@ class MemoryLimits:
             self._dirty.set()
         if isinstance(event, LimitsChanged):
             return STATUS
+        if isinstance(event, LimitsReported):
+            self._told = event.report
+            return STATUS  # a share's enforcement in the status (and its claim's Event) may have changed
         return NOTHING
 
     def plan_published(self, plan: ResourcePlan | None) -> None:
@@ -154,6 +183,10 @@ class MemoryLimits:
         if plan is not self._published:
             self._published = plan
             self._dirty.set()
+
+    def driver_report(self) -> DriverReport:
+        """The loop's copy of where the driver holds containers (for the DRA shares' status)."""
+        return self._told
 
     def snapshot(self) -> tuple[HeldLimit, ...]:
         return self._snapshot
@@ -183,9 +216,49 @@ class MemoryLimits:
                     log.exception("memory limits: look failed; retrying")
                 retry = True
             self._failures = min(self._failures + 1, 16) if retry else 0
+            report = self._report()
+            if report != self._reported:
+                self._reported = report
+                self._post(LimitsReported(report))
+
+    def _report(self) -> DriverReport:
+        claims: dict[tuple[str, str], list[Enforcement]] = {}
+        for held in self._snapshot:
+            for claim in held.claim.split(", ") if held.claim else ():
+                claims.setdefault((claim, held.gpu_uuid), []).append(held.enforcement)
+        return DriverReport(
+            capable=frozenset(self._capable),
+            refusals=MappingProxyType(dict(self._refusals)),
+            claims=MappingProxyType({key: tuple(found) for key, found in claims.items()}),
+        )
+
+    def _probe(self) -> None:
+        """Ask each GPU not asked yet whether its driver has the call (a read: no privilege needed); callers hold an
+        NVML session. MIG-mode GPUs have no per-cgroup limits."""
+        inventory = self._inventory()
+        for gpu in inventory.gpus if inventory is not None else ():
+            if gpu.uuid in self._probed:
+                continue
+            self._probed.add(gpu.uuid)
+            if gpu.mig_enabled:
+                continue
+            try:
+                read_memory_limits(gpu.uuid, str(self.settings.cgroup_root))
+            except MemoryLimitError as error:
+                if error.code == "FUNCTION_NOT_FOUND":
+                    self._refusals["*"] = "the driver has no nvmlDeviceSetMemoryLimits_v1 (it needs r615 or newer)"
+                    continue
+                if error.code == "NOT_SUPPORTED":
+                    self._refusals[gpu.uuid] = "the driver does not support memory limits on this GPU (NOT_SUPPORTED)"
+                    continue
+            self._capable.add(gpu.uuid)  # (another error, such as no cgroup root yet: the call itself is there)
 
     def _look(self) -> bool:
         """Look at the node and hold every container to its size; True when something must be tried again."""
+        inventory = self._inventory()
+        if inventory is not None and any(g.uuid not in self._probed for g in inventory.gpus):
+            with nvml_session():
+                self._probe()  # GPUs that joined since
         plan = self._plan()
         sizes: dict[Hashable, SizedDevice] = dict(sized_devices(plan)) if plan is not None else {}
         sizes.update(claim_sizes(self._claims(), self._inventory()))

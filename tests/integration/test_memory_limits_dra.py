@@ -9,6 +9,7 @@ Without the driver the share is said to be advisory: only the client-side MPS va
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from agent.memlimits.settings import MemoryLimitSettings
 from agent.sim.kubelet.cgroups import ContainerFiles
 from agent.sim.nvml.driver import OutOfMemory
+from agent.status_report import render_text, status_document
 
 from . import test_dra_e2e, test_dra_shares
 from .test_dra_e2e import World, poll, start_agent
@@ -86,3 +88,70 @@ def test_without_the_driver_a_share_is_said_to_be_advisory(
     (row,) = report()
     assert "r615" in row["reason"] and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" in row["reason"]
     assert row["limit_bytes"] == 10 * GIB and world.driver.memory_limit_table() == {}
+
+
+def status_text(world: World) -> str:
+    return render_text(status_document(world.agent.status, version="t"))
+
+
+def advisory_events(caplog: pytest.LogCaptureFixture, claim: str) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records
+        if "reason=ShareLimitAdvisory" in r.getMessage() and f"ResourceClaim/default/{claim}" in r.getMessage()
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [NEW], indirect=True)
+def test_unequal_shares_are_each_held_to_their_own_share_by_the_driver_and_status_says_so(
+    world: World, containers: ContainerFiles, shares: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The MPS server can hold only the larger of two unequal shares; with driver r615 the driver holds each
+    container to its own, whatever variables the client has: no share is advisory, no Warning on either claim."""
+    caplog.set_level(logging.INFO, logger="agent.events")  # the stand-in API server serves no Events: they are logged
+    small, _ = run(world, containers, "small", "10Gi")
+    large, _ = run(world, containers, "large", "20Gi")
+    text = poll_status(world, "memory 10240Mi held by the driver", "memory 20480Mi held by the driver")
+    assert "advisory" not in text.split("claim default/small", 1)[1].split("\n")[0]
+    driver = world.driver
+    poll(lambda: {(0, small), (0, large)} <= driver.memory_limit_table().keys(), "both containers limited")
+    # a client of each, in its container's cgroup, with no CUDA_MPS_* variables: held to its own share
+    driver.add_process(0, 5200, 10 * 1024, kind="mps_client", cgroup=small)
+    driver.add_process(0, 5201, 20 * 1024, kind="mps_client", cgroup=large)
+    for pid in (5200, 5201):
+        with pytest.raises(OutOfMemory):
+            driver.allocate(pid, 1)
+    assert advisory_events(caplog, "small") == [] and advisory_events(caplog, "large") == []
+
+
+@pytest.mark.parametrize("world", [OLD], indirect=True)
+def test_unequal_shares_without_the_driver_call_stay_advisory_with_the_claims_event(
+    world: World, containers: ContainerFiles, shares: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="agent.events")
+    run(world, containers, "small", "10Gi")
+    run(world, containers, "large", "20Gi")
+    text = poll_status(world, "memory 10240Mi advisory: the MPS server holds 20480Mi")
+    assert "held by the driver" not in text
+    poll(lambda: advisory_events(caplog, "small"), "a Warning Event on the small claim")
+
+
+@pytest.mark.parametrize("world", [NEW], indirect=True)
+def test_when_the_driver_path_falls_back_the_share_turns_advisory_with_the_claims_event(
+    world: World, containers: ContainerFiles, shares: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """r615, but the agent may not set limits (not root): said as soon as the driver refuses."""
+    caplog.set_level(logging.INFO, logger="agent.events")
+    world.driver.set_caller_root(False)
+    run(world, containers, "large", "20Gi")
+    run(world, containers, "small", "10Gi")
+    poll_status(world, "memory 10240Mi advisory: the MPS server holds 20480Mi")
+    event = poll(lambda: advisory_events(caplog, "small"), "a Warning Event on the small claim")
+    assert "type=Warning" in event[-1]
+
+
+def poll_status(world: World, *texts: str) -> str:
+    def saying() -> str | None:
+        text = status_text(world)
+        return text if all(t in text for t in texts) else None
+
+    return poll(saying, f"status: {'; '.join(texts)}")  # type: ignore[return-value]

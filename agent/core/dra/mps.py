@@ -98,6 +98,22 @@ def mps_record(uuids: Sequence[str], config: MpsConfig) -> MpsRecord:
     return MpsRecord(daemon_key(uuids), tuple(uuids), tuple(env))
 
 
+def pinned_mib(record: MpsRecord) -> dict[str, int]:
+    """Device UUID -> the pinned memory limit (MiB) an MPS claim's record gives its clients (its
+    ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``, from the claim's ``GpuConfig``): the memory size of each device, which
+    the driver's per-container limits hold (``agent.core.memlimits.claim_sizes``)."""
+    sizes: dict[str, int] = {}
+    for entry in record.env:
+        name, _, value = entry.partition("=")
+        if name != "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT":
+            continue
+        for item in value.split(","):
+            uuid, _, limit = item.rpartition("=")
+            if uuid and limit.endswith("M") and limit[:-1].isdecimal():
+                sizes[uuid] = int(limit[:-1])
+    return sizes
+
+
 def share_record(uuid: str, limits: Limits, device_mib: int) -> MpsRecord:
     """The daemon a share of device ``uuid`` (a GPU or MIG device, of ``device_mib`` memory) is served by (the
     device's one daemon, shared by every claim with a share of it, and by MPS claims on the whole device) and the
