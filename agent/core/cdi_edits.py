@@ -21,6 +21,16 @@ Paths in the result are host paths (what the runtime opens) and container paths 
 
 ``cdiVersion``: nothing here needs more than the ``0.5.0`` the claim specs already use (hooks, ``hostPath``, mount
 options and device ``type``/``major``/``minor`` are all older; 0.6.0 brings annotations, 0.7.0 ``additionalGIDs``).
+The ``createRuntime`` stage of the memory-limits hook is one of the OCI hook stages CDI has accepted since 0.3.0.
+
+GPU memory limits, path (a) of the driver's per-container limits (driver r615+, facts ``memory-limits.md``): a
+container given a device of a known memory size gets ``NVIDIA_GPU_MEMORY_REQUEST`` and ``NVIDIA_GPU_MEMORY_LIMIT``
+(singular, whole MiB: what the toolkit's hook reads), and, where the node's hook binary has it (toolkit v1.20.1+,
+``DriverFiles.memory_limits_hook``), one ``apply-cuda-memory-limits`` ``createRuntime`` hook per GPU, exactly as
+the toolkit's own CDI discoverer adds it (``--driver-root <root> --gpu-id <GPU UUID>``), so the limit is on the
+container's cgroup before the workload runs. The hook returns early when neither variable is set, so a spec entry
+may carry it for every GPU (the device plugin's spec does, as the toolkit's does). MIG devices have no
+per-container limits: no hook.
 
 Pure: values in, documents out.
 """
@@ -44,6 +54,11 @@ SONAME_LINKS = ("libcuda.so.1", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.s
 MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "rbind", "rprivate")  # nvcdi's for libraries, binaries and firmware
 IPC_OPTIONS = ("ro", "nosuid", "nodev", "rbind", "rprivate", "noexec")  # nvcdi's for sockets
 HOOK_STAGE = "createContainer"
+MEMORY_LIMITS_HOOK = "apply-cuda-memory-limits"  # NVIDIA/nvidia-container-toolkit PR #2075, toolkit v1.20.1
+MEMORY_LIMITS_TOOLKIT = (1, 20, 1)  # the first toolkit whose hook binary has it
+MEMORY_LIMITS_STAGE = "createRuntime"  # as the toolkit's own spec has it: after the cgroup exists, before start
+MEMORY_REQUEST_ENV = "NVIDIA_GPU_MEMORY_REQUEST"  # singular, whole MiB: what the hook reads
+MEMORY_LIMIT_ENV = "NVIDIA_GPU_MEMORY_LIMIT"
 
 # Device-plugin CDI spec: NVIDIA's device plugin writes vendor k8s.device-plugin.nvidia.com, class gpu
 DEVICE_PLUGIN_KIND = "k8s.device-plugin.nvidia.com/gpu"
@@ -88,6 +103,8 @@ class DriverFiles:
     ipc: tuple[HostFile, ...] = ()
     hook: Hook | None = None
     dev_root: str = "/"  # the host directory whose dev/ holds the GPUs' nodes
+    driver_root: str = "/"  # the host's driver root (the memory-limits hook's --driver-root)
+    memory_limits_hook: bool = False  # the hook binary has apply-cuda-memory-limits (toolkit v1.20.1+)
 
     def missing(self) -> list[str]:
         """What a GPU container cannot do without and is not here (empty: the driver root is usable)."""
@@ -148,6 +165,32 @@ def _hooks(files: DriverFiles) -> list[dict[str, Any]]:
     return hooks
 
 
+def memory_limits_hook(files: DriverFiles | None, gpu_uuid: str) -> dict[str, Any] | None:
+    """The toolkit's ``apply-cuda-memory-limits`` hook for one GPU, or None where it cannot run: no hook binary, one
+    older than v1.20.1, or a MIG device (no per-container limits)."""
+    if files is None or files.hook is None or not files.memory_limits_hook or not gpu_uuid.startswith("GPU-"):
+        return None
+    args = files.hook.args(MEMORY_LIMITS_HOOK, "--driver-root", files.driver_root, "--gpu-id", gpu_uuid)
+    return {"hookName": MEMORY_LIMITS_STAGE, "path": files.hook.path, "args": args}
+
+
+def memory_limit_env(request_mib: int, limit_mib: int | None = None) -> list[str]:
+    """The two variables the hook (and KAI's NRI plugin) read: request and limit in whole MiB (limit: the request
+    unless bursting is allowed)."""
+    limit = request_mib if limit_mib is None else limit_mib
+    return [f"{MEMORY_REQUEST_ENV}={request_mib}", f"{MEMORY_LIMIT_ENV}={limit}"]
+
+
+def memory_limit_edits(files: DriverFiles | None, gpu_uuid: str, mib: int) -> dict[str, list[Any]]:
+    """A device entry's edits for a container held to ``mib`` of ``gpu_uuid``: the variables, and the hook where
+    the node's toolkit has it."""
+    edits: dict[str, list[Any]] = {"env": memory_limit_env(mib)}
+    hook = memory_limits_hook(files, gpu_uuid)
+    if hook is not None:
+        edits["hooks"] = [hook]
+    return edits
+
+
 def _soname_of(path: str) -> str:
     """``/x/libcuda.so.550.54.15`` -> ``libcuda.so.1`` (the SONAME the host's link carries), else ``""``."""
     name = path.rsplit("/", 1)[-1]
@@ -183,10 +226,15 @@ def spec_file_name(kind: str) -> str:
 
 
 def device_plugin_spec(
-    kind: str, devices: Mapping[str, Iterable[DeviceNode]], common: Mapping[str, Any]
+    kind: str,
+    devices: Mapping[str, Iterable[DeviceNode]],
+    common: Mapping[str, Any],
+    files: DriverFiles | None = None,
 ) -> dict[str, Any]:
     """The device plugin's spec: one entry per physical device (GPU or MIG UUID) with its nodes, and ``common``
-    (``common_edits``) at spec level, so that each ``<kind>=<uuid>`` Allocate returns resolves on its own."""
+    (``common_edits``) at spec level, so that each ``<kind>=<uuid>`` Allocate returns resolves on its own. With
+    ``files`` whose hook binary has it, each GPU's entry runs the memory-limits hook (``memory_limits_hook``): it
+    applies the ``NVIDIA_GPU_MEMORY_*`` variables Allocate gives a sized replica, and does nothing without them."""
     check_kind(kind)
     entries = []
     for name, nodes in devices.items():
@@ -195,7 +243,11 @@ def device_plugin_spec(
         node_list = [node.to_cdi() for node in nodes]
         if not node_list:
             raise CdiError(f"device {name} has no device nodes; a CDI device needs edits")
-        entries.append({"name": name, "containerEdits": {"deviceNodes": node_list}})
+        edits: dict[str, Any] = {"deviceNodes": node_list}
+        hook = memory_limits_hook(files, name)
+        if hook is not None:
+            edits["hooks"] = [hook]
+        entries.append({"name": name, "containerEdits": edits})
     return {"cdiVersion": CDI_VERSION, "kind": kind, "devices": entries, "containerEdits": dict(common)}
 
 

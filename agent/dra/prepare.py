@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from agent.core.cdi_edits import DriverFiles, memory_limit_edits
 from agent.core.dra.cdi import CdiError, cdi_device_ids, check_claim_uid, claim_spec
 from agent.core.dra.checkpoint import (
     PREPARE_COMPLETED,
@@ -54,7 +55,15 @@ from agent.core.dra.checkpoint import (
     without_mps,
 )
 from agent.core.dra.claims import ClaimError, ClaimRef, PreparableDevice, PreparePlan, plan_prepare
-from agent.core.dra.mps import MpsRecord, client_edits, mps_record, records_specs, share_record
+from agent.core.dra.mps import (
+    MpsRecord,
+    client_edits,
+    memory_sizes,
+    mps_record,
+    pinned_over_memory,
+    records_specs,
+    share_record,
+)
 from agent.core.dra.opaque import OpaqueConfigError
 from agent.core.dra.shares import MEMORY, limits
 from agent.dra.cdi_store import CdiStore, CdiStoreError
@@ -229,6 +238,8 @@ class ClaimWorker:
         )
         if isinstance(plan, ClaimError):
             return plan
+        if (problem := _pinned_over_memory(plan)) is not None:  # refused before anything is done
+            return ClaimError(ref, problem)
         try:  # a spec that cannot be built fails before anything is done
             if any(planned_mig(d) for d in plan.devices):
                 self._common()  # the driver's files at least: the MIG devices' own nodes are known once made
@@ -267,9 +278,7 @@ class ClaimWorker:
                     done.timesliced.add(planned.device)
             made = [(d.device, _concrete(d.info, created.get(d.device))) for d in plan.devices]
             record = self._start_mps(ref, plan, dict(made))
-            edits = {name: client_edits(record, self._mps_root()) for name, info in made
-                     if record is not None and info.uuid in record.devices}  # fmt: skip
-            spec, ids = self._spec(ref.uid, made, edits)
+            spec, ids = self._spec(ref.uid, made, self._device_edits(ref, record, made))
             self._cdi.write(ref.uid, spec)
             completed = prepare_completed(self.checkpoint, plan, ids, created)
             self._store.save(completed)
@@ -504,10 +513,7 @@ class ClaimWorker:
             )
         try:
             made = [(d.device, _concrete(devices[d.device], d.mig)) for d in claim.devices]
-            record = claim.mps  # only its MPS devices carry the daemon's edits
-            edits = {name: client_edits(record, self._mps_root()) for name, info in made
-                     if record is not None and info.uuid in record.devices}  # fmt: skip
-            spec, _ = self._spec(ref.uid, made, edits)
+            spec, _ = self._spec(ref.uid, made, self._device_edits(ref, claim.mps, made))
             path = self._cdi.write(ref.uid, spec)
         except (CdiError, CdiStoreError) as error:
             return ClaimError(ref, f"its CDI spec is gone and cannot be written again: {error}")
@@ -529,6 +535,40 @@ class ClaimWorker:
             for name, info in devices
         }
         return spec, ids
+
+    def _device_edits(
+        self, ref: ClaimRef, record: MpsRecord | None, made: Sequence[tuple[str, PreparableDevice]]
+    ) -> dict[str, dict[str, list[Any]]]:
+        """Per device entry: an MPS device's daemon edits (pipe, shared memory, limits) and, for a whole GPU with a
+        memory size (a share, an MPS claim's pinned limit), the driver's per-container limit: the
+        ``NVIDIA_GPU_MEMORY_*`` variables and the toolkit's hook where the node has it (``memory_limit_edits``).
+
+        The variables are one per container: a claim whose GPUs have different sizes cannot say them all, so it
+        gets none (the memory-limits room holds each GPU to its own size once the container runs)."""
+        edits: dict[str, dict[str, list[Any]]] = {}
+        for name, info in made:
+            if record is not None and info.uuid in record.devices:
+                edits[name] = {k: list(v) for k, v in client_edits(record, self._mps_root()).items()}
+        sizes = {uuid: mib for uuid, mib in memory_sizes(record).items() if uuid.startswith("GPU-")}
+        if len(set(sizes.values())) > 1:
+            log.info(
+                "claim's GPUs have different memory sizes; no NVIDIA_GPU_MEMORY_* variables (one per container) "
+                "claim=%s/%s uid=%s sizes=%s", ref.namespace, ref.name, ref.uid, sizes,
+            )  # fmt: skip
+            return edits
+        files = self._driver_files()
+        for name, info in made:
+            if info.uuid in sizes:
+                entry = edits.setdefault(name, {})
+                for key, value in memory_limit_edits(files, info.uuid, sizes[info.uuid]).items():
+                    entry[key] = [*entry.get(key, []), *value]
+        return edits
+
+    def _driver_files(self) -> DriverFiles | None:
+        """What was found under the driver root (the hook binary and whether it has the memory-limits hook); None
+        with a node-wide spec or fixed edits."""
+        files = getattr(self._common_edits, "files", None)
+        return files() if callable(files) else None
 
     def _common(self) -> Mapping[str, Any] | None:
         """The spec-level edits (the driver's files); ``CdiError`` (``DriverMissing``) when the node has no driver."""
@@ -678,6 +718,19 @@ def _concrete(info: PreparableDevice, mig: CreatedMig | None) -> PreparableDevic
     if mig is None or mig.uuid is None:
         return info
     return dataclasses.replace(info, uuid=mig.uuid, gi_id=mig.gi_id, ci_id=mig.ci_id)  # type: ignore[type-var]
+
+
+def _pinned_over_memory(plan: PreparePlan) -> str | None:
+    """Why the claim's MPS pinned memory limits cannot be held (a limit above its device's memory), before anything
+    is done; a device made by this Prepare (dynamic MIG, no UUID yet) is checked when its daemon starts."""
+    mps = [d for d in plan.devices if d.mps is not None]
+    if not mps or not all(d.info.uuid for d in mps):
+        return None
+    devices = [(d.device, d.info.uuid, d.info.capacity.get(MEMORY, 0)) for d in mps]
+    try:
+        return pinned_over_memory(mps[0].mps, devices)  # type: ignore[arg-type]
+    except OpaqueConfigError as error:
+        return str(error)
 
 
 def _failed_unprepare(ref: ClaimRef, reason: str) -> str:

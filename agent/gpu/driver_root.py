@@ -17,7 +17,11 @@ What is looked for (``agent.core.cdi_edits`` says why each is there):
 - the control nodes under ``<dev root>/dev``;
 - the hook: ``--nvidia-cdi-hook-path`` as given (a host path, as NVIDIA takes it), else ``nvidia-cdi-hook`` or
   ``nvidia-ctk`` in the driver root's ``usr/bin`` or ``usr/local/bin``; none found: no hooks (the SONAME links are
-  then mounted instead).
+  then mounted instead). Whether it has ``apply-cuda-memory-limits`` (toolkit v1.20.1+) is asked of the binary
+  itself: ``<hook> --version`` (both binaries are urfave/cli programs printing ``... version 1.20.1``), run once
+  per binary file (``HookVersions``: kept while its size and modification time stay, so an upgraded toolkit is
+  asked again). The version, not a trial run of the sub-command: ``--help`` of an unknown sub-command does not
+  fail in every urfave/cli version, and the version is what NVIDIA's release notes name.
 
 A node without ``/dev/nvidiactl``, ``libcuda`` or ``libnvidia-ml`` there has no usable driver for CDI:
 ``DriverMissing`` names what is missing, where it was looked for and the flags that fix it, and the Prepare (or the
@@ -33,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +48,7 @@ from typing import Any
 from agent.core.cdi_edits import (
     BINARIES,
     CONTROL_NODES,
+    MEMORY_LIMITS_TOOLKIT,
     SONAME_LINKS,
     DriverFiles,
     Hook,
@@ -63,6 +69,7 @@ HOOK_NAMES = ("nvidia-cdi-hook", "nvidia-ctk")
 PERSISTENCED_SOCKET = "run/nvidia-persistenced/socket"
 FIRMWARE_DIR = "lib/firmware/nvidia"
 _CUDA = re.compile(r"libcuda\.so\.(\d+\.\d+(?:\.\d+)?)")
+_VERSION = re.compile(r"\bversion\s+v?(\d+)\.(\d+)\.(\d+)")
 CACHE_SECONDS = 60.0
 
 
@@ -100,7 +107,44 @@ FIX = (
 )
 
 
-def discover_driver(where: DriverRoot, version: str | None = None) -> DriverFiles:
+class HookVersions:
+    """The toolkit version each hook binary says it is, asked once per binary file (path, size, mtime)."""
+
+    def __init__(self, run: Callable[[str], str | None] | None = None) -> None:
+        self._run = run or _version_output
+        self._lock = threading.Lock()
+        self._known: dict[tuple[str, int, int], tuple[int, ...] | None] = {}
+
+    def version(self, path: Path) -> tuple[int, ...] | None:
+        try:
+            info = path.stat()
+        except OSError:
+            return None
+        key = (str(path), info.st_size, info.st_mtime_ns)
+        with self._lock:
+            if key not in self._known:
+                output = self._run(str(path))
+                match = _VERSION.search(output or "")
+                found = tuple(int(p) for p in match.groups()) if match else None
+                self._known = {k: v for k, v in self._known.items() if k[0] != key[0]}
+                self._known[key] = found
+                log.info("CDI hook binary path=%s toolkit_version=%s memory_limits_hook=%s", path,
+                         ".".join(map(str, found)) if found else "unknown",
+                         found is not None and found >= MEMORY_LIMITS_TOOLKIT)  # fmt: skip
+            return self._known[key]
+
+
+def _version_output(path: str) -> str | None:
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def discover_driver(
+    where: DriverRoot, version: str | None = None, *, hook_versions: HookVersions | None = None
+) -> DriverFiles:
     """The driver's files under ``where``; ``DriverMissing`` if it lacks what every GPU container needs."""
     seen, host = where.seen_root, where.root
     found_version, library_dir = _find_cuda(seen, version)
@@ -134,6 +178,8 @@ def discover_driver(where: DriverRoot, version: str | None = None) -> DriverFile
     control = [
         HostFile(_host(dev_host, node.lstrip("/")), node) for node in CONTROL_NODES if (dev_seen / node[1:]).exists()
     ]
+    hook = _hook(where)
+    hook_version = (hook_versions or HookVersions()).version(_seen(where, hook.path)) if hook is not None else None
     files = DriverFiles(
         version=found_version or "",
         control_nodes=tuple(control),
@@ -142,8 +188,10 @@ def discover_driver(where: DriverRoot, version: str | None = None) -> DriverFile
         binaries=tuple(binaries),
         firmware=tuple(firmware),
         ipc=tuple(ipc),
-        hook=_hook(where),
+        hook=hook,
         dev_root=str(dev_host),
+        driver_root=str(host),
+        memory_limits_hook=hook_version is not None and hook_version >= MEMORY_LIMITS_TOOLKIT,
     )
     return check_complete(files, where.where(), FIX)
 
@@ -174,6 +222,14 @@ def _hook(where: DriverRoot) -> Hook | None:
             if os.access(where.seen_root / directory / name, os.X_OK):
                 return Hook(_host(where.root, directory, name))
     return None
+
+
+def _seen(where: DriverRoot, host_path: str) -> Path:
+    """Where the agent sees a host path under the driver root (the path itself when it lies elsewhere)."""
+    path = Path(host_path)
+    if where.container_root is not None and path.is_relative_to(where.root):
+        return where.container_root / path.relative_to(where.root)
+    return path
 
 
 def _listing(directory: Path) -> set[str]:
@@ -209,6 +265,7 @@ class CommonEdits:
         self._ttl, self._clock = ttl, clock
         self._lock = threading.Lock()
         self._cached: tuple[float, dict[str, Any], DriverFiles] | None = None
+        self._hook_versions = HookVersions()
 
     def files(self) -> DriverFiles:
         return self._get()[1]
@@ -221,7 +278,8 @@ class CommonEdits:
             now = self._clock()
             if self._cached is not None and now - self._cached[0] < self._ttl:
                 return self._cached[1], self._cached[2]
-            files = discover_driver(self.where)  # DriverMissing goes to the caller, and nothing is kept
+            # DriverMissing goes to the caller, and nothing is kept
+            files = discover_driver(self.where, hook_versions=self._hook_versions)
             edits = common_edits(files)
             if self._cached is None or self._cached[2] != files:
                 log.info(

@@ -60,7 +60,7 @@ class DevicePluginCdi:
             key = (kind, tuple(physical), inventory.gpus, id(common))  # the same edits object while it is cached
             if key == self._key and path.is_file():
                 return path
-            spec = device_plugin_spec(kind, self._nodes(inventory, physical), common)
+            spec = device_plugin_spec(kind, self._nodes(inventory, physical), common, self._common.files())
             content = dump(spec)
             if self._written != (path, content) or not path.is_file():
                 self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)

@@ -9,6 +9,10 @@ What ``agent.gpu.driver_root`` looks for on a real node, laid out the same way u
   per GPU: character devices where the process may create them (root), each a harmless ``/dev/null`` (1, 3) so a
   container given one can open it and nothing else; elsewhere empty files, enough to build specs but not to start a
   container;
+- with ``hook``, ``usr/bin/nvidia-cdi-hook``: a stand-in of the toolkit's hook binary that says its version
+  (``--version``, as urfave/cli prints it; ``toolkit``, v1.20.1 by default: it has ``apply-cuda-memory-limits``) and
+  appends every invocation's arguments, one line each, to ``HOOK_CALLS`` under the root, so a test sees what a
+  container runtime ran (a createRuntime hook runs on the host);
 - ``proc/devices`` (the ``nvidia-caps`` major) and ``proc/driver/nvidia-caps/mig-minors``, the driver's full table of
   MIG capability minors (``gpu<m>/gi<g>/access``, ``.../ci<c>/access``), so any MIG device the simulator makes later
   has its capability minors already listed, as on a real node.
@@ -42,6 +46,8 @@ CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset"
 STAND_IN_DEVICE = (1, 3)  # /dev/null: a container that opens its "GPU" reads nothing and writes into nothing
 CAPS_MAJOR = 508
 MAX_GPUS, MAX_GIS, MAX_CIS = 32, 15, 8
+HOOK_CALLS = "var/log/nvidia-cdi-hook.calls"
+TOOLKIT = "1.20.1"  # the first toolkit whose hook has apply-cuda-memory-limits
 
 
 def mig_minors_table() -> str:
@@ -58,9 +64,11 @@ def mig_minors_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_driver_root(root: Path, gpu_minors: Iterable[int], *, version: str = VERSION, hook: bool = False) -> Path:
+def make_driver_root(
+    root: Path, gpu_minors: Iterable[int], *, version: str = VERSION, hook: bool = False, toolkit: str = TOOLKIT
+) -> Path:
     """Lay out a driver at ``root`` for GPUs of these minors; ``hook`` adds a stand-in ``usr/bin/nvidia-cdi-hook``
-    (which does nothing: a runtime that runs it finds it succeeds). Returns ``root``."""
+    of toolkit version ``toolkit`` (it records its calls and succeeds). Returns ``root``."""
     libs = root / LIBRARY_DIR
     libs.mkdir(parents=True, exist_ok=True)
     for name in LIBRARIES:
@@ -70,8 +78,16 @@ def make_driver_root(root: Path, gpu_minors: Iterable[int], *, version: str = VE
     _symlink(libs / "libcuda.so", "libcuda.so.1")
     bins = root / "usr/bin"
     bins.mkdir(parents=True, exist_ok=True)
-    for name in (*BINARIES, *(("nvidia-cdi-hook",) if hook else ())):
-        _script(bins / name, f"#!/bin/sh\necho {name} stand-in\n" if name != "nvidia-cdi-hook" else "#!/bin/sh\n")
+    for name in BINARIES:
+        _script(bins / name, f"#!/bin/sh\necho {name} stand-in\n")
+    if hook:
+        calls = root.resolve() / HOOK_CALLS
+        calls.parent.mkdir(parents=True, exist_ok=True)
+        _script(bins / "nvidia-cdi-hook", (
+            "#!/bin/sh\n"
+            f'if [ "$1" = --version ]; then echo "NVIDIA CDI Hook version {toolkit}"; echo "commit: x"; exit 0; fi\n'
+            f'echo "$*" >> "{calls}"\n'
+        ))  # fmt: skip
     firmware = root / "lib/firmware/nvidia" / version
     firmware.mkdir(parents=True, exist_ok=True)
     (firmware / "gsp_ga10x.bin").write_text("firmware (stand-in)\n")

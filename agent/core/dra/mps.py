@@ -114,6 +114,37 @@ def pinned_mib(record: MpsRecord) -> dict[str, int]:
     return sizes
 
 
+def memory_sizes(record: MpsRecord | None) -> dict[str, int]:
+    """Device UUID -> the memory (MiB) a claim's containers are held to on it: a share's memory limit, or an MPS
+    claim's pinned limits (``pinned_mib``); the CDI spec gives them as ``NVIDIA_GPU_MEMORY_*`` (path (a) of the
+    driver's per-container limits)."""
+    if record is None:
+        return {}
+    if record.share is not None:
+        return {record.devices[0]: record.share.memory_mib} if record.share.memory_mib else {}
+    return pinned_mib(record)
+
+
+def pinned_over_memory(config: MpsConfig, devices: Sequence[tuple[str, str, int]]) -> str | None:
+    """Why the claim's MPS pinned memory limits cannot be held, or None: a limit above its device's memory, which
+    neither the driver nor the MPS server could hold (``devices``: name, UUID, memory in bytes, in claim order).
+    ``OpaqueConfigError`` for a per-device key that names no device of the claim."""
+    uuids = [uuid for _, uuid, _ in devices]
+    limits = pinned_memory_limits(config, uuids)
+    per_device = pinned_memory_limits(replace(config, default_pinned_device_memory_limit=None), uuids)
+    for name, uuid, memory in devices:
+        value = limits.get(uuid)
+        total = memory >> 20
+        if value is None or not total or int(value[:-1]) <= total:
+            continue
+        field = "defaultPerDevicePinnedMemoryLimit" if uuid in per_device else "defaultPinnedDeviceMemoryLimit"
+        return (
+            f"sharing.mpsConfig.{field}: {value[:-1]}Mi for device {name} ({uuid}) is more than its {total}Mi of "
+            f"memory; give at most {total}Mi"
+        )
+    return None
+
+
 def share_record(uuid: str, limits: Limits, device_mib: int) -> MpsRecord:
     """The daemon a share of device ``uuid`` (a GPU or MIG device, of ``device_mib`` memory) is served by (the
     device's one daemon, shared by every claim with a share of it, and by MPS claims on the whole device) and the
