@@ -27,10 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.sim.driver_root import VERSION
+from agent.sim.driver_root import HOOK_CALLS, VERSION
+from agent.sim.kubelet.cgroups import ContainerFiles
 from agent.sim.scheduler import allocate
 from tests.image.engine import RUNC, Engine, EngineError
-from tests.integration import test_dra_e2e
+from tests.integration import test_dra_e2e, test_dra_shares, test_memory_limits_dra_cdi
 from tests.integration.test_dra_dynamic_mig import mig_claim
 from tests.integration.test_dra_e2e import DEADLINE, DRIVER, World
 from tests.integration.test_dra_shares import share_claim
@@ -39,6 +40,8 @@ from tests.integration.test_ledger import MIG_CLASS
 pytestmark = pytest.mark.podman
 
 world = test_dra_e2e.world  # the fixture: the agent, both kubelets and the API server on a simulated node
+shares = test_dra_shares.shares  # GPU 0 shared by memory, the MPS emulator on PATH
+toolkit, hooked = test_memory_limits_dra_cdi.toolkit, test_memory_limits_dra_cdi.hooked  # the hook binary's root
 BUSYBOX = Path("/bin/busybox")  # Debian's busybox-static
 IMAGE = "localhost/tessera-cdi-busybox:test"
 APPLETS = ("sh", "ls", "cat", "env", "test", "stat", "readlink", "echo", "true")
@@ -261,3 +264,28 @@ def test_the_device_plugins_cdi_names_run_in_podman_from_the_spec_it_writes(worl
     assert f"char /dev/nvidia{gpus[1].minor_number} 1:3" in outputs["mig"]
     for minor in (gi_minor, gi_minor + 1 + ci.id):
         assert f"char /dev/nvidia-caps/nvidia-cap{minor} {hex_numbers(508, minor)}" in outputs["mig"]
+
+
+MEMORY_NODE = {"driver_version": "615.71.09", "gpus": [{"model": "A100-SXM4-80GB", "count": 2}]}
+
+
+@pytest.mark.parametrize("world", [MEMORY_NODE], indirect=True)
+def test_a_shares_container_gets_its_memory_variables_and_the_runtime_runs_the_memory_limits_hook(
+    world: World, podman: Podman, share: dict, hooked: tuple[ContainerFiles, Path]
+) -> None:
+    """Path (a): podman resolves the claim's spec; the container sees the variables the toolkit's hook reads, and
+    runc runs the hook (the stand-in binary records its arguments) for the share's GPU before the container starts."""
+    _, root = hooked
+    ids = world.dra.run_pod("default", "share", "pod-share", [("gpu", "share")], {"main": [("gpu", None)]})["main"]
+    calls = root / HOOK_CALLS
+    calls.unlink(missing_ok=True)
+    output = podman.container(world.base / "cdi", ids, "env; true")
+    assert {"NVIDIA_GPU_MEMORY_REQUEST=10240", "NVIDIA_GPU_MEMORY_LIMIT=10240"} <= set(output.splitlines())
+    gpu = world.driver.gpus[0].uuid
+    assert f"apply-cuda-memory-limits --driver-root {root} --gpu-id {gpu}" in calls.read_text().splitlines()
+
+
+@pytest.fixture
+def share(world: World, shares: Path) -> dict:
+    """A claim for a 10 GiB share of GPU 0, before the agent restarts with the hook binary (``hooked``)."""
+    return share_claim(world, "share", memory="10Gi")
