@@ -6,13 +6,16 @@ unix sockets; the API server stand-in (``agent.sim.apiserver``), spoken to over 
 and the structured-parameters allocator (``agent.sim.scheduler``), which plays the kube-scheduler's part and
 evaluates NVIDIA's DeviceClass selectors and the claims' CEL selectors with a real CEL implementation.
 
-The node is built in (``NODE_SPEC``): an H100 and three A100s, one of them in MIG mode with no MIG device yet.
+The node is built in (``NODE_SPEC``): an H100 and three A100s, one of them in MIG mode with no MIG device yet,
+on driver r615 (which holds a container to a memory limit: ``nvmlDeviceSetMemoryLimits_v1``).
 The config gives DRA GPUs 0, 1 and 3 and leaves GPU 2 to the device plugin, so each GPU visibly belongs to one
 front end; GPU 3 is in dynamic-MIG mode (``dra.dynamicMig``): its slice lists every MIG profile and placement.
 The story: slices published, three claims allocated by selectors and prepared for a pod (CDI spec shown, the
 1g.10gb MIG device created for its claim), an XID that taints a device and then recovers, a kubelet restart that
 wipes the slices and the agent putting them back, the pod stopping (the MIG device destroyed). The health
-recovery window is shortened, and the output says so.
+recovery window is shortened, and the output says so. Step 7 shares a GPU by memory: two unequal shares, each
+container held to its own share by the (simulated) driver, and a process that tries to take more than its share
+and fails.
 
 Exit status: 0 when every step happened as told; 1 (``EXIT_FAILED``) with one ``tessera: demo --dra: ...`` line
 on stderr naming the step and what did not happen; 1 too when the reader of the output leaves early, as
@@ -39,7 +42,9 @@ import yaml
 
 from agent.core.health import HealthPolicy
 from agent.core.resources import MigStrategy
+from agent.memlimits.settings import MemoryLimitSettings
 from agent.sim.driver_root import sim_driver_root
+from agent.sim.kubelet.cgroups import ContainerFiles
 from agent.sim.nvml.driver import SimDriver
 from agent.sim.nvml.install import simulated_node
 from agent.sim.nvml.spec import NodeSpec, parse_node_spec
@@ -57,6 +62,7 @@ NAMESPACE = "default"
 KUBERNETES_VERSION = "v1.36.3"  # what the API server stand-in reports
 NODE_SPEC: dict[str, Any] = {
     "name": NODE,
+    "driver_version": "615.71.09",  # r615: per-container memory limits (the shares of step 7 are held by it)
     "gpus": [
         {"model": "H100-SXM5-80GB"},
         {"model": "A100-SXM4-80GB", "count": 2},
@@ -177,6 +183,7 @@ class _DraDemo:
         self.device_count = 0
         self._step = "start"  # the step running, for failure messages
         self.mps_root = workdir / "mps"
+        self.containers = ContainerFiles(workdir / "cgroup", workdir / "log")  # what a started container leaves
 
     # ---------------------------------------------------------------------------------------------- the story
 
@@ -206,11 +213,13 @@ class _DraDemo:
                 driver_root=sim_driver_root(self.workdir / "driver"),  # the simulated node's driver files
                 health=HealthPolicy(quiet_seconds=RECOVERY_SECONDS),
                 mps_control=str(self._mps_control()),
+                memory_limits=MemoryLimitSettings(self.containers.cgroup_root, self.containers.container_logs),
             )
             self.kubelet = KubeletEmulator(options.device_plugin_dir, options.pod_resources_socket)
             self.kubelet.start()
             self.dra = DraKubeletEmulator(options.dra_registry_dir, NODE, self.api.api_client())
             self.dra.start()
+            self.kubelet.serve_dra(self.dra)  # PodResources lists the DRA pods' claims, per container
             self.agent = Agent(options)
             thread = threading.Thread(target=self.agent.run, name="agent")
             started = time.perf_counter()
@@ -588,13 +597,15 @@ class _DraDemo:
         print("      each share's limits, from its claim's CDI spec (the containers' environment):")
         for name, uid in uids.items():
             spec = (self.cdi_root / f"k8s.gpu.nvidia.com-claim_{uid}.yaml").read_text()
-            limits = [line.strip().lstrip("- ") for line in spec.splitlines() if "CUDA_MPS_" in line]
+            limits = [line.strip().lstrip("- ") for line in spec.splitlines() if "CUDA_MPS_" in line or _SIZE in line]
             if not any("PINNED_DEVICE_MEM_LIMIT" in line for line in limits):
                 raise DemoFailure(f"step 7: claim {name}'s CDI spec has no MPS memory limit")
             print(f"        {name}: {', '.join(line for line in limits if 'PIPE' not in line)}")
+        self._held_by_the_driver(pods)
         try:
-            for _, uid in pods.values():
+            for pod, uid in pods.values():
                 self.dra.stop_pod(uid)
+                self.containers.remove_pod(NAMESPACE, pod, uid)
         except PodStopError as error:
             raise DemoFailure(f"step 7: a share's pod did not stop cleanly: {error}") from None
         self._wait_agent(
@@ -604,6 +615,56 @@ class _DraDemo:
             self.api.delete("resourceclaims", name, namespace=NAMESPACE)
         mode = "DEFAULT" if gpu.compute_mode == 0 else f"mode {gpu.compute_mode}"
         print(f"      both pods stop: the claims are unprepared, {key} drains and stops, GPU {SHARED_GPU} in {mode}")
+
+    def _held_by_the_driver(self, pods: dict[str, tuple[str, str]]) -> None:
+        """The shares' containers start; the driver holds each to its own share (the MPS server alone could hold
+        only the larger one), and a process that asks for more than its share is refused."""
+        from agent.sim.nvml.driver import OutOfMemory
+        from agent.status_report import render_text, status_document
+
+        gpu = self.driver.gpus[SHARED_GPU]
+        sizes = {name: _mib(capacity["memory"]) for name, capacity, _ in SHARES}
+        cgroups = {name: self.containers.start(NAMESPACE, pod, uid, "cuda").cgroup for name, (pod, uid) in pods.items()}
+
+        def held() -> bool:
+            table = self.driver.memory_limit_table()
+            found = [table.get((gpu.index, str(cgroups[name]))) for name in pods]
+            return all(f is not None and f.hard == sizes[name] << 20 for f, name in zip(found, pods, strict=True))
+
+        self._wait_agent(held, "the shares' containers held to their shares by the driver")
+        texts = [f"memory {sizes[name]}Mi held by the driver" for name in pods]
+        self._wait_agent(
+            lambda: all(t in render_text(status_document(self.agent.status, version="demo")) for t in texts),
+            "tessera status saying the driver holds each share",
+        )
+        release = self.driver.driver_version.split(".")[0]
+        print(
+            f"      the containers start; the agent finds their cgroups and the driver (r{release}) holds each to its "
+            "own share\n      (nvmlDeviceSetMemoryLimits_v1, request = limit; the MPS server alone could hold only "
+            "the larger one):"
+        )
+        for name in pods:
+            scope = cgroups[name].name
+            print(f"        {name}: container cuda, cgroup …/{scope[:27]}…{scope[-6:]}: {sizes[name]} MiB")
+        print(f"      tessera status: claim share-a: {texts[0]}; claim share-b: {texts[1]}")
+        name = SHARES[0][0]
+        pid = 7100
+        self.driver.add_process(gpu.index, pid, sizes[name] - 1024, kind="mps_client", cgroup=str(cgroups[name]))
+        try:
+            try:
+                self.driver.allocate(pid, 2048)
+            except OutOfMemory:
+                refused = True
+            else:
+                refused = False
+        finally:
+            self.driver.remove_process(pid)
+        if not refused:
+            raise DemoFailure(f"step 7: a process of claim {name}'s container allocated more than its share")
+        print(
+            f"      a process of {name}'s container, its CUDA_MPS_* variables dropped, holds {sizes[name] - 1024} MiB "
+            f"and asks for\n      2048 MiB more: out of memory, refused by the driver at its {sizes[name]} MiB share"
+        )
 
     def _plain_pod(self) -> None:
         from agent.sim.kubelet.dra_common import PodStartError, PodStopError
@@ -801,6 +862,14 @@ def _xid_taint(device: dict | None) -> dict | None:
     if device is None:
         return None
     return next((t for t in device.get("taints", []) if t["key"] == f"{DRIVER}/xid"), None)
+
+
+_SIZE = "NVIDIA_GPU_MEMORY_"  # the driver's per-container limit, as the CDI spec gives it (path (a))
+
+
+def _mib(quantity: str) -> int:
+    """``10Gi`` -> 10240 (the demo's share sizes, in whole Gi or Mi)."""
+    return int(quantity[:-2]) << 10 if quantity.endswith("Gi") else int(quantity.removesuffix("Mi"))
 
 
 def _owner(item: dict) -> str:

@@ -131,11 +131,29 @@ def test_two_claims_share_a_gpu_by_memory_with_their_mps_limits_and_a_third_does
     assert "claim share-c  60Gi next to them: not allocated, its pod stays Pending" in step
     assert "0 have the requested capacity free" in step
     assert re.search(r"MPS control daemon dra/[0-9a-f]{12} serves both \(ready\)", step)
-    assert re.search(r"share-a: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=GPU-[0-9a-f-]+=10240M\n", step)
+    assert re.search(
+        r"share-a: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=GPU-[0-9a-f-]+=10240M, "
+        r"NVIDIA_GPU_MEMORY_REQUEST=10240, NVIDIA_GPU_MEMORY_LIMIT=10240\n",
+        step,
+    )
     assert re.search(
         r"share-b: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=GPU-[0-9a-f-]+=20480M, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25", step
     )
     assert re.search(r"drains and stops, GPU 1 in DEFAULT", step)
+
+
+def test_each_share_is_held_to_its_own_memory_by_the_driver_and_a_process_past_it_fails(
+    run: subprocess.CompletedProcess[str],
+) -> None:
+    step = _step(run.stdout, 7)
+    assert "the driver (r615) holds each to its own share" in step
+    assert re.search(r"share-a: container cuda, cgroup …/cri-containerd-[0-9a-f]{12}….scope: 10240 MiB", step)
+    assert re.search(r"share-b: container cuda, cgroup …/cri-containerd-[0-9a-f]{12}….scope: 20480 MiB", step)
+    assert (
+        "tessera status: claim share-a: memory 10240Mi held by the driver; "
+        "claim share-b: memory 20480Mi held by the driver"
+    ) in step
+    assert "out of memory, refused by the driver at its 10240 MiB share" in step
 
 
 def test_an_unchanged_nvidia_com_gpu_pod_runs_through_dra_once_the_node_is_all_dra(
