@@ -83,6 +83,7 @@ USER_FILES = {
 FOREIGN_FLAGS = {
     "--overwrite": "kubectl label",
     "--consumable-shares": "NVIDIA's gpu-kubelet-plugin",
+    "--gpu-id": "nvidia-cdi-hook apply-cuda-memory-limits",
     "--field-selector": "kubectl get",
     "--previous": "kubectl logs",
     "--to-revision": "kubectl rollout undo",
