@@ -155,3 +155,24 @@ def poll_status(world: World, *texts: str) -> str:
         return text if all(t in text for t in texts) else None
 
     return poll(saying, f"status: {'; '.join(texts)}")  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("world", [NEW], indirect=True)
+def test_after_an_agent_restart_the_driver_held_shares_are_never_said_advisory(
+    world: World, containers: ContainerFiles, shares: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The driver is asked before the first status: a restarted agent does not announce the smaller share as
+    advisory for the moment before its first look."""
+    small, _ = run(world, containers, "small", "10Gi")
+    run(world, containers, "large", "20Gi")
+    poll_status(world, "memory 10240Mi held by the driver", "memory 20480Mi held by the driver")
+    caplog.set_level(logging.INFO, logger="agent.events")
+    caplog.clear()
+    world.agent.stop()
+    world.thread.join(timeout=20)
+    settings = MemoryLimitSettings(containers.cgroup_root, containers.container_logs, 30.0)
+    world.agent, world.thread = start_agent(world.base, world.api, memory_limits=settings)
+    assert "memory 10240Mi held by the driver" in status_text(world)  # the first status already
+    poll(lambda: any("ConfigApplied" in r.getMessage() for r in caplog.records), "the restarted agent's Events")
+    assert advisory_events(caplog, "small") == []
+    assert world.driver.memory_limit_table()[(0, small)].hard == 10 * GIB  # found in place and kept
