@@ -7,8 +7,10 @@ size is held to their sum on each GPU: request = limit = its share (bursting abo
 Where the sizes come from (``sized_devices``): MPS replicas with a memory size (``gpu-10gb`` style: every
 replica of an MPS resource is given the daemon's per-client pinned-memory limit, ``Resource.limits_of``),
 time-sliced replicas given a ``memoryLimit`` (Tessera's extension; with ``memoryBurstLimit`` the hard limit is
-above the request), and DRA shares' ``memory`` consumed capacity (``claim_sizes``). A time-sliced replica without
-a size or a whole GPU has none: it may use all of its device.
+above the request), and DRA claims' whole GPUs (``claim_sizes``): a share's ``memory`` consumed capacity, an MPS
+claim's ``GpuConfig`` pinned memory limit. A time-sliced replica without a size or a whole GPU has none: it may use
+all of its device. ``DriverReport`` is what the room tells the loop, so a DRA share says whether the driver holds
+it.
 
 How a size is enforced (``enforcement``), said out loud for each device, never silently:
 

@@ -30,9 +30,10 @@ its client: the daemon's server defaults (``set_default_device_pinned_mem_limit`
 ``set_default_active_thread_percentage``) hold every client, and a client's own ``CUDA_MPS_*`` variables can only
 lower them (facts ``mig-mps.md`` (d)). So the defaults are the largest limit of the shares the daemon serves
 (``server_limits``): exact for every share when all shares of the device are equal; a ceiling — still an upper
-bound — for the smaller ones, whose own limit then rests on their clients' variables, i.e. is advisory, until the
-driver's per-container memory limits (issue 27) hold them. ``enforced_by`` says which holds a limit; issue 27 adds
-the driver to it.
+bound — for the smaller ones, whose own limit then rests on their clients' variables, i.e. is advisory, unless
+the driver's per-container memory limits (driver r615+) hold each container to its own share. ``enforced_by`` says
+which holds a limit; ``driver`` comes from the memory-limits room's report (``agent.core.memlimits.DriverReport``,
+handed to the DRA front end by the reconcile loop).
 
 On clusters without the DRAConsumableCapacity gate (alpha, off, in 1.34 and 1.35; beta, on, from 1.36) the API
 server drops ``allowMultipleAllocations`` and the request policies: every such device is then allocated whole, to
