@@ -722,6 +722,7 @@ class Agent:
             driver_root=self.options.driver_root,
             mps_root=self._effective.allocation.mps_root,
             latency=self._latency,
+            memory_limits=self.options.memory_limits is not None,
         )
 
     def _read_inventory(self, reason: str, stale: frozenset[str] = frozenset()) -> bool:

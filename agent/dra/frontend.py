@@ -197,6 +197,7 @@ class DraFrontEnd:
             mps_root=lambda: self._mps_root,
             ledger=self._ledger,
             claim_status=KubernetesClaimStatus(self._api_client, s.driver, s.node_name),
+            memory_limits=s.memory_limits,
         )
         if self._ledger is not None:
             self._ledger.attach_claims(self._service.checkpoint, s.node_name)

@@ -148,8 +148,10 @@ class ClaimWorker:
         mps_root: Callable[[], str] = lambda: "/run/nvidia/mps",
         ledger: DeviceLedger | None = None,
         claim_status: ClaimStatus | None = None,
+        memory_limits: bool = True,
     ) -> None:
         self._driver, self._pool = driver, pool
+        self._memory_limits = memory_limits  # sized GPUs' entries get NVIDIA_GPU_MEMORY_* and the toolkit's hook
         self._claim_status = claim_status  # writes status.devices; None: not reported (a service without an API)
         self._unreported: list[tuple[ClaimRef, str, Callable[[ClaimStatus], bool]]] = []  # for report()
         # The agent's ledger: a Prepare records PrepareStarted in its critical section, after asking that each GPU is
@@ -550,6 +552,8 @@ class ClaimWorker:
             if record is not None and info.uuid in record.devices:
                 edits[name] = {k: list(v) for k, v in client_edits(record, self._mps_root()).items()}
         sizes = {uuid: mib for uuid, mib in memory_sizes(record).items() if uuid.startswith("GPU-")}
+        if not self._memory_limits:
+            return edits
         if len(set(sizes.values())) > 1:
             log.info(
                 "claim's GPUs have different memory sizes; no NVIDIA_GPU_MEMORY_* variables (one per container) "

@@ -122,6 +122,7 @@ class DraService:
         latency: Any = None,
         ledger: DeviceLedger | None = None,
         claim_status: ClaimStatus | None = None,
+        memory_limits: bool = True,
     ) -> None:
         """``pool`` is the node's name; ``cdi_common_edits`` (edits, or a callable giving them:
         ``agent.gpu.driver_root.CommonEdits``, which raises ``DriverMissing`` on a node without a driver) go at the
@@ -132,7 +133,9 @@ class DraService:
         ``agent.dra.devnodes.default_device_nodes``: the GPU's node, and without node-wide CDI a MIG device's
         capability nodes read from the driver's ``/proc``. ``latency`` (``agent.telemetry.latency.OperationLatency``)
         records each Prepare and Unprepare call as the kubelet's ``dra_operations_duration_seconds`` does.
-        ``claim_status`` writes each prepared claim's ``status.devices`` (and takes it back at Unprepare). The
+        ``claim_status`` writes each prepared claim's ``status.devices`` (and takes it back at Unprepare).
+        ``memory_limits``: a GPU with a memory size gets the driver's per-container limit in its claim entry
+        (``NVIDIA_GPU_MEMORY_*``, the toolkit's hook; off with ``--memory-limits off``). The
         checkpoint is read here, so ``prepared`` answers before ``start``."""
         if health_timeout_seconds < 3:
             raise ValueError("health_timeout_seconds must be at least 3 (the stream reports every third of it)")
@@ -160,6 +163,7 @@ class DraService:
             mps_root=mps_root,
             ledger=ledger,
             claim_status=claim_status,
+            memory_limits=memory_limits,
         )
         self._executor: ThreadPoolExecutor | None = None
         self._server: grpc.aio.Server | None = None

@@ -27,6 +27,7 @@ class DraSettings:
     nvidia_smi: str = "nvidia-smi"  # sets a time-slicing claim's GPU time-slice
     mps_root: str = "/run/nvidia/mps"  # the MPS root on the host (mpsRoot): MPS claims' pipes and shared memory
     latency: Any = None  # an agent.telemetry.latency.OperationLatency the service records Prepare/Unprepare into
+    memory_limits: bool = True  # sized GPUs' CDI entries get NVIDIA_GPU_MEMORY_* and the hook (--memory-limits)
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,3 +162,15 @@ def test_a_pinned_limit_the_gpu_cannot_hold_is_refused_by_name_and_nothing_is_pr
         assert "'10GiB' is not a quantity" in str(refused.value)
     assert not (world.base / "cdi" / f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.yaml").exists()
     assert not any(k.startswith("dra/") for k in world.agent.status.mps)  # no MPS daemon started for it
+
+
+@pytest.mark.parametrize("world", [NEW], indirect=True)
+def test_with_memory_limits_off_a_shares_entry_has_neither_the_variables_nor_the_hook(
+    world: World, shares: Path
+) -> None:
+    """``--memory-limits off`` (the world's agent runs without the room): neither path (a) nor (b)."""
+    claim = share_claim(world, "small", memory="10Gi")
+    world.dra.run_pod("default", "pod-small", str(uuid.uuid4()), [("gpu", "small")], {"main": [("gpu", None)]})
+    edits = entry(world, claim)
+    assert not any(e.startswith("NVIDIA_GPU_MEMORY_") for e in edits["env"])
+    assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={world.driver.gpus[0].uuid}=10240M" in edits["env"]
