@@ -726,7 +726,8 @@ def _concrete(info: PreparableDevice, mig: CreatedMig | None) -> PreparableDevic
 
 def _pinned_over_memory(plan: PreparePlan) -> str | None:
     """Why the claim's MPS pinned memory limits cannot be held (a limit above its device's memory), before anything
-    is done; a device made by this Prepare (dynamic MIG, no UUID yet) is checked when its daemon starts."""
+    is done. A claim with a device this Prepare makes (dynamic MIG: no UUID yet, so no per-device key resolves) is
+    not checked here; a limit above such a MIG device's memory holds nothing the device does not already."""
     mps = [d for d in plan.devices if d.mps is not None]
     if not mps or not all(d.info.uuid for d in mps):
         return None

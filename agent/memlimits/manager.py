@@ -248,10 +248,9 @@ class MemoryLimits:
                 if error.code == "FUNCTION_NOT_FOUND":
                     self._refusals["*"] = "the driver has no nvmlDeviceSetMemoryLimits_v1 (it needs r615 or newer)"
                     continue
-                if error.code == "NOT_SUPPORTED":
-                    self._refusals[gpu.uuid] = "the driver does not support memory limits on this GPU (NOT_SUPPORTED)"
-                    continue
-            self._capable.add(gpu.uuid)  # (another error, such as no cgroup root yet: the call itself is there)
+                # any other answer about the root cgroup (which has no limits of its own) still shows the call is
+                # there; whether it holds a container is learnt from the first set, said then with the claim's Event
+            self._capable.add(gpu.uuid)
 
     def _look(self) -> bool:
         """Look at the node and hold every container to its size; True when something must be tried again."""

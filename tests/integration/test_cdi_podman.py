@@ -289,3 +289,38 @@ def test_a_shares_container_gets_its_memory_variables_and_the_runtime_runs_the_m
 def share(world: World, shares: Path) -> dict:
     """A claim for a 10 GiB share of GPU 0, before the agent restarts with the hook binary (``hooked``)."""
     return share_claim(world, "share", memory="10Gi")
+
+
+SIZED_REPLICAS = """version: v1
+flags: {plugin: {deviceListStrategy: cdi-cri}}
+sharing:
+  timeSlicing:
+    resources:
+      - {name: nvidia.com/gpu, rename: nvidia.com/gpu-shared, replicas: 4, memoryLimit: 10Gi}
+"""
+
+
+@pytest.mark.parametrize("world", [MEMORY_NODE], indirect=True)
+def test_a_sized_replicas_container_gets_the_memory_limits_hook_from_the_device_plugins_spec(
+    world: World, podman: Podman, hooked: tuple[ContainerFiles, Path]
+) -> None:
+    """The device plugin's side of path (a): Allocate gives a sized replica the variables, the plugin's own CDI spec
+    entry for its GPU runs the toolkit's hook, and runc runs it for that GPU."""
+    _, root = hooked
+    before = world.agent.status.config_digest
+    (world.base / "config.yaml").write_text(SIZED_REPLICAS)
+    test_dra_e2e.poll(lambda: world.agent.status.config_digest != before, "the config applied")
+    kubelet, gpu = world.kubelet, world.driver.gpus[0]
+    shared = "nvidia.com/gpu-shared"
+    kubelet.wait_for(lambda: kubelet.allocatable(shared) == 8, timeout=DEADLINE, what="the sized replicas")
+    replica = next(d for d in sorted(kubelet.devices(shared)) if d.startswith(gpu.uuid))
+    (container,) = kubelet.allocate_raw(shared, [replica]).container_responses
+    names = [d.name for d in container.cdi_devices]
+    assert names == [f"k8s.device-plugin.nvidia.com/gpu={gpu.uuid}"]
+    envs = [arg for key, value in sorted(container.envs.items()) for arg in ("--env", f"{key}={value}")]
+    calls = root / HOOK_CALLS
+    calls.unlink(missing_ok=True)
+    devices = [arg for name in names for arg in ("--device", name)]
+    output = podman.run(world.base / "cdi", "run", "--rm", "--network", "none", *devices, *envs, IMAGE, "env")
+    assert {"NVIDIA_GPU_MEMORY_REQUEST=10240", "NVIDIA_GPU_MEMORY_LIMIT=10240"} <= set(output.splitlines())
+    assert f"apply-cuda-memory-limits --driver-root {root} --gpu-id {gpu.uuid}" in calls.read_text().splitlines()
