@@ -372,11 +372,17 @@ def test_send_updates_gives_up_when_the_grpc_loop_is_held(serve):
     that blocked, a bug): after its timeout it goes on, without an error, and the update is still sent later."""
     server = serve(snapshot())
     reader = Reader(server.socket_path)
-    released = threading.Event()
+    released, held = threading.Event(), threading.Event()
     let_go: list[bool] = []  # True: the test let the loop go; False: its own 10 s ran out first
+
+    def hold() -> None:
+        held.set()
+        let_go.append(released.wait(10))
+
     try:
         assert len(reader.wait_for(1)) == 1
-        server._loop.call_soon(lambda: let_go.append(released.wait(10)))  # the loop's thread is held
+        server._loop.call_soon(hold)
+        assert held.wait(10)  # the loop's thread is held before the update is handed over
         assert server.update(snapshot(unhealthy=(2,)))
         send_updates([server], timeout=0.05)
         released.set()  # only now: send_updates returned while the loop was held
