@@ -293,19 +293,3 @@ def plan_enforcement(plan: ResourcePlan, driver_version: str) -> list[ResourceEn
 def holds(wanted: Wanted, soft: int, hard: int) -> bool:
     """Whether limits read back from the driver are the ones wanted."""
     return soft == wanted.request and hard == wanted.limit
-
-
-TOOLKIT_HOOK = "apply-cuda-memory-limits"  # NVIDIA Container Toolkit v1.20.1+
-
-
-def toolkit_hook(gpu_uuid: str, *, driver_root: str = "/", hook_path: str = "/usr/bin/nvidia-ctk") -> dict[str, object]:
-    """The CDI ``containerEdits.hooks`` entry that has the container toolkit apply ``NVIDIA_GPU_MEMORY_REQUEST`` /
-    ``NVIDIA_GPU_MEMORY_LIMIT`` to the container's cgroup for one GPU, before the workload runs (one per GPU, as the
-    toolkit's own discoverer adds it). A seam for a CDI spec that names the device plugin's devices: Allocate gives
-    the variables (``agent.core.allocation.memory_limit_envs``); without the hook the agent's own path sets the
-    limits once the container started."""
-    return {
-        "hookName": "createRuntime",
-        "path": hook_path,
-        "args": ["nvidia-ctk", "hook", TOOLKIT_HOOK, "--driver-root", driver_root, "--gpu-id", gpu_uuid],
-    }

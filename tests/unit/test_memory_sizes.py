@@ -9,7 +9,7 @@ import yaml
 from agent.config.effective import FlagOverrides, effective
 from agent.config.model import ConfigError, parse_config
 from agent.core.allocation import MEMORY_LIMIT_ENV, MEMORY_REQUEST_ENV, Allocator, DeviceListStrategy, MpsClient
-from agent.core.memlimits import MIB, sized_devices, toolkit_hook
+from agent.core.memlimits import MIB, sized_devices
 from agent.core.plan import plan
 from agent.core.resources import PlanError
 from tests.unit.test_mps_plan import gpu, mig, node
@@ -172,14 +172,6 @@ def test_no_variables_without_enforcement_or_without_a_size() -> None:
         planned("  timeSlicing:\n    resources:\n      - {name: nvidia.com/gpu, replicas: 2}\n"), "nvidia.com/gpu"
     )
     assert MEMORY_LIMIT_ENV not in unsized.allocate([next(iter(unsized.devices))]).envs
-
-
-def test_the_toolkit_hook_seam_is_one_create_runtime_hook_per_gpu() -> None:
-    hook = toolkit_hook("GPU-1234", driver_root="/run/nvidia/driver")
-    assert hook["hookName"] == "createRuntime"
-    assert hook["args"] == [
-        "nvidia-ctk", "hook", "apply-cuda-memory-limits", "--driver-root", "/run/nvidia/driver", "--gpu-id", "GPU-1234"
-    ]  # fmt: skip
 
 
 def test_a_sized_replica_that_keeps_the_devices_name_is_warned_about() -> None:
