@@ -213,6 +213,22 @@ class HealthSection:
         return result
 
 
+def shared_gpus(
+    gpu_shares: Literal["all"] | list[int | str] | None, consumable_shares: int | str | None
+) -> Literal["all"] | list[int | str] | None:
+    """The GPUs published for shares: ``gpuShares``, or every one when only ``consumableShares`` is set."""
+    if consumable_shares == "disabled":
+        return None
+    if gpu_shares is None and consumable_shares is not None:
+        return "all"
+    return gpu_shares
+
+
+def share_mode(consumable_shares: int | str | None) -> int | str:
+    """NVIDIA's ``consumableShares`` mode of the shared GPUs (``memory`` unless set)."""
+    return "memory" if consumable_shares is None else consumable_shares
+
+
 @dataclass(frozen=True, kw_only=True)
 class DraSection:
     """Tessera: the DRA front end. ``gpus`` (``all``, or GPU indices and UUIDs) are served to DRA claims as the
@@ -228,17 +244,11 @@ class DraSection:
 
     @property
     def shared_gpus(self) -> Literal["all"] | list[int | str] | None:
-        """The GPUs published for shares: ``gpuShares``, or every one when only ``consumableShares`` is set."""
-        if self.consumable_shares == "disabled":
-            return None
-        if self.gpu_shares is None and self.consumable_shares is not None:
-            return "all"
-        return self.gpu_shares
+        return shared_gpus(self.gpu_shares, self.consumable_shares)
 
     @property
     def share_mode(self) -> int | str:
-        """NVIDIA's ``consumableShares`` mode of the shared GPUs (``memory`` unless set)."""
-        return "memory" if self.consumable_shares is None else self.consumable_shares
+        return share_mode(self.consumable_shares)
 
 
 @dataclass(frozen=True, kw_only=True)

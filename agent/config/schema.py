@@ -369,17 +369,11 @@ class DraSection(_Section):
 
     @property
     def shared_gpus(self) -> Literal["all"] | list[int | str] | None:
-        """The GPUs published for shares: ``gpuShares``, or every one when only ``consumableShares`` is set."""
-        if self.consumable_shares == "disabled":
-            return None
-        if self.gpu_shares is None and self.consumable_shares is not None:
-            return "all"
-        return self.gpu_shares
+        return values.shared_gpus(self.gpu_shares, self.consumable_shares)
 
     @property
     def share_mode(self) -> int | str:
-        """NVIDIA's ``consumableShares`` mode of the shared GPUs (``memory`` unless set)."""
-        return "memory" if self.consumable_shares is None else self.consumable_shares
+        return values.share_mode(self.consumable_shares)
 
     @field_validator("default_share", mode="before")
     @classmethod

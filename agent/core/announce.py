@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from agent.core.health import Fault
 from agent.core.inventory import Inventory
+
+if TYPE_CHECKING:
+    from agent.status import HeldLimitView
 
 EventType = Literal["Normal", "Warning"]
 
@@ -58,18 +61,7 @@ class StatusView(Protocol):
     @property
     def dra(self) -> Mapping[str, object] | None: ...
     @property
-    def memory_limits(self) -> tuple[HeldView, ...]: ...
-
-
-class HeldView(Protocol):
-    """One container's memory limits on one GPU (``agent.memlimits.manager.HeldLimit``)."""
-
-    @property
-    def gpu_uuid(self) -> str: ...
-    @property
-    def enforcement(self) -> str: ...
-    @property
-    def reason(self) -> str: ...
+    def memory_limits(self) -> tuple[HeldLimitView, ...]: ...
 
 
 def announcements(before: StatusView, after: StatusView) -> list[Announcement]:
