@@ -961,6 +961,8 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
     in_mig_mode = [str(g.index) for g in inventory.gpus if g.uuid in shared and g.mig_enabled]
     if in_mig_mode:
         notes.append(f"GPUs {', '.join(in_mig_mode)} are in MIG mode: each of their MIG devices is shared")
+    if shared:
+        notes.append(_share_limits_note(inventory, shared))
     if not args.node_uid:
         notes.append(
             "ownerReferences name the Node by a placeholder UID; give --node-uid "
@@ -996,6 +998,30 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
                     shares += f", {count} shares (1 if not asked)" if count else ""
                 print(f"  {device['name']:<28} {kind:<4} {what:<26} memory {memory.get('value', '-')}{shares}")
     return EXIT_OK
+
+
+def _share_limits_note(inventory: Inventory, shared: frozenset[str]) -> str:
+    """``tessera plan --dra``: what would hold a share's memory on this node (docs/dra.md, GPU shares)."""
+    from agent.core.memlimits import driver_refusal
+
+    ceiling = (
+        "the MPS server holds every share exactly where all shares on a device are equal; where they differ it "
+        "holds the largest and the smaller ones are advisory (their clients' CUDA_MPS_* variables only)"
+    )
+    refusal = driver_refusal(inventory.driver_version)
+    if refusal is not None:
+        return f"shared GPUs' memory: {ceiling}: {refusal}"
+    whole = [str(g.index) for g in inventory.gpus if g.uuid in shared and not g.mig_enabled]
+    mig = [str(g.index) for g in inventory.gpus if g.uuid in shared and g.mig_enabled]
+    said = []
+    if whole:
+        said.append(
+            f"GPUs {', '.join(whole)}: the driver holds each container to its own share (driver "
+            f"{inventory.driver_version}, the agent running as root with --memory-limits on)"
+        )
+    if mig:
+        said.append(f"GPUs {', '.join(mig)} (MIG devices, which the driver cannot limit): {ceiling}")
+    return "shared GPUs' memory: " + "; ".join(said)
 
 
 def _sysfs_topology(inventory: Inventory, gpus: frozenset[str]) -> tuple[dict[str, str], dict[str, int | None]]:

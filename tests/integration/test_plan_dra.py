@@ -101,3 +101,17 @@ def test_a_share_config_that_cannot_work_is_an_error_naming_the_field(
     config.write_text(f"version: v1\ndra: {dra}\n")
     result = exits(code, "plan", "--dra", "--node", "dgx-a100", "--config", str(config))
     assert message in result.stderr
+
+
+def test_what_holds_a_shares_memory_is_said_for_the_nodes_driver() -> None:
+    """docs/dra.md, GPU shares: on r615+ the driver holds each container of a whole GPU to its share, a MIG device's
+    shares rest on the MPS server; on an older driver the MPS server holds them, the smaller of unequal ones only
+    advisory. The preview says which, for the node's driver, not silently."""
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "dra-gpu-shares.yaml")
+    new = exits(0, "plan", "--dra", "--node", "demo", "--config", config, "--node-uid", UID).stderr
+    (said,) = [line for line in new.splitlines() if "shared GPUs' memory" in line]
+    assert "GPUs 2, 3: the driver holds each container to its own share (driver 615.71.09" in said
+    assert "GPUs 0, 1 (MIG devices, which the driver cannot limit): the MPS server holds every share exactly" in said
+    old = exits(0, "plan", "--dra", "--node", "dgx-a100", "--config", config, "--node-uid", UID).stderr
+    (said,) = [line for line in old.splitlines() if "shared GPUs' memory" in line]
+    assert "the smaller ones are advisory" in said and "driver 580.95.05 has no nvmlDeviceSetMemoryLimits_v1" in said
