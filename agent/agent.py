@@ -93,6 +93,7 @@ class AgentOptions:
     mig_strategy: MigStrategy | None = None  # for embedding: an explicit MIG strategy
     allocation: AllocationOptions | None = None  # for embedding: explicit allocation options
     config_path: Path | None = None  # a config file, or a directory of named configs (a mounted ConfigMap)
+    config_check: Check | None = None  # the config checker already running on config_path (tessera run starts it first)
     config_name: str | None = None  # which named config to use (else node label, match, default)
     node_name: str | None = None  # this node, for its nvidia.com/device-plugin.config label
     mps_control: str | None = None  # the nvidia-cuda-mps-control binary (default: found on PATH)
@@ -321,8 +322,9 @@ class Agent:
             self._resync_backoff.reset()
 
     def _start(self) -> None:
-        if self.options.config_path is not None:  # checked in a child while the GPUs and the Node are read
-            self._config_check = Check(self.options.config_path)
+        path, early = self.options.config_path, self.options.config_check
+        if path is not None:  # checked in a child process while the GPUs and the Node are read
+            self._config_check = early if early is not None and early.path == path else Check(path)
         self._plan = ResourcePlan((), MigStrategy.NONE)
         self._inventory = Inventory("", "", None, (), ())
         self._take_lock()

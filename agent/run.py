@@ -12,12 +12,13 @@ import sys
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
 from agent.agent import Agent, AgentExit, AgentOptions
 from agent.config.effective import FlagOverrides
+from agent.config.isolated import Check
 from agent.config.labels import validate_node_name
 from agent.config.model import safe_host_path
 from agent.config.watch import ConfigSourceChanged
@@ -205,11 +206,22 @@ def _socket_path(flag: str, value: str | None) -> Path | None:
 
 
 def run_agent(
-    options: AgentOptions, simulate: str | None, sim_control: str | None, *, collector_paused: bool = False
+    options: AgentOptions,
+    simulate: str | None,
+    sim_control: str | None,
+    *,
+    collector_paused: bool = False,
+    config_check: Check | None = None,
 ) -> int:
     """Run the agent until it is stopped. ``collector_paused``: the caller turned the garbage collector off for
     the start (``tessera run`` does, before it imports the agent); it is turned back on once the kubelet is
-    served (``_resume_collector_once_served``)."""
+    served (``_resume_collector_once_served``). ``config_check``: the config checker, started by the caller before
+    it imported the agent (used when it checks the config the options name; else stopped)."""
+    if config_check is not None:
+        if config_check.path == options.config_path:
+            options = replace(options, config_check=config_check)
+        else:
+            config_check.cancel()
     with ExitStack() as stack:
         if simulate:
             from agent.sim.nvml.install import simulated_node

@@ -194,6 +194,12 @@ class Check:
         return CheckedSet(config_set, members, self.stamp)
 
 
+def start_early(path: str | None) -> Check | None:
+    """The checker on the config ``tessera run`` was given, started before the agent is even imported (it runs
+    while the agent loads); None without a config. The agent uses it only if its options name the same path."""
+    return Check(Path(path)) if path else None
+
+
 def _config_error(value: object) -> ConfigError:
     origin = from_plain(str, value["origin"], "error.origin")  # type: ignore[index]
     return ConfigError(origin, from_plain(list[str], value["problems"], "error.problems"))  # type: ignore[index]
