@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sys
 import threading
 import time
 from collections import deque
@@ -406,8 +407,7 @@ class EventRecorder:
 
 def _is_network(error: BaseException) -> bool:
     """No answer from the API server: the connection failed or timed out (urllib3 and socket errors)."""
-    if isinstance(error, OSError):
+    if isinstance(error, OSError):  # the lean client's KubeUnreachable too
         return True
-    import urllib3.exceptions
-
-    return isinstance(error, urllib3.exceptions.HTTPError)
+    urllib3 = sys.modules.get("urllib3.exceptions")  # the official client's, when it is the one in use
+    return urllib3 is not None and isinstance(error, urllib3.HTTPError)

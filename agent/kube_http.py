@@ -1,10 +1,12 @@
-"""The few Kubernetes API calls the device-plugin agent makes, over urllib3, without the official client.
+"""The few Kubernetes API calls the device-plugin agent makes, over the standard library's HTTP, without the
+official client.
 
 ``import kubernetes`` costs a node agent about 26 MB of RSS and 0.2-0.3 s of start (its configuration loader,
 oauthlib, requests, the dynamic client, the generated models) for what is, here, one GET and one WATCH of the
 agent's own Node and a POST or PATCH of an Event. kopf talks to the API without the official client for the
-same reason. This module speaks to the API server with urllib3 (the official client's own transport) and
-understands the credentials a node agent meets:
+same reason. This module speaks to the API server with ``http.client`` and ``ssl`` (1.4 MB on top of grpc, where
+urllib3, the official client's transport, costs 4.6 MB: it loads ``importlib.metadata`` and ``email`` for its
+HTTP/2 probe) and understands the credentials a node agent meets:
 
 - in a pod: the ServiceAccount token (re-read once a minute, as the official client does: bound tokens rotate),
   its CA bundle, ``KUBERNETES_SERVICE_HOST`` / ``KUBERNETES_SERVICE_PORT`` (an IPv6 host is bracketed);
@@ -23,6 +25,7 @@ then quoted.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import re
@@ -37,8 +40,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
-import urllib3
-
 JSON = "application/json"
 PATCH = "application/strategic-merge-patch+json"  # what client-go sends, and the typed classes for a dict
 RequestTimeout = float | tuple[float, float] | None
@@ -48,9 +49,7 @@ TOKEN_REFRESH_SECONDS = 60.0  # the official client's in-cluster loader re-reads
 MAX_KUBECONFIG_BYTES = 1 << 20
 MAX_ERROR_BODY = 64 << 10  # of an error answer, the part kept for its Status message
 MAX_ANSWER_BYTES = 64 << 20  # a Node with many images is large, but never this large
-# urllib3's default (the official client's too): a connection that failed, or a pooled one the server had closed,
-# is tried again at once, a few times; an answer is never retried, nor a redirect followed.
-_RETRIES = urllib3.Retry(total=3, redirect=0, raise_on_redirect=False)
+MAX_IDLE_CONNECTIONS = 2  # kept open for the next request (the node watch holds one more while it runs)
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
@@ -89,6 +88,10 @@ class KubeApiError(Exception):
             if isinstance(parsed, dict) and parsed.get("message"):
                 return str(parsed["message"])
         return self.reason
+
+
+class KubeUnreachable(ConnectionError):
+    """No answer from the API server: the connection failed, or it ended in the middle of an answer."""
 
 
 class KubeConfigError(ValueError):
@@ -242,18 +245,7 @@ class KubeHttp:
         self._token_read_at = -TOKEN_REFRESH_SECONDS
         if credentials.token_file:
             self._bearer()  # a token file that cannot be read is an error now, not at the first request
-        https = urlsplit(credentials.server).scheme == "https"
-        if https:
-            context = _ssl_context(credentials)
-            self._pool: urllib3.PoolManager = urllib3.PoolManager(
-                num_pools=2, maxsize=4, ssl_context=context,
-                cert_reqs=ssl.CERT_NONE if credentials.insecure else ssl.CERT_REQUIRED,
-                assert_hostname=False if credentials.insecure else None,
-            )  # fmt: skip
-            if credentials.insecure:
-                urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
-        else:
-            self._pool = urllib3.PoolManager(num_pools=2, maxsize=4)
+        self._transport = _Transport(credentials)
 
     # ----- Nodes ----------------------------------------------------------------------------------
 
@@ -272,7 +264,7 @@ class KubeHttp:
     def list_node(
         self, *, _request_timeout: RequestTimeout = None, _preload_content: bool = True, **query: object
     ) -> Any:
-        """A list (a dict), or with ``watch=True, _preload_content=False`` the open urllib3 response."""
+        """A list (a dict), or with ``watch=True, _preload_content=False`` the open :class:`Stream` of a watch."""
         return self._call("GET", "/api/v1/nodes", query=_query(query), timeout=_request_timeout,
                           preload=_preload_content)  # fmt: skip
 
@@ -315,31 +307,26 @@ class KubeHttp:
         token = self._bearer()
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        url = self.credentials.server + path + (f"?{urlencode(query)}" if query else "")
+        target = path + (f"?{urlencode(query)}" if query else "")
         data = None if body is None else json.dumps(body, default=_json_value).encode()
-        try:
-            response = self._pool.request(
-                method, url, body=data, headers=headers, timeout=_timeout(timeout), retries=_RETRIES,
-                preload_content=False,
-            )  # fmt: skip
-        except urllib3.exceptions.MaxRetryError as error:  # TLS failed: as the official client says it, status 0
-            if isinstance(error.reason, urllib3.exceptions.SSLError):
-                raise KubeApiError(0, f"SSLError: {error.reason}") from error
-            raise
+        connection, response = self._transport.send(method, target, data, headers, timeout)
         if not 200 <= response.status <= 299:
             try:
                 answer = response.read(MAX_ERROR_BODY + 1)
             finally:
-                response.release_conn()
+                connection.close()  # what is left of an error answer is not read: the connection is not reused
             raise KubeApiError(response.status, response.reason or "", answer[:MAX_ERROR_BODY])
         if not preload:
-            return response  # a watch: read line by line by the caller, who closes it
+            return Stream(connection, response)  # a watch: read line by line by the caller, who closes it
         try:
             answer = response.read(MAX_ANSWER_BYTES + 1)
-        finally:
-            response.release_conn()
+        except (OSError, http.client.HTTPException) as error:
+            connection.close()
+            raise KubeUnreachable(f"the answer was cut: {type(error).__name__}: {error}") from error
         if len(answer) > MAX_ANSWER_BYTES:
+            connection.close()
             raise KubeApiError(response.status, "answer too large", None)
+        self._transport.done(connection, response)
         try:
             return json.loads(answer) if answer else {}
         except ValueError as error:
@@ -364,6 +351,84 @@ class KubeHttp:
                 else:
                     self._token_read_at = now
             return self._token
+
+
+class Stream:
+    """An open watch answer: :meth:`read1` gives what has arrived; :meth:`close` ends it (and its connection);
+    ``connection.sock`` is what another thread shuts down to cut it."""
+
+    def __init__(self, connection: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+        self.connection = connection
+        self.status = response.status
+        self._response = response
+
+    def read1(self, amount: int) -> bytes:
+        return self._response.read1(amount)
+
+    def close(self) -> None:
+        self._response.close()
+        self.connection.close()
+
+    def release_conn(self) -> None:
+        """Nothing to release: a watch's connection is closed with it, never reused."""
+
+
+class _Transport:
+    """Connections to the API server: a new one per watch; for other requests one of a few kept alive, and a
+    kept one the server had closed meanwhile is replaced once, at once (urllib3 and the official client do the
+    same). Safe to use from several threads."""
+
+    def __init__(self, credentials: Credentials) -> None:
+        parts = urlsplit(credentials.server)
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or ""
+        self._port = parts.port or (443 if self._https else 80)
+        self._prefix = parts.path.rstrip("/")
+        self._context = _ssl_context(credentials) if self._https else None
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def send(
+        self, method: str, target: str, data: bytes | None, headers: dict[str, str], timeout: RequestTimeout
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """The connection and the answer's status and headers (its body unread); ``KubeUnreachable`` or
+        ``KubeApiError`` (status 0: TLS) when no answer came."""
+        connect, read = _timeouts(timeout)
+        for attempt in range(2):
+            with self._lock:
+                kept = self._idle.pop() if self._idle and attempt == 0 else None
+            connection = kept or self._connection(connect)
+            try:
+                if connection.sock is None:
+                    connection.connect()
+                assert connection.sock is not None
+                connection.sock.settimeout(read)
+                connection.request(method, self._prefix + target, body=data, headers=headers)
+                return connection, connection.getresponse()
+            except ssl.SSLError as error:  # as the official client says it: status 0, and what TLS said
+                connection.close()
+                raise KubeApiError(0, f"SSLError: {error}") from error
+            except (OSError, http.client.HTTPException) as error:
+                connection.close()
+                if kept is not None and not isinstance(error, TimeoutError):
+                    continue  # the server closed the kept connection meanwhile: once more on a new one
+                raise KubeUnreachable(
+                    f"{self._host}:{self._port}: {type(error).__name__}: {error or 'no answer'}"
+                ) from error
+        raise AssertionError("unreachable")
+
+    def done(self, connection: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+        """The answer was read whole: keep the connection for the next request, unless the server ends it."""
+        with self._lock:
+            if response.will_close or len(self._idle) >= MAX_IDLE_CONNECTIONS:
+                connection.close()
+            else:
+                self._idle.append(connection)
+
+    def _connection(self, connect: float | None) -> http.client.HTTPConnection:
+        if self._https:
+            return http.client.HTTPSConnection(self._host, self._port, timeout=connect, context=self._context)
+        return http.client.HTTPConnection(self._host, self._port, timeout=connect)
 
 
 def _ssl_context(credentials: Credentials) -> ssl.SSLContext:
@@ -412,12 +477,11 @@ def _path(value: str, what: str, *, label: bool = False) -> str:
     return quote(valid_name(value, what, label=label), safe="")
 
 
-def _timeout(timeout: RequestTimeout) -> urllib3.Timeout:
-    if timeout is None:
-        return urllib3.Timeout(connect=None, read=None)
+def _timeouts(timeout: RequestTimeout) -> tuple[float | None, float | None]:
+    """(connect, read) seconds; a single number is both, as the official client takes it."""
     if isinstance(timeout, tuple):
-        return urllib3.Timeout(connect=timeout[0], read=timeout[1])
-    return urllib3.Timeout(total=timeout)
+        return timeout[0], timeout[1]
+    return timeout, timeout
 
 
 def _query(arguments: Mapping[str, object]) -> list[tuple[str, str]]:

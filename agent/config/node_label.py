@@ -21,13 +21,12 @@ import logging
 import os
 import random
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
-
-import urllib3.exceptions
 
 from agent.config.labels import (
     CONFIG_LABEL,
@@ -174,7 +173,7 @@ def _get_node(api: NodeApi, node_name: str) -> tuple[dict[str, str], dict[str, s
     """One GET of the node: its labels, annotations and resourceVersion."""
     try:
         node = api.read_node(node_name, _request_timeout=GET_TIMEOUT)
-    except (KubeApiError, urllib3.exceptions.HTTPError, OSError) as e:
+    except (KubeApiError, OSError, *_client_errors()) as e:
         raise NodeLabelError(describe_api_error(e, node_name, "get")) from e
     metadata = node.get("metadata") if isinstance(node, Mapping) else None
     if not isinstance(metadata, Mapping):
@@ -427,7 +426,7 @@ def watch_events(response: Any) -> Iterator[object]:
     carries its object twice, as the official client's do: ``object`` and ``raw_object``.
     """
     buffer = bytearray()
-    for chunk in response.stream(amt=None, decode_content=False):
+    while chunk := response.read1(1 << 16):
         buffer.extend(chunk)
         while (end := buffer.find(b"\n")) != -1:
             line, buffer = bytes(buffer[:end]), buffer[end + 1 :]
@@ -460,6 +459,12 @@ def _event(line: bytes) -> object:
             json.dumps(status),
         )
     return event
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """The official client's network errors (urllib3's), when it is the one in use (it is loaded then)."""
+    urllib3 = sys.modules.get("urllib3.exceptions")
+    return (urllib3.HTTPError,) if urllib3 is not None else ()
 
 
 def _close(response: Any) -> None:
