@@ -238,11 +238,12 @@ def _named(document: Mapping[str, Any], section: str, key: str, name: object, or
 class KubeHttp:
     """The core-group and events.k8s.io calls the agent makes (the methods of :class:`agent.kube_api.CoreApi`)."""
 
-    def __init__(self, credentials: Credentials) -> None:
+    def __init__(self, credentials: Credentials, *, token_refresh_seconds: float = TOKEN_REFRESH_SECONDS) -> None:
         self.credentials = credentials
+        self._token_refresh = token_refresh_seconds
         self._token_lock = threading.Lock()
         self._token: str | None = credentials.token
-        self._token_read_at = -TOKEN_REFRESH_SECONDS
+        self._token_read_at = -float("inf")
         if credentials.token_file:
             self._bearer()  # a token file that cannot be read is an error now, not at the first request
         self._transport = _Transport(credentials)
@@ -338,7 +339,7 @@ class KubeHttp:
             return self._token
         with self._token_lock:
             now = time.monotonic()
-            if now - self._token_read_at >= TOKEN_REFRESH_SECONDS or self._token is None:
+            if now - self._token_read_at >= self._token_refresh or self._token is None:
                 try:
                     self._token = Path(self.credentials.token_file).read_text().strip()
                 except OSError as error:

@@ -90,7 +90,16 @@ def stamp(path: Path) -> object:
 class Check:
     """One run of the checker on ``path``, started at once; :meth:`result` waits for it (bounded)."""
 
-    def __init__(self, path: Path, *, timeout: float = TIMEOUT_SECONDS, max_output: int = MAX_OUTPUT) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        timeout: float = TIMEOUT_SECONDS,
+        max_output: int = MAX_OUTPUT,
+        command: Sequence[str] | None = None,
+    ) -> None:
+        """``command``: the checker's command line without the path (default: this interpreter running
+        :mod:`agent.config.check`); tests give others, to see what a broken checker does to the agent."""
         self.path = path
         self.stamp = stamp(path)
         self._deadline = time.monotonic() + timeout
@@ -101,7 +110,7 @@ class Check:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         try:
             self._process: subprocess.Popen[bytes] | None = subprocess.Popen(  # our interpreter, no shell
-                [sys.executable, "-m", "agent.config.check", str(path)],
+                [*(command or (sys.executable, "-m", "agent.config.check")), str(path)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
