@@ -63,14 +63,17 @@ def _decode(tp: Any, value: object, path: str) -> Any:
         arguments = get_args(tp)
         if value is None and _NONE in arguments:
             return None
+        errors = []
         for argument in arguments:
             if argument is _NONE:
                 continue
             try:
                 return _decode(argument, value, path)
-            except PlainJsonError:
-                continue
-        raise PlainJsonError(f"{path}: {value!r} fits none of {tp}")
+            except PlainJsonError as error:
+                errors.append(error)
+        if len(errors) == 1:  # X | None: what is wrong inside X, where it is
+            raise errors[0]
+        raise PlainJsonError(f"{path}: {str(value)[:80]} fits none of {tp}")
     if origin is Literal:
         if value in get_args(tp) and type(value) in {type(a) for a in get_args(tp)}:
             return value
