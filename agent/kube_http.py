@@ -29,6 +29,7 @@ import http.client
 import json
 import os
 import re
+import socket
 import ssl
 import tempfile
 import threading
@@ -427,9 +428,21 @@ class _Transport:
                 self._idle.append(connection)
 
     def _connection(self, connect: float | None) -> http.client.HTTPConnection:
+        connection: http.client.HTTPConnection
         if self._https:
-            return http.client.HTTPSConnection(self._host, self._port, timeout=connect, context=self._context)
-        return http.client.HTTPConnection(self._host, self._port, timeout=connect)
+            connection = http.client.HTTPSConnection(self._host, self._port, timeout=connect, context=self._context)
+        else:
+            connection = http.client.HTTPConnection(self._host, self._port, timeout=connect)
+        connection._create_connection = _connect  # type: ignore[attr-defined]  # http.client's own hook
+        return connection
+
+
+def _connect(address: tuple[str, int], timeout: object = None, source_address: object = None) -> socket.socket:
+    """``socket.create_connection`` with an ASCII host given as bytes: a str host is encoded with the ``idna``
+    codec, which loads ``unicodedata`` and ``stringprep`` (~0.4 MB) for what is nearly always an IP address."""
+    host, port = address
+    name: str | bytes = host.encode("ascii") if host.isascii() else host
+    return socket.create_connection((name, port), timeout, source_address)  # type: ignore[arg-type]
 
 
 def _ssl_context(credentials: Credentials) -> ssl.SSLContext:
