@@ -14,6 +14,7 @@ picks another config of the same directory needs no new child.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import selectors
 import subprocess
@@ -26,6 +27,8 @@ from pathlib import Path
 from agent.config.model import ConfigError, ConfigModel
 from agent.config.plain_json import PlainJsonError, from_plain
 from agent.config.source import ConfigSet, LoadedConfig, Matches, _digest, select_config
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_SECONDS = 30.0  # pydantic builds its models in ~0.1 s; a loaded node may take many times that
 MAX_OUTPUT = 32 << 20  # configs are at most 1 MiB each; their models as JSON are a fraction more
@@ -102,7 +105,8 @@ class Check:
         :mod:`agent.config.check`); tests give others, to see what a broken checker does to the agent."""
         self.path = path
         self.stamp = stamp(path)
-        self._deadline = time.monotonic() + timeout
+        self._started = time.monotonic()
+        self._deadline = self._started + timeout
         self._timeout = timeout
         self._max_output = max_output
         self._result: CheckedSet | ConfigError | None = None
@@ -123,7 +127,12 @@ class Check:
     def result(self) -> CheckedSet:
         """The checked set; ``ConfigError`` naming the path when the set or the checker failed."""
         if self._result is None:
+            waiting = time.monotonic()
             self._result = self._collect()
+            log.debug(
+                "config checked path=%s took_ms=%.0f waited_ms=%.0f", self.path,
+                (time.monotonic() - self._started) * 1000, (time.monotonic() - waiting) * 1000,
+            )  # fmt: skip
         if isinstance(self._result, ConfigError):
             raise self._result
         return self._result
