@@ -285,13 +285,14 @@ def test_an_exec_kubeconfig_reads_the_node_through_the_official_client(fake: Fak
     assert "HTTP 404" in str(error.value) and "NODE_NAME" in str(error.value)
 
 
-def test_the_lean_client_loads_neither_the_official_client_nor_urllib3(fake: FakeKube, tmp_path: Path) -> None:
+def test_the_lean_client_loads_neither_the_official_client_nor_urllib3_nor_idna(fake: FakeKube, tmp_path: Path) -> None:
     kubeconfig = _kubeconfig(tmp_path / "kc", {"server": f"http://127.0.0.1:{fake.port}"}, {"token": "t"})
     code = (
         "import sys\nfrom agent.config.node_label import load_kube_api, read_node_labels\n"
-        "from agent.events import EventRecorder\n"
-        f"print(read_node_labels(load_kube_api({str(kubeconfig)!r}), {NODE!r}))\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kubernetes', 'urllib3', 'pydantic')))"
+        "from agent.core.events import event_name\nfrom agent.events import EventRecorder\n"
+        f"print(read_node_labels(load_kube_api({str(kubeconfig)!r}), {NODE!r}))\nevent_name({NODE!r})\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kubernetes', 'urllib3', 'pydantic', 'hmac')\n"
+        "             or m in ('encodings.idna', 'unicodedata')))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.splitlines() == [repr(LABELS), "[]"]
