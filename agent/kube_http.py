@@ -34,7 +34,7 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -239,8 +239,18 @@ def _named(document: Mapping[str, Any], section: str, key: str, name: object, or
 class KubeHttp:
     """The core-group and events.k8s.io calls the agent makes (the methods of :class:`agent.kube_api.CoreApi`)."""
 
-    def __init__(self, credentials: Credentials, *, token_refresh_seconds: float = TOKEN_REFRESH_SECONDS) -> None:
+    def __init__(
+        self,
+        credentials: Credentials,
+        *,
+        token_refresh_seconds: float = TOKEN_REFRESH_SECONDS,
+        official: Callable[[], Any] | None = None,
+    ) -> None:
+        """``official``: makes the official client's ``ApiClient`` for the same credentials, for the callers that
+        need it (the DRA front end: ResourceSlices, ResourceClaims), imported only when one asks."""
         self.credentials = credentials
+        self._official = official
+        self._official_client: Any = None
         self._token_refresh = token_refresh_seconds
         self._token_lock = threading.Lock()
         self._token: str | None = credentials.token
@@ -248,6 +258,16 @@ class KubeHttp:
         if credentials.token_file:
             self._bearer()  # a token file that cannot be read is an error now, not at the first request
         self._transport = _Transport(credentials)
+
+    @property
+    def api_client(self) -> Any:
+        """The official client's ``ApiClient`` for the same API server and credentials, made on first use."""
+        with self._token_lock:
+            if self._official_client is None:
+                if self._official is None:
+                    raise AttributeError("this client was made without the official client's configuration")
+                self._official_client = self._official()
+            return self._official_client
 
     # ----- Nodes ----------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -75,6 +76,8 @@ class NodeApi(Protocol):
     for a kubeconfig only the official client speaks, :class:`agent.kube_api.FallbackCoreApi`. Both raise
     :class:`agent.kube_http.KubeApiError` for an error answer."""
 
+    @property
+    def api_client(self) -> Any: ...  # the official client's, for the DRA front end (made when first asked)
     def read_node(self, name: str, *, _request_timeout: Any = None) -> dict[str, Any]: ...
     def patch_node(self, name: str, patch: Mapping[str, Any], *, _request_timeout: Any = None) -> dict[str, Any]: ...
     def list_node(self, *, _request_timeout: Any = None, _preload_content: bool = True, **query: object) -> Any: ...
@@ -98,7 +101,9 @@ def load_kube_api(kubeconfig: str | Path | None = None) -> NodeApi | None:
 
     if kubeconfig is not None:
         try:
-            api: NodeApi = KubeHttp(kubeconfig_credentials(kubeconfig))
+            api: NodeApi = KubeHttp(
+                kubeconfig_credentials(kubeconfig), official=partial(_official_api_client, kubeconfig)
+            )
         except Unsupported as why:
             log.info("kube api: the official client reads this kubeconfig why=%r", str(why))
             return _official_client(kubeconfig)
@@ -111,7 +116,7 @@ def load_kube_api(kubeconfig: str | Path | None = None) -> NodeApi | None:
         return None
     try:
         credentials = in_cluster_credentials()
-        api = KubeHttp(credentials)
+        api = KubeHttp(credentials, official=partial(_official_api_client, None))
     except (KubeConfigError, OSError) as e:
         log.warning(
             "kube api off reason=in-cluster-config-failed error=%s fix=mount the ServiceAccount token "
@@ -121,6 +126,19 @@ def load_kube_api(kubeconfig: str | Path | None = None) -> NodeApi | None:
         return None
     log.info("kube api loaded source=in-cluster host=%s", credentials.server)
     return api
+
+
+def _official_api_client(kubeconfig: str | Path | None) -> Any:
+    """The official client's ``ApiClient`` from the kubeconfig, or in a pod from its ServiceAccount (the DRA front
+    end's client: it speaks ResourceSlices and ResourceClaims through it)."""
+    import kubernetes.client
+    import kubernetes.config
+
+    if kubeconfig is not None:
+        return kubernetes.config.new_client_from_config(config_file=str(kubeconfig), persist_config=False)
+    configuration = kubernetes.client.Configuration()
+    kubernetes.config.load_incluster_config(client_configuration=configuration)
+    return kubernetes.client.ApiClient(configuration)
 
 
 def _official_client(kubeconfig: str | Path) -> NodeApi:
