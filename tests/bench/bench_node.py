@@ -26,7 +26,9 @@ Beside them, in the same run: the CPU time each process (with the children it wa
 checker) spent until registered — on a loaded machine the wall time mostly measures the queue for a core — and
 the agent's RSS less the simulator's share. A real node does not load ``agent/sim`` (the simulated driver, its
 YAML node specs, the control socket): the share is the RSS of ``import agent.cli, agent.run`` with the simulated
-dgx-a100 installed, less the RSS without it, each in a fresh process.
+dgx-a100 installed and its control socket served, as ``tessera run --simulate --sim-control`` does, less the RSS
+without them, each in a fresh process. (A real node maps NVIDIA's ``libnvidia-ml.so.1`` instead, whose resident
+pages cannot be measured here.)
 """
 
 from __future__ import annotations
@@ -257,9 +259,10 @@ def floor_round(base: Path, args: argparse.Namespace, figures: Figures) -> None:
 # ----- where the agent's memory goes --------------------------------------------------------------------
 
 RUN_PATH = "import agent.cli, agent.run"
-SIMULATOR = (
-    "from agent.sim.nvml.install import install\nfrom agent.sim.nvml.spec import build_driver, load_node_spec\n"
-    "install(build_driver(load_node_spec('dgx-a100')))"
+SIMULATOR = (  # what `tessera run --simulate dgx-a100 --sim-control …` runs of agent/sim (agent.run.run_agent)
+    "import os\nfrom pathlib import Path\nfrom agent.sim.nvml.install import simulated_node\n"
+    "from agent.sim.nvml.control import SimControlServer\ndriver = simulated_node('dgx-a100').__enter__()\n"
+    "SimControlServer(driver, Path(f'ctl-{os.getpid()}.sock')).start()"  # in the package copy, removed with it
 )
 SIM_SHARE = {  # the agent's run path without and with the simulator: the difference is the simulator's share
     "run path": RUN_PATH,
@@ -309,7 +312,7 @@ def report(
     row("… CPU time until registered (with waited-for children)", agent.start_cpu, floor.start_cpu, 1000, "ms", "-")
     row(f"RSS after {args.idle_seconds:g} s idle", agent.rss, floor.rss, 1, "MB", "< 45 MB")
     row(
-        f"RSS after {args.idle_seconds:g} s idle, less the simulator's share (as on a real node)",
+        f"RSS after {args.idle_seconds:g} s idle, less the simulator's share (a real node loads no agent/sim)",
         [rss - share for rss, share in zip(agent.rss, sim_share, strict=True)], floor.rss, 1, "MB", "< 45 MB",
     )  # fmt: skip
     row("XID → kubelet sees Unhealthy, p50", agent.xid_p50, floor.xid_p50, 1000, "ms", "< 1.5 ms")
@@ -322,8 +325,8 @@ def report(
         print(f"| {name} | {statistics.median(values):.1f} | {statistics.median(values) - base:+.1f} |")
     print()
     print(
-        f"the simulator's share of the agent's RSS (`{RUN_PATH}` with the simulated dgx-a100 installed, less "
-        f"without it; fresh processes, this run): {statistics.median(sim_share):.1f} MB "
+        f"the simulator's share of the agent's RSS (`{RUN_PATH}` with the simulated dgx-a100 installed and its "
+        f"control socket served, less without them; fresh processes, this run): {statistics.median(sim_share):.1f} MB "
         f"({min(sim_share):.1f}–{max(sim_share):.1f})"
     )
 
