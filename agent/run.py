@@ -218,11 +218,7 @@ def run_agent(
     served (``_resume_collector_once_served``). ``config_check``: the config checker, started by the caller before
     it imported the agent (used when it checks the config the options name; else stopped)."""
     _limit_malloc_arenas()
-    if config_check is not None:
-        if config_check.path == options.config_path:
-            options = replace(options, config_check=config_check)
-        else:
-            config_check.cancel()
+    options = take_over(options, config_check)
     with ExitStack() as stack:
         if simulate:
             from agent.sim.nvml.install import simulated_node
@@ -257,6 +253,17 @@ def run_agent(
             print(f"tessera: {error}", file=sys.stderr)
             return 1
     return 0
+
+
+def take_over(options: AgentOptions, config_check: Check | None) -> AgentOptions:
+    """The options with the checker started early, if it checks the config they name; else it is stopped (the
+    agent starts its own)."""
+    if config_check is None:
+        return options
+    if config_check.path == options.config_path:
+        return replace(options, config_check=config_check)
+    config_check.cancel()
+    return options
 
 
 MALLOC_ARENAS = 1

@@ -145,3 +145,44 @@ def test_an_agent_whose_checker_died_advertises_nothing_then_applies_the_next_ch
     configmap.publish({"default": SHARED_GPUS + "\n"})  # the next change is checked afresh, by the real checker
     kubelet.wait_for(lambda: kubelet.allocatable("nvidia.com/gpu.shared") == 8, 20, "the config applied")
     assert agent.status.config_error is None
+
+
+# ----- when the checker runs again -------------------------------------------------------------------------
+
+
+def test_the_stamp_moves_with_a_configmap_swap_and_only_then(tmp_path: Path) -> None:
+    """A checked set is reused while its files stay (a node label choosing another config of it needs no new
+    child); a ConfigMap update (the ``..data`` swap) or an edited file is checked again."""
+    from agent.config.isolated import stamp
+    from tests.integration.test_config_reload import ConfigMapDir
+
+    configmap = ConfigMapDir(tmp_path / "cm")
+    configmap.publish({"default": SHARED_GPUS, "other": SHARED_GPUS})
+    first = stamp(configmap.root)
+    assert stamp(configmap.root) == first
+    configmap.publish({"default": SHARED_GPUS, "other": SHARED_GPUS})  # the same texts, a new ..data
+    assert stamp(configmap.root) != first
+    single = tmp_path / "config.yaml"
+    single.write_text(SHARED_GPUS)
+    before = stamp(single)
+    single.write_text(SHARED_GPUS + "\n")
+    assert stamp(single) != before
+
+
+def test_an_early_checker_for_another_path_is_stopped(tmp_path: Path) -> None:
+    """``tessera run`` starts the checker on the path it was given before the options are read; if the options
+    name another config (NVIDIA's --config-file, say), that checker is stopped, not left running; on the same
+    path the agent takes it over."""
+    from agent.agent import AgentOptions
+    from agent.run import take_over
+
+    options = AgentOptions(device_plugin_dir=tmp_path / "dp", config_path=tmp_path / "other.yaml")
+    early = Check(tmp_path / "given.yaml", command=_python("import time; time.sleep(120)"))
+    assert take_over(options, early).config_check is None
+    assert early._process is not None and early._process.poll() is not None
+    same = Check(tmp_path / "other.yaml", command=_python("import time; time.sleep(120)"))
+    try:
+        assert take_over(options, same).config_check is same
+        assert same._process is not None and same._process.poll() is None
+    finally:
+        same.cancel()
