@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent.config.effective import FlagOverrides, effective
 from agent.config.isolated import Check, stamp
@@ -42,6 +42,8 @@ from agent.config.labels import (
 from agent.config.model import ConfigError, ConfigModel, DraSection
 from agent.config.source import LoadedConfig
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
+from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
+from agent.core.dra.cdi import NODE_WIDE_CDI_KIND
 from agent.core.health import HealthPolicy, HealthState
 from agent.core.inventory import Inventory, keep_unanswered
 from agent.core.mps import MpsDaemonSpec, mps_daemons
@@ -49,10 +51,12 @@ from agent.core.plan import plan
 from agent.core.resources import MigStrategy, PlanError, ResourcePlan, Sharing
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot, build_snapshots
 from agent.gpu.discovery import discover
+from agent.gpu.driver_root import DriverRoot
 from agent.gpu.health import GpuLost, NvmlEventWatcher, WatchFailed, WatchRestored, XidEvent
 from agent.gpu.mig_recheck import MigRecheck
 from agent.health_keeper import HealthKeeper
 from agent.ledger import DeviceLedger
+from agent.memlimits.settings import MemoryLimitSettings
 from agent.news import News
 from agent.node_metadata import NodeMetadata
 from agent.plugin.lock import PluginDirLock, PluginDirLocked
@@ -68,6 +72,7 @@ from agent.telemetry.service import Telemetry, TelemetrySettings
 if TYPE_CHECKING:
     from agent.dra.manager import DraManager
     from agent.dra.types import DraSettings
+    from agent.memlimits.manager import MemoryLimits
     from agent.mig.manager import MigManager
     from agent.mig.selection import LayoutSelection
     from agent.mps.manager import MpsManager
@@ -100,7 +105,9 @@ class AgentOptions:
     mps_keeper: Path | None = None  # a `tessera mps-keeper` socket: MPS daemons start in its container
     dra_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")  # the kubelet's plugin watcher
     dra_plugins_dir: Path = Path("/var/lib/kubelet/plugins")  # <dir>/<driver>/: the DRA socket and checkpoint
-    cdi_root: Path = Path("/var/run/cdi")  # CDI specs of prepared DRA claims
+    cdi_root: Path = Path("/var/run/cdi")  # CDI specs of prepared DRA claims (and the device plugin's, for cdi-*)
+    driver_root: DriverRoot = field(default_factory=DriverRoot)  # the driver's files, for self-contained CDI specs
+    node_wide_cdi: bool = False  # CDI IDs name nvidia-ctk cdi generate's node-wide spec instead (no spec of ours)
     sys_root: Path = Path("/sys")  # the host's sysfs: each DRA GPU's PCIe root
     nvidia_smi: str = "nvidia-smi"  # sets the time-slice of DRA claims' time-sliced GPUs
     pod_uid: str | None = None  # this agent's pod: DRA socket names that allow a rolling update
@@ -116,6 +123,7 @@ class AgentOptions:
     # NVIDIA's 5 s (its process does not wait for the watcher on the way out); in-process agents stop faster.
     health_event_wait_ms: int = 500
     telemetry: TelemetrySettings | None = None  # None: no metrics endpoint, no node labels
+    memory_limits: MemoryLimitSettings | None = None  # None: no per-container memory limits through the driver
 
     @property
     def kubelet_socket(self) -> Path:
@@ -172,6 +180,7 @@ class Agent:
         self._mig: MigManager | None = None
         self._dra: DraManager | None = None
         self._routes: dict[str, Callable[[object, float], News]] = {}  # event module -> (event, now) -> what to do
+        self._memlimits: MemoryLimits | None = None  # containers held to their devices' memory by the driver
         # Who holds each device, and which GPUs DRA serves: every destructive step and hand-over asks it, in its
         # critical section (the features above act on their workers; the loop itself never waits for it).
         self._ledger = DeviceLedger(options.pod_resources_socket)
@@ -201,6 +210,7 @@ class Agent:
             on_allocate=self._ledger.note_allocated,
             latency=self._latency,
         )
+        self._plugin_cdi: Any = None  # agent.plugin.cdi_spec.DevicePluginCdi, once a cdi-* strategy is in force
         self._settling = False  # started, the kubelet not served yet: what comes second (metrics) waits
         self._settle_by = 0.0  # what comes second starts by then even if the kubelet has not watched everything
         self._kubelet_known = False  # the watcher has said whether kubelet.sock is there
@@ -341,7 +351,27 @@ class Agent:
         self._event_watcher.start()
         self._kubelet_watcher = PluginDirWatcher(self.options.device_plugin_dir, self.post)
         self._kubelet_watcher.start()
+        if self.options.memory_limits is not None:
+            self._start_memory_limits(self.options.memory_limits)
         self._settling, self._settle_by = True, self._clock() + TELEMETRY_WAIT_SECONDS
+
+    def _start_memory_limits(self, settings: MemoryLimitSettings) -> None:
+        """The memory-limits room (its worker calls NVML and the kubelet; the loop only routes its events)."""
+        from agent.memlimits.manager import MemoryLimits
+        from agent.plugin.podresources import list_pod_resources
+
+        socket = self.options.pod_resources_socket
+        self._memlimits = MemoryLimits(
+            settings,
+            plan=lambda: self._plan,
+            holders=lambda: list_pod_resources(socket),
+            section=self._ledger.section,
+            post=self.post,
+            claims=self._ledger.claims_checkpoint,
+            inventory=lambda: self._inventory,
+        )
+        self._routes["agent.memlimits.watch"] = self._memlimits.on_event
+        self._memlimits.start()
 
     def _settle(self) -> None:
         """The kubelet is served (or waited for long enough): what comes second starts."""
@@ -366,6 +396,7 @@ class Agent:
                 node_api=self._node.api,
                 latency=self._latency,
                 claims=lambda: self._dra.prepared_claim_devices() if self._dra is not None else (),  # type: ignore[misc]
+                memory_limits=self._memlimits.snapshot if self._memlimits is not None else None,
             )
         except (OSError, ValueError) as error:  # metrics are not worth failing the node's GPUs for
             log.error("no metrics endpoint address=%s error=%r", settings.metrics_address, str(error))
@@ -396,6 +427,7 @@ class Agent:
             telemetry = self._telemetry
         for watcher in (
             telemetry,
+            self._memlimits,
             self._kubelet_watcher,
             self._config_watcher,
             *self._node.threads(),
@@ -545,6 +577,8 @@ class Agent:
                 allocation_policy=str(explicit.policy),
                 cdi_kind=explicit.cdi_kind,
             )
+        if self.options.node_wide_cdi and given.cdi_kind in (None, DEFAULT_CDI_KIND):  # nvidia-ctk's names then
+            given = replace(given, cdi_kind=NODE_WIDE_CDI_KIND)
         return given
 
     def _apply_config(self, *, force: bool = False) -> None:
@@ -665,8 +699,9 @@ class Agent:
             self._inventory,
             self._clock(),
             dynamic_mig=section.dynamic_mig if section else None,
-            gpu_shares=section.gpu_shares if section else None,
+            gpu_shares=section.shared_gpus if section else None,
             default_share=section.default_share if section else None,
+            share_mode=section.share_mode if section else "memory",
         )
 
     def _dra_settings(self, driver: str) -> DraSettings:
@@ -682,6 +717,8 @@ class Agent:
             nvidia_smi=self.options.nvidia_smi,
             pod_uid=self.options.pod_uid,
             cdi_kind=self._effective.allocation.cdi_kind,
+            node_wide_cdi=self.options.node_wide_cdi,
+            driver_root=self.options.driver_root,
             mps_root=self._effective.allocation.mps_root,
             latency=self._latency,
         )
@@ -837,11 +874,14 @@ class Agent:
         visible = self._plan.without(mig | mps | stale | dra)
         if self._dra is not None:
             self._dra.publish(self._inventory, self._health, self._node.cordon.units, self._stale_gpus)
+        allocation = self._effective.allocation
+        if self.options.memory_limits is not None:
+            allocation = replace(allocation, memory_envs=True)  # sized replicas get the toolkit hook's variables
         snapshots = build_snapshots(
             visible,
             self._health,
             self._inventory,
-            self._effective.allocation,
+            allocation,
             unavailable=self._mps.unavailable() if self._mps is not None else frozenset(),
             cordoned=self._node.cordon.units,
             previous=self._snapshots,
@@ -852,6 +892,7 @@ class Agent:
             if snapshot.sharing is not Sharing.MPS or (self._mps is not None and self._mps.advertised(name))
             # an MPS resource is advertised once its daemons have their limits in place, then clients connect
         }
+        snapshots = self._refresh_cdi(snapshots)  # the names Allocate returns resolve before the kubelet hears them
         changed = self._servers.apply(snapshots)
         self._snapshots = snapshots
         before = self._set_status()  # what `tessera status` says never lags what the kubelet hears
@@ -859,6 +900,25 @@ class Agent:
         if updated:
             send_updates(updated)  # the kubelet next: the events, logs and NVML reads that follow come after
         self._node.announce(before, self.status)
+        if self._memlimits is not None:
+            self._memlimits.plan_published(self._plan)  # a resized replica reaches running containers now
+
+    def _refresh_cdi(self, snapshots: dict[str, ResourceSnapshot]) -> dict[str, ResourceSnapshot]:
+        """With a cdi-* strategy, the device plugin's CDI spec holds exactly the advertised devices; where it
+        cannot be written (no driver found), Allocate refuses with the reason rather than hand out names that do
+        not resolve."""
+        allocation = self._effective.allocation
+        cdi = {DeviceListStrategy.CDI_CRI, DeviceListStrategy.CDI_ANNOTATIONS}
+        if self.options.node_wide_cdi or not cdi.intersection(allocation.strategies) or self._inventory is None:
+            return snapshots
+        if self._plugin_cdi is None:
+            from agent.plugin.cdi_spec import DevicePluginCdi
+
+            self._plugin_cdi = DevicePluginCdi(self.options.cdi_root, self.options.driver_root)
+        if self._plugin_cdi.refresh(allocation.cdi_kind, self._inventory, snapshots) is not None:
+            return snapshots
+        unavailable = replace(allocation, cdi_unavailable=self._plugin_cdi.error)
+        return {name: replace(s, options=unavailable) for name, s in snapshots.items()}
 
     # ----- registration ---------------------------------------------------------------------------
 
@@ -947,6 +1007,7 @@ class Agent:
             cordoned=self._node.cordon.sources,
             cordon_problems=self._node.cordon.problems,
             dra=self._dra.status() if self._dra else None,
+            memory_limits=self._memlimits.snapshot() if self._memlimits is not None else (),
         )
         return before
 

@@ -429,7 +429,46 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         help="also write the node labels (and nvidia.com/mig.config.state) on the Node itself, where NFD is not "
         "deployed; needs patch on nodes (daemonset/overlays/node-labels) [env TESSERA_LABEL_NODE=true]",
     )
-    _env_flag(parser, "--cdi-kind", "TESSERA_CDI_KIND", help="CDI device kind for cdi-* strategies (nvidia.com/gpu)")
+    _env_flag(
+        parser,
+        "--cdi-kind",
+        "TESSERA_CDI_KIND",
+        help="CDI kind of the device plugin's spec for cdi-* strategies (k8s.device-plugin.nvidia.com/gpu; with "
+        "--node-wide-cdi nvidia.com/gpu)",
+    )
+    parser.add_argument(
+        "--node-wide-cdi",
+        action="store_true",
+        default=os.environ.get("TESSERA_NODE_WIDE_CDI", "") == "true",
+        help="CDI IDs name the node-wide spec nvidia-ctk cdi generate writes (nvidia.com/gpu=<uuid>) instead of "
+        "specs Tessera writes whole; only for nodes that keep that spec current [env TESSERA_NODE_WIDE_CDI=true]",
+    )
+    _env_flag(
+        parser,
+        "--memory-limits",
+        "TESSERA_MEMORY_LIMITS",
+        default="on",
+        choices=["on", "off"],
+        help="hold each container of a sized replica (MPS memoryLimit, time-slicing memoryLimit, a DRA share) to its "
+        "size through the driver (r615+; else the MPS server or advisory, said in the status) and give it "
+        "NVIDIA_GPU_MEMORY_REQUEST/LIMIT; off: neither",
+    )
+    _env_flag(
+        parser,
+        "--cgroup-root",
+        "TESSERA_CGROUP_ROOT",
+        default="/sys/fs/cgroup",
+        help="with memory limits: the host's cgroup v2 hierarchy as the agent sees it (mount the host's "
+        "/sys/fs/cgroup there read-only); containers' cgroups are found under it and named to the driver",
+    )
+    _env_flag(
+        parser,
+        "--container-logs",
+        "TESSERA_CONTAINER_LOGS",
+        default="/var/log/containers",
+        help="with memory limits: the kubelet's container log links (read-only), watched for containers "
+        "starting: each link names its container's ID",
+    )
     _env_flag(
         parser,
         "--ignored-xids",
@@ -789,19 +828,23 @@ def _plan(args: argparse.Namespace) -> int:
         return EXIT_NVML
     except (ConfigError, LayoutFileError, LayoutError, PlanError) as error:
         return report_invalid(error)
+    from agent.core.memlimits import plan_enforcement
     from agent.render import plan_table
 
     for note in notes:
         print(f"tessera: {note}", file=sys.stderr)
+    held = plan_enforcement(result, inventory.driver_version)  # which enforcement would hold each sized resource
     if args.format in ("json", "yaml"):
         document = result.to_json()
         if layout is not None:
             document["mig_layout"] = layout.to_json()
+        if held:
+            document["memory_limits"] = {row.resource: row.to_json() for row in held}
         print(json.dumps(document, indent=2) if args.format == "json" else _yaml(document), end="\n")
     else:
         if layout is not None:
             print("\n".join([*layout.lines(), ""]))
-        print(plan_table(result))
+        print(plan_table(result, held))
     return EXIT_OK
 
 
@@ -872,9 +915,8 @@ PARTITIONABLE_DEVICES_ON = 36  # DRAPartitionableDevices: alpha in 1.33-1.35, be
 def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: ConfigModel, notes: list[str]) -> int:
     """``tessera plan --dra``: the node's ResourceSlices as complete ``resource.k8s.io/v1`` objects, as the agent
     would publish them (a YAML stream, a JSON List, or a table of the devices)."""
-    from agent.core.dra.devices import dra_devices
     from agent.core.dra.ownership import OwnershipError, dra_gpus, dynamic_mig_gpus, shared_gpus
-    from agent.core.dra.partitions import counter_sets
+    from agent.core.dra.pool import dra_pool
     from agent.core.dra.shares import gate_note
     from agent.core.dra.slices import SliceError, layout_for, resource_slices
 
@@ -889,16 +931,26 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
                 notes.append("the config does not enable dra: showing every GPU as DRA would publish it")
         node_name = args.node_name or _spec_node_name(args.node)
         dynamic = dynamic_mig_gpus(section.dynamic_mig, chosen, inventory) if section is not None else frozenset()
-        shared = shared_gpus(section.gpu_shares, chosen, dynamic, inventory) if section is not None else frozenset()
+        shared = shared_gpus(section.shared_gpus, chosen, dynamic, inventory) if section is not None else frozenset()
         default_share = section.default_share if section is not None else None
-        devices = dra_devices(
-            inventory, gpu_uuids=chosen, dynamic_mig=dynamic, shared=shared, default_share=default_share
+        # the agent's own publishing path (agent.dra.manager.publish): what is shown is what it publishes
+        real = not args.node or args.node == "local"  # sysfs describes real GPUs only
+        roots, numa = _sysfs_topology(inventory, chosen) if real else ({}, {})
+        pool = dra_pool(
+            inventory,
+            served=chosen,
+            dynamic_mig=dynamic,
+            shared=shared,
+            default_share=default_share,
+            pcie_roots=roots,
+            numa_nodes=numa,
+            share_mode=section.share_mode if section is not None else "memory",
         )
+        devices = pool.offered
         kubernetes = args.kubernetes_version or DEFAULT_KUBERNETES
         layout = layout_for(f"v{kubernetes}.0")
         slices = resource_slices(
-            node_name, args.node_uid or PLACEHOLDER_NODE_UID, driver, devices, 1, layout,
-            counter_sets=counter_sets(devices),
+            node_name, args.node_uid or PLACEHOLDER_NODE_UID, driver, devices, 1, layout, counter_sets=pool.counters,
         )  # fmt: skip
     except (OwnershipError, SliceError, ValueError) as error:
         print(f"tessera: {error}", file=sys.stderr)
@@ -917,7 +969,7 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
         notes.append(note)
     in_mig_mode = [str(g.index) for g in inventory.gpus if g.uuid in shared and g.mig_enabled]
     if in_mig_mode:
-        notes.append(f"GPUs {', '.join(in_mig_mode)} are in MIG mode: shared through their MIG devices, not by memory")
+        notes.append(f"GPUs {', '.join(in_mig_mode)} are in MIG mode: each of their MIG devices is shared")
     if not args.node_uid:
         notes.append(
             "ownerReferences name the Node by a placeholder UID; give --node-uid "
@@ -949,8 +1001,19 @@ def _print_dra_preview(args: argparse.Namespace, inventory: Inventory, model: Co
                     given = "all" if policy["default"] == memory["value"] else policy["default"]
                     step = policy["validRange"]["step"]
                     shares = f"  shared: memory in {step} steps ({given} if not asked), computePercent 0-100"
+                    count = device["capacity"].get("shares", {}).get("value")
+                    shares += f", {count} shares (1 if not asked)" if count else ""
                 print(f"  {device['name']:<28} {kind:<4} {what:<26} memory {memory.get('value', '-')}{shares}")
     return EXIT_OK
+
+
+def _sysfs_topology(inventory: Inventory, gpus: frozenset[str]) -> tuple[dict[str, str], dict[str, int | None]]:
+    """The PCIe roots and NUMA nodes the agent reads from the host's /sys for these GPUs (``agent.dra.manager``)."""
+    from agent.core.dra.devices import pci_bus_id
+    from agent.dra.pcie import numa_nodes, pcie_roots
+
+    bus_ids = {b for b in (pci_bus_id(g.pci_bus_id) for g in inventory.gpus if g.uuid in gpus) if b is not None}
+    return pcie_roots(bus_ids), numa_nodes(bus_ids)
 
 
 def _spec_node_name(node: str | None) -> str:

@@ -59,7 +59,12 @@ sharing:
       - name: nvidia.com/gpu
         replicas: 4
         devices: [{index}]
+        memoryLimit: 10Gi
 """
+SHARED = "nvidia.com/gpu.shared"
+REPLICA_GIB = 10  # each replica's memoryLimit: the driver holds a container to 10 GiB per replica it holds
+GREEDY_ALLOCATION_GIB = 12  # what shared-b's process asks for: more than its one replica's 10 GiB
+DEMO_PID = 4242
 UNIFORM_MIG_PRESET = "a100-mig"  # a preset where --mig-strategy single applies (one MIG profile on every GPU)
 XID_DOUBLE_BIT_ECC = 48
 GREEDY_REQUEST = 8
@@ -134,13 +139,22 @@ def _node_problem(node: str, error: str) -> str:
 class _Demo:
     def __init__(self, driver: SimDriver, workdir: Path, node: str, spec: NodeSpec, strategy: MigStrategy) -> None:
         from agent.agent import Agent, AgentOptions
+        from agent.memlimits.settings import MemoryLimitSettings
         from agent.sim.kubelet import KubeletEmulator
 
         self.driver = driver
         self.node = node
         self.spec = spec
         self.strategy = strategy
-        self.kubelet = KubeletEmulator(workdir / "device-plugins", workdir / "pod-resources" / "kubelet.sock")
+        # the kubelet makes each started container a cgroup directory and a log link, as on a node: the agent finds
+        # a container's cgroup from them and names it to the (simulated) driver, which holds it to its memory limit
+        self.cgroup_root = workdir / "cgroup"
+        self.kubelet = KubeletEmulator(
+            workdir / "device-plugins",
+            workdir / "pod-resources" / "kubelet.sock",
+            cgroup_root=self.cgroup_root,
+            log_root=workdir / "log",
+        )
         self.shared_gpu = _last_whole_gpu(driver)
         self.config_text: str | None = None
         self.warnings: tuple[str, ...] = ()  # the plan's, as `tessera plan` prints them (problem() reads them)
@@ -157,6 +171,7 @@ class _Demo:
             config_path=config_dir,
             config_name=CONFIG_NAME if config_dir else None,
             health=HealthPolicy(quiet_seconds=RECOVERY_SECONDS),
+            memory_limits=MemoryLimitSettings(self.cgroup_root, workdir / "log" / "containers"),
         )
         self.agent = Agent(self.options)
 
@@ -197,6 +212,7 @@ class _Demo:
         try:
             self._show_registration(started)
             self._schedule_pods()
+            self._memory_limits()
             self._xid_and_recovery()
             self._kubelet_restart()
         finally:
@@ -235,7 +251,8 @@ class _Demo:
         nvswitch = ", NVSwitch" if self.spec.nvlink == "nvswitch" else ""
         if self.shared_gpu is not None:
             config = (
-                f"{CONFIG_NAME}: GPU {self.shared_gpu} time-sliced ×4 as nvidia.com/gpu.shared, the others dedicated\n"
+                f"{CONFIG_NAME}: GPU {self.shared_gpu} time-sliced ×4 as nvidia.com/gpu.shared ({REPLICA_GIB} GiB "
+                "each), the others dedicated\n"
                 f"{'':18}(built into the demo, agent/demo.py; on a cluster, the node label "
                 f"nvidia.com/device-plugin.config picks it;\n{'':18}printed at the end, with the `tessera plan` "
                 "command that shows what it advertises)"
@@ -258,7 +275,7 @@ class _Demo:
         for gpu in self.driver.gpus:
             layout = ", ".join(gi.profile.name for gi, _ in gpu.mig_devices()) if gpu.mig_current else "whole GPU"
             if gpu.index == self.shared_gpu:
-                layout += ", time-sliced x4 by the sharing config (nvidia.com/gpu.shared)"
+                layout += f", time-sliced x4 by the sharing config (nvidia.com/gpu.shared, {REPLICA_GIB} GiB each)"
             print(f"      GPU {gpu.index}  {gpu.uuid}  {'MIG: ' if gpu.mig_current else ''}{layout}")
 
     def _show_registration(self, started: float) -> None:
@@ -325,6 +342,61 @@ class _Demo:
                 f"{'':21}(GPU {gpu.index} has MIG enabled: CUDA in this pod finds no device it can use; "
                 "--mig-strategy mixed hands out its MIG devices instead)"
             )
+
+    def _memory_limits(self) -> None:
+        """Two pods on the shared GPU held to 10 GiB and 20 GiB by the driver (one and two replicas of 10 GiB), and
+        a third whose process asks for more than its limit and gets the error CUDA would give it."""
+        if SHARED not in self.agent.status.resources or self._free(SHARED) < 2:
+            return
+        print(
+            f"      GPU memory: each replica of {SHARED} is {REPLICA_GIB} GiB (the config's memoryLimit); the agent "
+            "holds each\n      container to its replicas' sum through the driver (nvmlDeviceSetMemoryLimits_v1 on "
+            "its cgroup)"
+        )
+        self._schedule("shared-big", SHARED, 2)
+        names = [p.name for p in self.kubelet.pods() if _request(p, SHARED)]
+        for name in names:  # the containers start: their cgroups appear, and the agent sees them through inotify
+            self.kubelet.start_container(name, "main")
+        agent = self.agent
+        try:
+            self.kubelet.wait_for(
+                lambda: (
+                    {h.container.pod for h in agent.status.memory_limits if h.applied or h.enforcement != "driver"}
+                    >= set(names)
+                ),
+                timeout=10,
+                what="every shared container held to its size",
+            )
+        except TimeoutError:  # said, not a traceback: what the agent holds is shown below as it is
+            print("      (the agent did not hold every container to its size within 10 s; what it holds now:)")
+        for held in sorted(self.agent.status.memory_limits, key=lambda h: h.limit):
+            how = "by the driver" if held.enforcement == "driver" else f"only {held.enforcement}: {held.reason}"
+            print(f"      pod {held.container.pod:<10} held to {held.limit >> 30} GiB on GPU {held.gpu_index} {how}")
+        self._exceed("shared-b" if "shared-b" in names else names[0])
+
+    def _exceed(self, pod: str) -> None:
+        """The pod's process allocates more than its limit: CUDA's out-of-memory error, nothing allocated."""
+        from agent.sim.nvml.driver import OutOfMemory
+
+        started = self.kubelet.started_container(pod, "main")
+        cgroup = str(started.cgroup)
+        gpu = self.shared_gpu
+        assert gpu is not None
+        asked = GREEDY_ALLOCATION_GIB * 1024
+        self.driver.add_process(gpu, DEMO_PID, 1024, cgroup=cgroup)
+        try:
+            self.driver.allocate(DEMO_PID, asked - 1024)
+        except OutOfMemory as error:
+            said = str(error).replace(str(self.cgroup_root), "/sys/fs/cgroup")  # the path it has on a node
+            print(f"      pod {pod:<10} its process asks for {GREEDY_ALLOCATION_GIB} GiB -> the allocation fails:")
+            print(f"{'':21}{said}")  # one line, as the process would log it
+        else:
+            print(
+                f"      pod {pod:<10} its process asks for {GREEDY_ALLOCATION_GIB} GiB -> succeeds: nothing holds it "
+                "(the driver cannot here; `tessera status` says why)"
+            )
+        finally:
+            self.driver.remove_process(DEMO_PID)
 
     def _free(self, resource: str) -> int:
         """What the scheduler sees free: the node's allocatable minus the requests of the pods bound to it."""

@@ -35,8 +35,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from agent.core.health import HealthPolicy
 from agent.core.resources import MigStrategy
+from agent.sim.driver_root import sim_driver_root
 from agent.sim.nvml.driver import SimDriver
 from agent.sim.nvml.install import simulated_node
 from agent.sim.nvml.spec import NodeSpec, parse_node_spec
@@ -200,6 +203,7 @@ class _DraDemo:
                 dra_registry_dir=self.workdir / "registry",
                 dra_plugins_dir=self.workdir / "plugins",
                 cdi_root=self.cdi_root,
+                driver_root=sim_driver_root(self.workdir / "driver"),  # the simulated node's driver files
                 health=HealthPolicy(quiet_seconds=RECOVERY_SECONDS),
                 mps_control=str(self._mps_control()),
             )
@@ -376,6 +380,10 @@ class _DraDemo:
             f"      at memory slice {start}{'' if size == 1 else f'-{start + size - 1}'}, exactly the allocated "
             f"{self.chosen['mig-small']}"
         )
+        mig_spec = self.cdi_root / f"k8s.gpu.nvidia.com-claim_{self.claims['mig-small']['metadata']['uid']}.yaml"
+        nodes = [n["path"] for d in yaml.safe_load(mig_spec.read_text())["devices"] for n in d["containerEdits"]
+                 ["deviceNodes"]]  # fmt: skip
+        print(f"      its claim's CDI spec gives the container {', '.join(nodes)}")
         claim = self.claims["h100"]
         path = self.cdi_root / f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.yaml"
         if not path.is_file():
@@ -384,8 +392,18 @@ class _DraDemo:
         mode = path.stat().st_mode & 0o777
         print(f"      {len(specs)} CDI specs written in {self.cdi_root}, one per claim; claim h100's, mode {mode:04o}:")
         print(f"        {path.name}")
+        spec = yaml.safe_load(path.read_text())
         for line in path.read_text().splitlines():
+            if line.startswith("containerEdits:"):
+                break  # the driver's files, the same in every spec: summed up below
             print(f"        | {line}")
+        common = spec["containerEdits"]
+        mounts = [m["containerPath"].rsplit("/", 1)[-1] for m in common.get("mounts", [])]
+        print(
+            f"        | containerEdits: {common['env'][0]}, {len(common.get('deviceNodes', []))} control nodes "
+            f"({', '.join(n['path'] for n in common.get('deviceNodes', []))}), {len(mounts)} driver files mounted "
+            f"({', '.join(mounts[:3])}, ...), {len(common.get('hooks', []))} hooks"
+        )
 
     def _xid_and_recovery(self) -> None:
         self._step = "step 4"
@@ -683,11 +701,12 @@ class _DraDemo:
         expected = 0
         for index in DRA_GPUS:
             gpu = self.driver.gpus[index]
-            if index in DYNAMIC_MIG_GPUS:  # the whole GPU and its partitions
+            if index in DYNAMIC_MIG_GPUS:  # its partitions; the whole GPU too unless it is in MIG mode (an A100)
                 count = sum(n.startswith(f"gpu-{gpu.minor_number}-mig-") for n in names)
-                if f"gpu-{gpu.minor_number}" not in names or not count:
+                whole = not gpu.mig_current
+                if (f"gpu-{gpu.minor_number}" in names) != whole or not count:
                     return False
-                expected += 1 + count
+                expected += whole + count
             elif gpu.mig_current:
                 prefix = f"gpu-{gpu.minor_number}-mig-"
                 count = len(gpu.mig_devices())

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -48,12 +48,14 @@ from agent.core.events import (
     Failure,
     Occurrence,
     RateLimiter,
+    Regarding,
     classify_failure,
     event_body,
     event_name,
     series_patch,
     truncate_note,
     validate_event,
+    validate_regarding,
 )
 
 if TYPE_CHECKING:
@@ -76,6 +78,11 @@ MAX_STATUS_BODY = 64 << 10  # an error body larger than this is not parsed for i
 class _Pending:
     key: EventKey
     occurrence: Occurrence
+    subject: Regarding | None = None  # None: the Node
+
+    @property
+    def namespace(self) -> str:
+        return dict(self.subject).get("namespace", NAMESPACE) if self.subject is not None else NAMESPACE
 
     @property
     def series(self) -> bool:
@@ -205,19 +212,23 @@ class EventRecorder:
 
     # -- the caller's side
 
-    def emit(self, type_: EventType, reason: str, action: str, note: str) -> None:
-        """Record an event on the Node. Thread-safe and never blocks; raises only :class:`ValueError`, for an
-        invalid type, reason (CamelCase, at most 128 characters), action (1 to 128 bytes) or a note that is not
-        a string. The note is cut to 1 KiB."""
+    def emit(
+        self, type_: EventType, reason: str, action: str, note: str, *, regarding: Mapping[str, str] | None = None
+    ) -> None:
+        """Record an event on the Node, or on ``regarding`` (a namespaced object such as a ResourceClaim:
+        ``apiVersion``, ``kind``, ``namespace``, ``name``, ``uid``; its Event goes to its namespace). Thread-safe
+        and never blocks; raises only :class:`ValueError`, for an invalid type, reason (CamelCase, at most 128
+        characters), action (1 to 128 bytes), subject, or a note that is not a string. The note is cut to 1 KiB."""
         validate_event(type_, reason, action, note)
+        subject = validate_regarding(dict(regarding)) if regarding is not None else None
         try:
-            self._observe((type_, reason, action, truncate_note(note)))
+            self._observe((type_, reason, action, truncate_note(note)), subject)
         except Exception:  # a bug here must not reach the reconcile loop
             if not self._internal_warned:
                 self._internal_warned = True
                 log.warning("event recorder internal error; this event is lost reason=%s", reason, exc_info=True)
 
-    def _observe(self, key: EventKey) -> None:
+    def _observe(self, key: EventKey, subject: Regarding | None = None) -> None:
         """Aggregate, rate-limit and queue under the lock; log (if anything) after it."""
         wall = datetime.now(UTC)
         reason = key[1]
@@ -228,16 +239,16 @@ class EventRecorder:
                 self._logged += 1
             else:
                 now = self._clock()
-                occurrence = self._correlator.observe(key, now, wall)
+                occurrence = self._correlator.observe(key + (subject or ()), now, wall)  # type: ignore[arg-type]
                 if self._limiter.allow(reason, now):
                     self._limited.discard(reason)
-                    overflowed = self._enqueue(_Pending(key, occurrence))
+                    overflowed = self._enqueue(_Pending(key, occurrence, subject))
                 else:
                     self._dropped += 1
                     limited = reason not in self._limited  # the first of a streak
                     self._limited.add(reason)
         if stopped:
-            self._log_event(_Pending(key, Occurrence("", 1, wall, wall)))
+            self._log_event(_Pending(key, Occurrence("", 1, wall, wall), subject))
         if limited:
             log.warning(
                 "events rate-limited reason=%s burst=%d refill_seconds=%g; dropping this reason's events until a "
@@ -335,7 +346,7 @@ class EventRecorder:
         if item.series:
             try:
                 events_api.patch_event(
-                    occurrence.name, NAMESPACE, series_patch(occurrence), _request_timeout=REQUEST_TIMEOUT
+                    occurrence.name, item.namespace, series_patch(occurrence), _request_timeout=REQUEST_TIMEOUT
                 )
                 return
             except KubeApiError as error:
@@ -343,9 +354,9 @@ class EventRecorder:
                     raise
             # the Event to count on is gone (expired, or never written): create it, series and all
         type_, reason, action, note = item.key
-        body = event_body(self._node, self._uid, type_, reason, action, note, occurrence)
+        body = event_body(self._node, self._uid, type_, reason, action, note, occurrence, item.subject)
         try:
-            events_api.create_event(NAMESPACE, body, _request_timeout=REQUEST_TIMEOUT)
+            events_api.create_event(item.namespace, body, _request_timeout=REQUEST_TIMEOUT)
         except KubeApiError as error:
             if error.status != 409:  # AlreadyExists: an earlier attempt got through, only its answer was lost
                 raise
@@ -400,9 +411,12 @@ class EventRecorder:
     @staticmethod
     def _log_event(item: _Pending) -> None:
         type_, reason, action, note = item.key
+        about = dict(item.subject) if item.subject is not None else None
+        regarding = f" regarding={about['kind']}/{about['namespace']}/{about['name']}" if about else ""
         log.info(
-            "event type=%s reason=%s action=%s count=%d note=%r", type_, reason, action, item.occurrence.count, note
-        )
+            "event type=%s reason=%s action=%s count=%d%s note=%r",
+            type_, reason, action, item.occurrence.count, regarding, note,
+        )  # fmt: skip
 
 
 def _is_network(error: BaseException) -> bool:

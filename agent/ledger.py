@@ -80,6 +80,10 @@ class DeviceLedger:
         """The DRA front end's checkpoint (an immutable value, replaced whole by the claim worker)."""
         self._claims, self._pool = checkpoint, pool
 
+    def claims_checkpoint(self) -> Checkpoint | None:
+        """The DRA front end's checkpoint as last saved (None without DRA): any thread, memory only."""
+        return self._claims()
+
     def claim_devices(self) -> list[ClaimDevice]:
         checkpoint = self._claims()
         return checkpoint_devices(checkpoint) if checkpoint is not None else []

@@ -10,7 +10,7 @@ out from a thread of their own, rate-limited and aggregated: the loop never wait
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from agent.config.labels import CONFIG_LABEL, CORDON_ANNOTATIONS, MIG_CONFIG_LABEL
@@ -29,7 +29,9 @@ class Stoppable(Protocol):
 
 
 class Recorder(Stoppable, Protocol):
-    def emit(self, type_: str, reason: str, action: str, note: str) -> None: ...
+    def emit(
+        self, type_: str, reason: str, action: str, note: str, *, regarding: Mapping[str, str] | None = None
+    ) -> None: ...
 
 
 class NodeMetadata:
@@ -120,7 +122,7 @@ class NodeMetadata:
         from agent.core.announce import announcements
 
         for said in announcements(before, after):  # reasons and actions are valid by construction (a test)
-            self._recorder.emit(said.type, said.reason, said.action, said.note)
+            self._recorder.emit(said.type, said.reason, said.action, said.note, regarding=said.regarding)
 
     def threads(self) -> tuple[Stoppable, ...]:
         """What runs on threads of its own, for the agent to stop."""

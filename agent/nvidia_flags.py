@@ -7,7 +7,8 @@ says why and what to use instead, before anything starts (``tessera run`` exits 
 - honoured under Tessera's own flag: ``--mig-strategy``, ``--device-list-strategy``,
   ``--shared-devices-allocation-policy``, ``--mps-root``, ``--config-file`` (``--config``) and
   ``--kubelet-socket`` (``--device-plugin-dir``), each with NVIDIA's variable as well;
-- honoured as NVIDIA's own: ``--fail-on-init-error``;
+- honoured as NVIDIA's own: ``--fail-on-init-error``, and where the driver is for CDI specs: ``--driver-root``,
+  ``--dev-root``, ``--nvidia-cdi-hook-path`` and ``--container-driver-root`` (``agent.gpu.driver_root``);
 - honoured only at the value that asks for what Tessera always does (NVIDIA's default, e.g.
   ``--device-id-strategy uuid``); any other value is refused (e.g. ``index``).
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import PurePosixPath
 from typing import Any
@@ -32,9 +33,7 @@ from typing import Any
 GO_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
 GO_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
 KUBELET_SOCKET_NAME = "kubelet.sock"
-_NO_CDI_SPEC = (
-    "Tessera's device plugin writes no CDI spec: it names the devices of the spec that nvidia-ctk cdi generate writes"
-)
+_NO_CDI_SPEC = "Tessera's CDI specs hold what NVIDIA's toolkit gives by default (every hook it finds, no feature flags)"
 
 
 class NvidiaFlagError(ValueError):
@@ -98,20 +97,13 @@ SETTINGS: tuple[NvidiaSetting, ...] = (
         "advertise nothing and retry",
     ),
     NvidiaSetting(
-        ("--driver-root", "--nvidia-driver-root"), ("NVIDIA_DRIVER_ROOT",), default="/", honoured=("/",),
-        refusal=(
-            "Tessera loads no driver from a driver root ({value!r}): the NVIDIA container runtime gives it the driver",
-            "remove it and run the agent with runtimeClassName: nvidia (the runtime knows the driver's root)",
-        ),
-        help="only / (the driver comes from the NVIDIA container runtime)",
+        ("--driver-root", "--nvidia-driver-root"), ("NVIDIA_DRIVER_ROOT",), default="/",
+        help="the driver's root on the host (/run/nvidia/driver for the GPU operator's): CDI specs mount its "
+        "libraries and binaries from there",
     ),
     NvidiaSetting(
-        ("--dev-root", "--nvidia-dev-root"), ("NVIDIA_DEV_ROOT",), default="/", honoured=("/",),
-        refusal=(
-            "Tessera passes no device nodes to the kubelet, so a /dev root ({value!r}) has nothing to change",
-            "remove it (the container runtime finds the device nodes)",
-        ),
-        help="only /",
+        ("--dev-root", "--nvidia-dev-root"), ("NVIDIA_DEV_ROOT",), default="/",
+        help="the host root of the /dev device nodes CDI specs name (default: the driver root)",
     ),
     NvidiaSetting(
         ("--pass-device-specs",), ("PASS_DEVICE_SPECS",), Kind.BOOL, default="false", honoured=("false",),
@@ -162,25 +154,26 @@ SETTINGS: tuple[NvidiaSetting, ...] = (
     ),
     NvidiaSetting(
         ("--nvidia-cdi-hook-path", "--nvidia-ctk-path"), ("NVIDIA_CDI_HOOK_PATH", "NVIDIA_CTK_PATH"),
-        default="/usr/bin/nvidia-ctk", honoured=("/usr/bin/nvidia-ctk",),
-        refusal=(_NO_CDI_SPEC, "remove it, and give the hook path to nvidia-ctk cdi generate"),
-        help="only /usr/bin/nvidia-ctk (the device plugin writes no CDI spec)",
+        help="the host's nvidia-cdi-hook (or nvidia-ctk) that CDI specs' hooks run (default: found under the "
+        "driver root, else no hooks)",
     ),
     NvidiaSetting(
         ("--driver-root-ctr-path", "--container-driver-root"), ("DRIVER_ROOT_CTR_PATH", "CONTAINER_DRIVER_ROOT"),
-        default="/driver-root", honoured=("/driver-root",),
-        refusal=(_NO_CDI_SPEC + " and mounts no driver root", "remove it"),
-        help="only /driver-root (the device plugin writes no CDI spec)",
+        help="where the agent sees the driver root (the DaemonSet's mount of it; default: the driver root's path)",
     ),
     NvidiaSetting(
         ("--cdi-feature-flags",), ("CDI_FEATURE_FLAGS",), Kind.TEXTS, honoured=(),
-        refusal=(_NO_CDI_SPEC, "remove it, and give the feature flags to nvidia-ctk cdi generate"),
-        help="refused (the device plugin writes no CDI spec)",
+        refusal=(_NO_CDI_SPEC, "remove it"),
+        help="refused (Tessera's CDI specs take no feature flags)",
     ),
     NvidiaSetting(
         ("--cdi-disable-hooks",), ("CDI_DISABLE_HOOKS",), Kind.TEXTS, honoured=(),
-        refusal=(_NO_CDI_SPEC, "remove it, and choose the hooks with nvidia-ctk cdi generate"),
-        help="refused (the device plugin writes no CDI spec)",
+        refusal=(
+            _NO_CDI_SPEC,
+            "remove it, or give --nvidia-cdi-hook-path a hook of your choice, or use --node-wide-cdi and choose the "
+            "hooks with nvidia-ctk cdi generate",
+        ),
+        help="refused (Tessera's CDI specs run every hook the driver root offers)",
     ),
     NvidiaSetting(
         ("--imex-channel-ids",), ("IMEX_CHANNEL_IDS",), Kind.INTS, honoured=(),
@@ -303,9 +296,23 @@ class NvidiaFlags:
     chosen: Mapping[str, Chosen]  # by Tessera's dest: the flag (or Tessera's variable), else NVIDIA's variable
     fail_on_init_error: bool | None = None  # None: neither the flag nor FAIL_ON_INIT_ERROR was given
     warnings: tuple[str, ...] = ()
+    driver: Mapping[str, str] = field(default_factory=dict)  # DRIVER_SETTINGS given: dest -> value
+
+    def driver_root(self) -> dict[str, str | None]:
+        """The driver root's settings (``agent.gpu.driver_root.DriverRoot``'s fields), None where not given."""
+        return {name: self.driver.get(dest) for dest, name in DRIVER_SETTINGS.items()}
 
     def value(self, dest: str) -> str | None:
         return self.chosen[dest].value
+
+
+# NVIDIA's settings that say where the driver is (for CDI specs): dest -> the DriverRoot field it sets
+DRIVER_SETTINGS = {
+    "nvidia_driver_root": "root",
+    "nvidia_dev_root": "dev_root",
+    "nvidia_nvidia_cdi_hook_path": "hook_path",
+    "nvidia_driver_root_ctr_path": "container_root",
+}
 
 
 def parse_go_bool(text: str) -> bool:
@@ -323,6 +330,7 @@ def read(args: argparse.Namespace, environ: Mapping[str, str]) -> NvidiaFlags:
     chosen: dict[str, Chosen] = {}
     warnings: list[str] = []
     fail_on_init_error: bool | None = None
+    driver: dict[str, str] = {}
     for setting in SETTINGS:
         if setting.tessera:
             chosen[setting.dest] = _tessera_or_nvidia(setting, args, environ, warnings)
@@ -336,7 +344,9 @@ def read(args: argparse.Namespace, environ: Mapping[str, str]) -> NvidiaFlags:
         value = _checked(setting, *source)
         if setting.dest == "nvidia_fail_on_init_error":
             fail_on_init_error = value == "true"
-    return NvidiaFlags(chosen, fail_on_init_error, tuple(warnings))
+        if setting.dest in DRIVER_SETTINGS and value:
+            driver[setting.dest] = value
+    return NvidiaFlags(chosen, fail_on_init_error, tuple(warnings), driver)
 
 
 def _first_env(setting: NvidiaSetting, environ: Mapping[str, str]) -> tuple[str, str] | None:
@@ -461,6 +471,15 @@ CONFIG_FLAGS: dict[str, str] = {
 }
 
 
+# The config's flags that say where the driver is: read by Tessera from its command line only (NVIDIA's defaults)
+CONFIG_DRIVER_FLAGS = {
+    "flags.nvidiaDriverRoot": "/",
+    "flags.nvidiaDevRoot": "/",
+    "flags.plugin.nvidiaCTKPath": "/usr/bin/nvidia-ctk",
+    "flags.plugin.containerDriverRoot": "/driver-root",
+}
+
+
 def config_flag_warnings(values: Mapping[str, object]) -> list[str]:
     """What a config's ``flags`` ask for that Tessera does not do, one warning each (``values``: config key
     path -> the value the config gives, None when absent). A config is shared by many nodes and reloaded
@@ -468,6 +487,13 @@ def config_flag_warnings(values: Mapping[str, object]) -> list[str]:
     is refused before anything starts."""
     by_flag = {flag: setting for setting in SETTINGS for flag in setting.flags}
     warnings = []
+    for key, nvidia_default in CONFIG_DRIVER_FLAGS.items():
+        value = values.get(key)
+        if value not in (None, "", nvidia_default):
+            warnings.append(
+                f"{key}: Tessera takes where the driver is from its command line only; give {CONFIG_FLAGS[key]} "
+                "(or its variable) to the agent instead; the setting is ignored"
+            )
     for key, flag in CONFIG_FLAGS.items():
         value = values.get(key)
         setting = by_flag.get(flag)

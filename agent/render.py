@@ -3,9 +3,10 @@ MIG layouts as a person reads them (``GPUs 0-7``, ``3g.40gb + 2g.20gb + 1g.10gb`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from agent.core.inventory import Inventory
+from agent.core.memlimits import ResourceEnforcement
 from agent.core.mig_catalog import parse_profile_name
 from agent.core.resources import Device, Resource, ResourcePlan
 
@@ -37,7 +38,8 @@ def inventory_details(inventory: Inventory) -> str:
     return "\n".join(lines)
 
 
-def plan_table(plan: ResourcePlan) -> str:
+def plan_table(plan: ResourcePlan, held: Sequence[ResourceEnforcement] = ()) -> str:
+    """The devices, what would hold each sized resource's memory (``held``), then the one-line summary."""
     rows = [("RESOURCE", "DEVICE ID", "GPU", "INDEX", "PROFILE", "MEMORY")]
     for resource in plan.resources:
         for device in resource.devices:
@@ -54,10 +56,22 @@ def plan_table(plan: ResourcePlan) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     summary = ", ".join(_resource_summary(r) for r in plan.resources) or "nothing"
+    lines += memory_limit_lines(held)
     lines.append("")
     lines.append(f"Advertised (mig-strategy {plan.mig_strategy}): {summary}")
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def memory_limit_lines(held: Sequence[ResourceEnforcement]) -> list[str]:
+    """``tessera plan``: what would hold each sized resource's containers to their size on this node, and why."""
+    if not held:
+        return []
+    lines = ["", "Memory limits (per container, each replica's size):"]
+    for row in held:
+        size = f"request {row.request_mib} MiB, limit {row.limit_mib} MiB"
+        lines.append(f"  {row.resource}: {size}; {row.enforcement}: {row.reason}")
+    return lines
 
 
 def _memory(resource: Resource, device: Device) -> str:
@@ -65,6 +79,9 @@ def _memory(resource: Resource, device: Device) -> str:
     replica's whole GPU, shared with the other replicas (``81920 MiB shared``), else the device's memory."""
     if resource.mps is not None:
         return f"{resource.memory_of(device)} MiB of {device.memory_mib}"
+    if resource.sharing == "time-slicing" and resource.memory is not None:
+        request, limit = resource.memory.request_mib, resource.memory.limit_mib
+        return f"{request} MiB of {device.memory_mib}" + (f", bursts to {limit}" if limit != request else "")
     if resource.sharing == "time-slicing":
         return f"{device.memory_mib} MiB shared"
     return f"{device.memory_mib} MiB"

@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from agent.agent import Agent, AgentExit, AgentOptions
 from agent.config.effective import FlagOverrides
@@ -23,7 +24,10 @@ from agent.config.labels import validate_node_name
 from agent.config.model import safe_host_path
 from agent.config.watch import ConfigSourceChanged
 from agent.core.allocation import DeviceListStrategy
+from agent.core.dra.cdi import NODE_WIDE_CDI_KIND
 from agent.core.health import health_policy
+from agent.gpu.driver_root import DriverRoot
+from agent.memlimits.settings import MemoryLimitSettings
 from agent.nvidia_flags import NvidiaFlagError, read
 from agent.telemetry.server import parse_address
 from agent.telemetry.service import TelemetrySettings
@@ -84,7 +88,7 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> RunOptio
             mig_strategy=nvidia.value("mig_strategy"),
             device_list_strategy=strategies,
             allocation_policy=nvidia.value("shared_devices_allocation_policy"),
-            cdi_kind=args.cdi_kind,
+            cdi_kind=args.cdi_kind or (NODE_WIDE_CDI_KIND if args.node_wide_cdi else None),
             mps_root=_mps_root(mps_root.value, mps_root.source),
         ),
         mps_control=args.mps_control,
@@ -93,11 +97,14 @@ def build_options(args: argparse.Namespace, environ: dict[str, str]) -> RunOptio
         dra_registry_dir=_host_dir("--dra-registry-dir", args.dra_registry_dir),
         dra_plugins_dir=_host_dir("--dra-plugins-dir", args.dra_plugins_dir),
         cdi_root=_host_dir("--cdi-root", args.cdi_root),
+        driver_root=_driver_root(nvidia.driver_root(), args.host_proc),
+        node_wide_cdi=args.node_wide_cdi,
         sys_root=_host_dir("--host-sys", args.host_sys),
         pod_uid=_pod_uid(args.pod_uid),
         mig_config=Path(args.mig_config) if args.mig_config else None,
         mig_config_name=args.mig_config_name,
         telemetry=_telemetry(args, node_name),
+        memory_limits=_memory_limits(args),
         config_path=Path(config) if config else None,
         config_name=args.config_name,
         node_name=node_name,
@@ -166,6 +173,18 @@ def _telemetry(args: argparse.Namespace, node_name: str | None) -> TelemetrySett
     )
 
 
+def _memory_limits(args: argparse.Namespace) -> MemoryLimitSettings | None:
+    """``--memory-limits on`` (the default): the agent holds sized replicas' containers to their size (``off``:
+    no room, no variables). On by default because only a config that gives sizes has anything to hold, and
+    where the driver cannot (older than r615, MIG) the room says which fallback holds instead of failing."""
+    if args.memory_limits == "off":
+        return None
+    return MemoryLimitSettings(
+        cgroup_root=_host_dir("--cgroup-root", args.cgroup_root),
+        container_logs=_host_dir("--container-logs", args.container_logs),
+    )
+
+
 def _mps_root(value: str | None, source: str) -> str | None:
     if not value:
         return None
@@ -173,6 +192,20 @@ def _mps_root(value: str | None, source: str) -> str | None:
         return safe_host_path(value)
     except ValueError as error:
         raise OptionsError(f"{source}: {error}") from error
+
+
+def _driver_root(given: dict[str, str | None], proc: str) -> DriverRoot:
+    """Where the driver is (NVIDIA's --driver-root, --dev-root, --container-driver-root, --nvidia-cdi-hook-path)."""
+    paths: dict[str, Any] = {}
+    for name, flag in (("root", "--driver-root"), ("container_root", "--container-driver-root"),
+                       ("dev_root", "--dev-root")):  # fmt: skip
+        value = given.get(name)
+        if value:
+            paths[name] = _host_dir(flag, value)
+    hook = given.get("hook_path")
+    if hook and not hook.startswith("/"):
+        raise OptionsError(f"--nvidia-cdi-hook-path: {hook!r} is not an absolute path on the host")
+    return DriverRoot(**paths, hook_path=hook or None, proc=Path(proc))
 
 
 def _host_dir(flag: str, value: str) -> Path:
@@ -229,6 +262,9 @@ def run_agent(
             except SimSpecError as error:
                 raise OptionsError(str(error)) from None
             log.warning("using a SIMULATED GPU driver spec=%s", simulate)
+            if options.driver_root.root == DriverRoot().root and options.driver_root.container_root is None:
+                # no --driver-root: the simulated node's driver files, on disk
+                options = _simulated_driver_root(stack, options, [gpu.minor_number for gpu in driver.gpus])
             if sim_control:
                 from agent.sim.nvml.control import SimControlServer
 
@@ -287,6 +323,26 @@ def _limit_malloc_arenas() -> None:
         ctypes.CDLL(None).mallopt(M_ARENA_MAX, MALLOC_ARENAS)
     except (OSError, AttributeError):  # not glibc (musl has no arenas to limit)
         return
+
+
+def _simulated_driver_root(stack: ExitStack, options: AgentOptions, minors: list[int]) -> AgentOptions:
+    """``options`` with a simulated driver root (stand-in files in a directory removed at the end), so the CDI
+    specs of a simulated node name files that exist."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from agent.sim.driver_root import sim_driver_root
+
+    try:
+        root = Path(tempfile.mkdtemp(prefix="tessera-sim-driver-"))
+        stack.callback(shutil.rmtree, root, True)
+        driver_root = sim_driver_root(root, minors)
+    except OSError as error:  # a read-only /tmp: CDI specs then fail naming the missing driver, nothing else does
+        log.warning("cannot lay out a simulated driver root for CDI specs error=%r", str(error))
+        return options
+    log.warning("using a SIMULATED driver root for CDI specs path=%s", root)
+    return dataclasses.replace(options, driver_root=driver_root)
 
 
 def _resume_collector_once_served(served: threading.Event) -> None:

@@ -42,6 +42,22 @@ class AgentStatus:
     cordoned: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # GPU or MIG UUID -> annotation keys
     cordon_problems: tuple[str, ...] = ()  # cordon entries that name nothing on this node
     dra: Mapping[str, object] | None = None  # the DRA front end: driver, GPUs served, waiting, leaving, error
+    # the memory-limits room's picture: per container and GPU, its request and limit and what enforces them
+    # (``agent.memlimits.manager.HeldLimit``); empty without the room or without sized replicas in use
+    memory_limits: tuple[HeldLimitView, ...] = ()
+
+
+class HeldLimitView(Protocol):
+    """One container's memory limits on one GPU, as the status shows them."""
+
+    @property
+    def gpu_uuid(self) -> str: ...
+    @property
+    def enforcement(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+
+    def to_json(self) -> dict[str, object]: ...
 
 
 class StatusSource(Protocol):

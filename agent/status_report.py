@@ -55,6 +55,7 @@ def status_document(
         "discovery_error": status.discovery_error,
         "stale_gpus": sorted(status.stale_gpus),
         "internal_errors": dict(sorted(status.internal_errors.items())),
+        "memory_limits": [dict(held.to_json()) for held in status.memory_limits],
         "allocated": None if allocated is None else [dict(entry) for entry in sorted(allocated, key=_by_pod_device)],
     }
 
@@ -143,10 +144,15 @@ def render_text(document: Mapping[str, Any]) -> str:
                 if device.get("share"):
                     share = device["share"]
                     compute = f", {share['computePercent']}% of its compute" if share["computePercent"] else ""
-                    extra.append(f"share of {share['memory'] / (1 << 30):g}Gi{compute}")
+                    shares = f", {share['shares']} shares" if share.get("shares") else ""
+                    extra.append(f"share of {_memory(share['memory'])}{compute}{shares}")
                 made.append(device["device"] + (f" ({', '.join(extra)})" if extra else ""))
             state = "" if claim["state"] == "PrepareCompleted" else f" [{claim['state']}]"
             lines.append(f"  claim {claim['claim']}{state}: {', '.join(made)}")
+            for device in claim["devices"]:  # what holds a share's limits: the MPS server, or only its clients
+                if device.get("enforcement"):
+                    lines.append(f"    {device['device']} limits: {device['enforcement']['note']}")
+    lines += memory_limit_lines(document.get("memory_limits") or [])
     for entry in document["cordoned"]:
         lines.append(f"Cordoned:   {entry['unit']} (by {', '.join(entry['by'])})")
     lines += [f"  ignored: {problem}" for problem in document["cordon_problems"]]
@@ -159,6 +165,27 @@ def render_text(document: Mapping[str, Any]) -> str:
         counts = ", ".join(f"{where} {count}" for where, count in document["internal_errors"].items())
         lines.append(f"Internal errors survived: {counts}")
     return "\n".join(lines) + "\n"
+
+
+def memory_limit_lines(held: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each container held to a memory size, per GPU: its request and limit and what holds it to them (the driver,
+    the MPS server's default, or nothing but goodwill: advisory), with the reason when it is not the driver."""
+    if not held:
+        return []
+    lines = ["Memory limits:"]
+    for row in held:
+        who = f"{row['namespace']}/{row['pod']}/{row['container']}"
+        sizes = f"request {_gib(row['request_bytes'])}, limit {_gib(row['limit_bytes'])}"
+        if row["enforcement"] == "driver":
+            how = "driver" + ("" if row["applied"] else " (not applied yet: the container has not started)")
+        else:
+            how = f"{row['enforcement']}: {row['reason']}"
+        lines.append(f"  {who} on GPU {row['gpu_index']}: {sizes}; {how}")
+    return lines
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):g}Gi" if size % (1 << 20) == 0 and size >= 1 << 30 else f"{size >> 20}Mi"
 
 
 def render_idle(document: Mapping[str, Any]) -> str:
@@ -200,3 +227,12 @@ def duration(seconds: float) -> str:
     if whole < 86400:
         return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
     return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def _memory(amount: int) -> str:
+    """A share's memory as a quantity: ``10Gi``, ``1500Mi``; ``no memory`` for none (unlimited or shares mode)."""
+    if not amount:
+        return "no memory"
+    if amount % (1 << 30) == 0:
+        return f"{amount >> 30}Gi"
+    return f"{amount >> 20}Mi"

@@ -25,6 +25,7 @@ PROTOS = (
     "dra/v1/api.proto",
     "dra/v1beta1/api.proto",
     "drahealth/v1alpha1/api.proto",
+    "drahealth/v1/api.proto",
 )
 VIRTUAL_ROOT = "agent/api"
 

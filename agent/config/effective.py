@@ -19,6 +19,7 @@ from agent.core.resources import (
     MpsLimits,
     NamingRule,
     PlanConfig,
+    ReplicaMemory,
     ReplicaRule,
     Sharing,
     SharingConfig,
@@ -105,6 +106,10 @@ def _rules(key: str, group: ReplicatedResources) -> tuple[ReplicaRule, ...]:
                 memory_limit_mib=quantity_mib(entry.memory_limit) if entry.memory_limit else None,
                 oversubscribe=bool(entry.oversubscribe),
             )
+        memory = None
+        if key != "mps" and entry.memory_limit:
+            size = quantity_mib(entry.memory_limit)
+            memory = ReplicaMemory(size, quantity_mib(entry.memory_burst_limit) if entry.memory_burst_limit else size)
         rules.append(
             ReplicaRule(
                 name=entry.name,
@@ -113,6 +118,7 @@ def _rules(key: str, group: ReplicatedResources) -> tuple[ReplicaRule, ...]:
                 devices=selector,
                 where=f"sharing.{key}.resources[{position}]",
                 mps=mps,
+                memory=memory,
             )
         )
     return tuple(rules)

@@ -161,8 +161,9 @@ class ReplicatedResource:
     rename: str | None = None
     replicas: int
     devices: Literal["all"] | int | list[int | str] = "all"
-    # Tessera's MPS extensions (sharing.mps only):
+    # Tessera's extensions (memoryBurstLimit: time-slicing only; activeThreadPercentage, oversubscribe: MPS only):
     memory_limit: str | None = None  # a quantity: 10Gi, 512Mi, 20G
+    memory_burst_limit: str | None = None  # the hard limit a time-sliced replica may burst to (>= memory_limit)
     active_thread_percentage: int | None = None
     oversubscribe: bool | None = None
 
@@ -223,6 +224,21 @@ class DraSection:
     dynamic_mig: Literal["all"] | list[int | str] | None = None  # partitionable devices: MIG made per claim
     gpu_shares: Literal["all"] | list[int | str] | None = None  # consumable capacity: memory-sized shares
     default_share: int | None = None  # bytes a claim that asks for no memory gets of a shared GPU (None: all)
+    consumable_shares: int | str | None = None  # NVIDIA's --consumable-shares: memory, unlimited, N or disabled
+
+    @property
+    def shared_gpus(self) -> Literal["all"] | list[int | str] | None:
+        """The GPUs published for shares: ``gpuShares``, or every one when only ``consumableShares`` is set."""
+        if self.consumable_shares == "disabled":
+            return None
+        if self.gpu_shares is None and self.consumable_shares is not None:
+            return "all"
+        return self.gpu_shares
+
+    @property
+    def share_mode(self) -> int | str:
+        """NVIDIA's ``consumableShares`` mode of the shared GPUs (``memory`` unless set)."""
+        return "memory" if self.consumable_shares is None else self.consumable_shares
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -166,17 +166,37 @@ class ReplicatedResource(_Exact):
     rename: GoString | None = None
     replicas: StrictInt
     devices: Literal["all"] | StrictInt | list[StrictInt | GoString] = "all"
-    # Tessera's MPS extensions (sharing.mps only):
+    # Tessera's extensions. memoryLimit: each replica's GPU memory (MPS: the client's pinned-memory limit;
+    # time-slicing: what the driver holds its container to); memoryBurstLimit (time-slicing only): the hard limit
+    # a replica may burst to above its memoryLimit (its request); the rest sharing.mps only.
     memory_limit: GoString | None = Field(None, alias="memoryLimit")  # a quantity: 10Gi, 512Mi, 20G
+    memory_burst_limit: GoString | None = Field(None, alias="memoryBurstLimit")  # a quantity >= memoryLimit
     active_thread_percentage: StrictInt | None = Field(None, alias="activeThreadPercentage", ge=1, le=100)
     oversubscribe: StrictBool | None = None
 
-    @field_validator("memory_limit")
+    @field_validator("memory_limit", "memory_burst_limit")
     @classmethod
     def _quantity(cls, value: str | None) -> str | None:
-        if value is not None:
-            quantity_mib(value)
+        if value is not None and quantity_mib(value) <= 0:
+            raise ValueError(f"{value!r} is no memory at all; give a size such as 10Gi")
         return value
+
+    @model_validator(mode="after")
+    def _burst_above_size(self) -> ReplicatedResource:
+        if self.memory_burst_limit is None:
+            return self
+        if self.memory_limit is None:
+            raise ValueError(
+                "memoryBurstLimit needs memoryLimit: a replica bursts from its memoryLimit (its guaranteed request) "
+                "up to memoryBurstLimit; set memoryLimit too"
+            )
+        size, ceiling = quantity_mib(self.memory_limit), quantity_mib(self.memory_burst_limit)
+        if ceiling < size:
+            raise ValueError(
+                f"memoryBurstLimit {self.memory_burst_limit} ({ceiling} MiB) is below memoryLimit {self.memory_limit} "
+                f"({size} MiB): the request would be above the limit; raise memoryBurstLimit or remove it"
+            )
+        return self
 
     @field_validator("name")
     @classmethod
@@ -241,11 +261,23 @@ class SharingModel(_Section):
     @classmethod
     def _mps_keys_only_for_mps(cls, value: ReplicatedResources | None) -> ReplicatedResources | None:
         for position, entry in enumerate(value.resources if value else ()):
-            used = [k for k in ("memoryLimit", "activeThreadPercentage", "oversubscribe") if _given(entry, k)]
+            used = [k for k in ("activeThreadPercentage", "oversubscribe") if _given(entry, k)]
             if used:
                 raise ValueError(
                     f"resources[{position}]: {', '.join(used)} only apply to sharing.mps; "
-                    "time-slicing cannot limit a client's memory or threads"
+                    "time-slicing cannot limit a client's threads (memoryLimit holds its memory)"
+                )
+        return value
+
+    @field_validator("mps")
+    @classmethod
+    def _no_burst_under_mps(cls, value: ReplicatedResources | None) -> ReplicatedResources | None:
+        for position, entry in enumerate(value.resources if value else ()):
+            if entry.memory_burst_limit is not None:
+                raise ValueError(
+                    f"resources[{position}]: memoryBurstLimit only applies to sharing.timeSlicing: the MPS server "
+                    "holds every client to its memoryLimit, so a replica cannot burst above it; remove "
+                    "memoryBurstLimit (or raise memoryLimit)"
                 )
         return value
 
@@ -311,10 +343,14 @@ class DraSection(_Section):
     ResourceSlices of driver ``driverName``; every other GPU stays with the device plugin. Off by default.
     ``dynamicMig`` (``all``: every MIG-capable GPU DRA serves, or indices and UUIDs) lists those GPUs as
     partitionable devices: MIG devices are created for a claim and destroyed after it. ``gpuShares`` (``all``:
-    every GPU DRA serves outside dynamic MIG, or indices and UUIDs) publishes those GPUs for memory-sized shares:
-    several claims each take an amount of the GPU's memory (and compute), enforced through MPS. ``defaultShare``
-    (a whole number of GiB) is what a claim that asks for no memory gets of such a GPU (default: all of it), so
-    requests by count — an unchanged pod's ``nvidia.com/gpu.shared: 1`` through a DeviceClass — share GPUs too."""
+    every GPU DRA serves outside dynamic MIG, or indices and UUIDs) publishes those GPUs (and their MIG devices) for
+    shares: several claims each take part of the device, enforced through MPS. ``consumableShares`` is NVIDIA's
+    ``--consumable-shares``: ``memory`` (the default: memory in 1Mi steps, a claim that asks for none gets all of
+    it), ``unlimited`` (memory in 1Mi steps, none by default: any number of claims), a number N (plus a ``shares``
+    capacity of N, one per claim by default) or ``disabled``; set without ``gpuShares`` it shares every GPU DRA
+    serves outside dynamic MIG, as NVIDIA's does. ``defaultShare`` (``memory`` mode, whole MiB) is what a claim that
+    asks for no memory gets of such a GPU (default: all of it), so requests by count — an unchanged pod's
+    ``nvidia.com/gpu.shared: 1`` through a DeviceClass — share GPUs too."""
 
     enabled: StrictBool = False
     driver_name: GoString = Field("gpu.nvidia.com", alias="driverName")
@@ -322,6 +358,28 @@ class DraSection(_Section):
     dynamic_mig: Literal["all"] | list[StrictInt | GoString] | None = Field(None, alias="dynamicMig")
     gpu_shares: Literal["all"] | list[StrictInt | GoString] | None = Field(None, alias="gpuShares")
     default_share: StrictInt | None = Field(None, alias="defaultShare")  # bytes, from a quantity such as "10Gi"
+    consumable_shares: StrictInt | GoString | None = Field(None, alias="consumableShares")  # NVIDIA's spelling
+
+    @field_validator("consumable_shares", mode="before")
+    @classmethod
+    def _consumable_shares(cls, value: object) -> object:
+        from agent.core.dra.shares import check_mode
+
+        return None if value is None else check_mode(value)
+
+    @property
+    def shared_gpus(self) -> Literal["all"] | list[int | str] | None:
+        """The GPUs published for shares: ``gpuShares``, or every one when only ``consumableShares`` is set."""
+        if self.consumable_shares == "disabled":
+            return None
+        if self.gpu_shares is None and self.consumable_shares is not None:
+            return "all"
+        return self.gpu_shares
+
+    @property
+    def share_mode(self) -> int | str:
+        """NVIDIA's ``consumableShares`` mode of the shared GPUs (``memory`` unless set)."""
+        return "memory" if self.consumable_shares is None else self.consumable_shares
 
     @field_validator("default_share", mode="before")
     @classmethod
@@ -334,16 +392,27 @@ class DraSection(_Section):
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise ValueError("write a memory size such as 10Gi")
         # bounded before any arithmetic: "1e10000000" is refused at once, naming the bound (QuantityError)
-        amount = parse_quantity(value, what="memory size", hint="write a whole number of GiB such as 10Gi")
+        amount = parse_quantity(value, what="memory size", hint="write a whole number of MiB such as 1500Mi or 10Gi")
         if amount <= 0 or amount.denominator != 1 or amount % MEMORY_STEP:
             shown = repr(value) if isinstance(value, int) or len(value) <= 40 else f"{value[:40]!r}..."
-            raise ValueError(f"{shown} is not a whole number of GiB (1Gi, 10Gi, …): shares come in 1Gi steps")
+            raise ValueError(f"{shown} is not a whole number of MiB (1500Mi, 10Gi, …): shares come in 1Mi steps")
         return int(amount)
 
     @model_validator(mode="after")
     def _shares_named(self) -> DraSection:
-        if self.default_share is not None and self.gpu_shares is None:
+        if self.consumable_shares == "disabled" and self.gpu_shares is not None:
+            raise ValueError(
+                "consumableShares is disabled but gpuShares names GPUs to share: remove one of dra.consumableShares "
+                "and dra.gpuShares"
+            )
+        if self.default_share is not None and self.shared_gpus is None:
             raise ValueError("defaultShare is set but gpuShares names no GPU to share: add dra.gpuShares")
+        if self.default_share is not None and self.share_mode != "memory":
+            raise ValueError(
+                f"defaultShare is what a claim that asks for no memory gets with consumableShares: memory; with "
+                f"consumableShares: {self.share_mode} such a claim takes no memory (as on NVIDIA's driver): remove "
+                "dra.defaultShare"
+            )
         return self
 
     @field_validator("driver_name")

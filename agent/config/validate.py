@@ -105,7 +105,9 @@ def _dra_summary(model: ConfigModel) -> str:
         return value if isinstance(value, str) else ", ".join(map(str, value))  # type: ignore[call-overload]
 
     extras = [f"{what}: {gpus(value)}" for what, value in (("dynamic MIG", section.dynamic_mig),
-              ("GPU shares", section.gpu_shares)) if value is not None]  # fmt: skip
+              ("GPU shares", section.shared_gpus)) if value is not None]  # fmt: skip
+    if section.shared_gpus is not None and section.share_mode != "memory":
+        extras[-1] += f", consumableShares {section.share_mode}"
     return f", DRA on {gpus(section.gpus)} GPUs" + (f" ({'; '.join(extras)})" if extras else "")
 
 

@@ -12,11 +12,15 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from agent.core.mps import CONTAINER_MPS_ROOT, daemon_key
-from agent.core.resources import Device, MpsLimits
+from agent.core.resources import Device, MpsLimits, ReplicaMemory, replica_memory
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+# What the container toolkit's apply-cuda-memory-limits hook (v1.20.1+) reads from the container's spec and applies
+# to its cgroup through NVML (driver r615+): singular, whole MiB, the same on each of the container's GPUs.
+MEMORY_REQUEST_ENV = "NVIDIA_GPU_MEMORY_REQUEST"
+MEMORY_LIMIT_ENV = "NVIDIA_GPU_MEMORY_LIMIT"
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
-DEFAULT_CDI_KIND = "nvidia.com/gpu"
+DEFAULT_CDI_KIND = "k8s.device-plugin.nvidia.com/gpu"  # the spec Tessera writes, named as NVIDIA's plugin names it
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 
 
@@ -132,6 +136,9 @@ class Allocator:
     mps_envs: Mapping[str, Mapping[str, str]]  # daemon key -> its pipe directory and thread percentage
     mps_mounts: Mapping[str, tuple[Mount, ...]]  # daemon key -> pipe and shared-memory mounts
     mps_memory: Mapping[str, str]  # physical ID -> "<uuid>=<MiB>M", its pinned-memory limit
+    # device ID -> (its GPU, request MiB, limit MiB): the memory-limit variables; empty when they are not given
+    memory_sizes: Mapping[str, tuple[str, int, int]] = field(default_factory=dict)
+    cdi_unavailable: str = ""  # why the CDI names would not resolve (the spec could not be written): refused
 
     @classmethod
     def of(
@@ -144,7 +151,14 @@ class Allocator:
         cdi_kind: str = DEFAULT_CDI_KIND,
         mps: MpsClient | None = None,
         fail_requests_greater_than_one: bool = False,
+        memory: ReplicaMemory | None = None,
+        replicas: int = 1,
+        memory_envs: bool = False,
+        cdi_unavailable: str = "",
     ) -> Allocator:
+        """``memory``: a time-sliced resource's replica size; ``memory_envs``: give a container of a sized replica
+        (MPS or time-sliced) ``NVIDIA_GPU_MEMORY_REQUEST`` / ``NVIDIA_GPU_MEMORY_LIMIT`` (the node enforces memory
+        limits: ``tessera run --memory-limits on``)."""
         by_id = {d.id: d for d in devices}
         chosen = set(strategies)
         physical = {i: d.physical_id for i, d in by_id.items()}
@@ -189,10 +203,14 @@ class Allocator:
             mps_envs=mps_envs,
             mps_mounts=mps_mounts,
             mps_memory=mps_memory,
+            memory_sizes=_memory_sizes(by_id, mps, memory, replicas) if memory_envs else {},
+            cdi_unavailable=cdi_unavailable if DeviceListStrategy.CDI_CRI in chosen or annotate else "",
         )
 
     def allocate(self, requested: Sequence[str]) -> ContainerAllocation:
         """Validate one container's request and answer it; ``AllocationError`` names every bad ID."""
+        if self.cdi_unavailable:  # CDI names no spec holds would fail the container's creation: refuse up front
+            raise AllocationError(f"{self.resource}: its CDI devices cannot be given: {self.cdi_unavailable}")
         valid = 0 < len(requested) == len(set(requested)) and self.healthy.issuperset(requested)
         if not valid or (self.fail_requests_greater_than_one and len(requested) > 1):
             # the rare path: validate_request says precisely what is wrong (or that nothing is)
@@ -231,12 +249,42 @@ class Allocator:
             envs.update(self.mps_envs[keys[0]])
             envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(self.mps_memory[u] for u in physical)
             mounts += self.mps_mounts[keys[0]]
+        if self.memory_sizes:
+            envs.update(memory_limit_envs([self.memory_sizes[i] for i in ids if i in self.memory_sizes]))
         return ContainerAllocation(
             envs=envs,
             mounts=mounts,
             cdi_devices=cdi_names if self.cdi_cri else (),
             annotations=annotations,
         )
+
+
+def _memory_sizes(
+    devices: Mapping[str, Device], mps: MpsClient | None, memory: ReplicaMemory | None, replicas: int
+) -> dict[str, tuple[str, int, int]]:
+    limits = mps.limits if mps is not None else None
+    replicas = mps.replicas if mps is not None else replicas
+    sizes = {}
+    for device_id, device in devices.items():
+        sized = replica_memory(device, replicas, limits, memory)
+        if sized is not None:
+            sizes[device_id] = (device.gpu_uuid, *sized)
+    return sizes
+
+
+def memory_limit_envs(sizes: Sequence[tuple[str, int, int]]) -> dict[str, str]:
+    """The toolkit hook's variables for a container given devices of these (GPU, request MiB, limit MiB): on each
+    GPU the sum of its devices there. The variables are singular (one value for every GPU of the container), so
+    when the sums differ between GPUs none is given and the agent's own path sets each GPU's limits after the
+    start (``agent.memlimits``); a container given no sized device gets none either."""
+    per_gpu: dict[str, tuple[int, int]] = {}
+    for gpu, request, limit in sizes:
+        had = per_gpu.get(gpu, (0, 0))
+        per_gpu[gpu] = (had[0] + request, had[1] + limit)
+    if len(set(per_gpu.values())) != 1:
+        return {}
+    request, limit = next(iter(per_gpu.values()))
+    return {MEMORY_REQUEST_ENV: str(request), MEMORY_LIMIT_ENV: str(limit)}
 
 
 def _annotation_safe(resource: str) -> str:

@@ -3,7 +3,8 @@
 The agent publishes one status value after every change; :func:`announcements` compares the previous one with
 the new one and says, in the terms ``kubectl describe node`` shows, what happened: a device went Unhealthy (the
 XID and the catalog's action) or Healthy again, a config was applied or rejected, a MIG change is pending, was
-applied or failed, an MPS daemon restarted or is failing, a GPU was cordoned. Deriving the announcements from
+applied or failed, an MPS daemon restarted or is failing, a GPU was cordoned, a DRA claim's share is held only
+advisorily (an Event on the claim: ``kubectl describe resourceclaim`` shows it). Deriving the announcements from
 the status (instead of calling a recorder from every handler) keeps them true to what the status says and
 keeps the reconcile loop's handlers free of reporting code.
 """
@@ -28,6 +29,7 @@ class Announcement:
     reason: str
     action: str
     note: str
+    regarding: Mapping[str, str] | None = None  # another object than the Node (a ResourceClaim); None: the Node
 
 
 class StatusView(Protocol):
@@ -53,6 +55,21 @@ class StatusView(Protocol):
     def cordoned(self) -> Mapping[str, tuple[str, ...]]: ...
     @property
     def cordon_problems(self) -> tuple[str, ...]: ...
+    @property
+    def dra(self) -> Mapping[str, object] | None: ...
+    @property
+    def memory_limits(self) -> tuple[HeldView, ...]: ...
+
+
+class HeldView(Protocol):
+    """One container's memory limits on one GPU (``agent.memlimits.manager.HeldLimit``)."""
+
+    @property
+    def gpu_uuid(self) -> str: ...
+    @property
+    def enforcement(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
 
 
 def announcements(before: StatusView, after: StatusView) -> list[Announcement]:
@@ -63,7 +80,39 @@ def announcements(before: StatusView, after: StatusView) -> list[Announcement]:
     said += _mig(before, after)
     said += _mps(before, after)
     said += _cordon(before, after)
+    said += _shares(before, after)
+    said += _memory_limits(before, after)
     return said
+
+
+def _shares(before: StatusView, after: StatusView) -> list[Announcement]:
+    """A claim's share whose limits its device's MPS server does not hold exactly (a larger share sets the ceiling,
+    or nothing holds it): a Warning on the claim, each time what holds it changes."""
+    if before.dra is after.dra:
+        return []
+    old = _share_notes(before.dra)
+    said = []
+    for (uid, namespace, name, device), note in sorted(_share_notes(after.dra).items()):
+        if note is None or old.get((uid, namespace, name, device)) == note:
+            continue
+        regarding = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "namespace": namespace,
+                     "name": name, "uid": uid}  # fmt: skip
+        said.append(Announcement("Warning", "ShareLimitAdvisory", "PrepareShare", f"{device}: {note}", regarding))
+    return said
+
+
+def _share_notes(dra: Mapping[str, object] | None) -> dict[tuple[str, str, str, str], str | None]:
+    """(claim uid, namespace, name, device) -> the enforcement note of an advisory share (None: held exactly)."""
+    notes: dict[tuple[str, str, str, str], str | None] = {}
+    claims = dra.get("claims") if dra else None
+    for claim in claims if isinstance(claims, list) else ():
+        namespace, _, name = str(claim.get("claim", "")).partition("/")
+        for device in claim.get("devices") or ():
+            held = device.get("enforcement")
+            if isinstance(held, Mapping):
+                key = (str(claim.get("uid")), namespace, name, str(device.get("device")))
+                notes[key] = str(held.get("note")) if held.get("advisory") else None
+    return notes
 
 
 def _health(before: StatusView, after: StatusView) -> list[Announcement]:
@@ -176,6 +225,38 @@ def _cordon(before: StatusView, after: StatusView) -> list[Announcement]:
     for problem in after.cordon_problems:
         if problem not in before.cordon_problems:
             said.append(Announcement("Warning", "CordonEntryIgnored", "Cordon", problem))
+    return said
+
+
+def _fallbacks(status: StatusView) -> dict[tuple[str, str], set[str]]:
+    """(enforcement, reason) -> the GPUs where a container's memory size is held by something else than the
+    driver."""
+    found: dict[tuple[str, str], set[str]] = {}
+    for held in status.memory_limits:
+        if str(held.enforcement) != "driver":
+            found.setdefault((str(held.enforcement), held.reason), set()).add(held.gpu_uuid)
+    return found
+
+
+def _memory_limits(before: StatusView, after: StatusView) -> list[Announcement]:
+    """A fallback from the driver's memory limits, once when it starts (not once per container it holds)."""
+    if before.memory_limits is after.memory_limits:
+        return []
+    known = _fallbacks(before)
+    said = []
+    for (how, why), gpus in sorted(_fallbacks(after).items()):
+        if (how, why) in known:
+            continue
+        where = ", ".join(_name(uuid, after.inventory) for uuid in sorted(gpus))
+        holds = "the MPS server's per-client default" if how == "mps" else "nothing but the workload's goodwill"
+        said.append(
+            Announcement(
+                "Warning",
+                "MemoryLimitFallback",
+                "LimitMemory",
+                f"containers' GPU memory sizes on {where} are held by {holds} ({how}), not the driver: {why}",
+            )
+        )
     return said
 
 

@@ -212,20 +212,46 @@ def regarding(node_name: str, node_uid: str | None) -> dict[str, str]:
     return {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid or node_name}
 
 
+Regarding = tuple[tuple[str, str], ...]  # another subject than the Node (a ResourceClaim), as sorted (key, value)
+_REGARDING_KEYS = frozenset({"apiVersion", "kind", "namespace", "name", "uid"})
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def validate_regarding(subject: object) -> Regarding:
+    """A namespaced object as an Event's subject (``apiVersion``, ``kind``, ``namespace``, ``name``, ``uid``, all
+    non-empty strings, the namespace a DNS label); ValueError naming what is wrong."""
+    if not isinstance(subject, dict) or set(subject) != _REGARDING_KEYS:
+        raise ValueError(f"an Event's subject needs exactly {sorted(_REGARDING_KEYS)}, got {subject!r:.200}")
+    if not all(isinstance(v, str) and v and len(v) <= 253 for v in subject.values()):
+        raise ValueError(f"an Event's subject has an empty or overlong field: {subject!r:.200}")
+    if not _DNS_LABEL.fullmatch(subject["namespace"]):
+        raise ValueError(f"an Event's subject namespace {subject['namespace']!r:.80} is not a DNS label")
+    return tuple(sorted(subject.items()))
+
+
 def event_body(
-    node_name: str, node_uid: str | None, type_: str, reason: str, action: str, note: str, occurrence: Occurrence
+    node_name: str,
+    node_uid: str | None,
+    type_: str,
+    reason: str,
+    action: str,
+    note: str,
+    occurrence: Occurrence,
+    subject: Regarding | None = None,
 ) -> dict[str, object]:
-    """The ``events.k8s.io/v1`` Event to create; with its series when ``occurrence`` is a repeat."""
+    """The ``events.k8s.io/v1`` Event to create (about the Node, or ``subject`` in its namespace); with its series
+    when ``occurrence`` is a repeat."""
+    about = dict(subject) if subject is not None else regarding(node_name, node_uid)
     body: dict[str, object] = {
         "apiVersion": "events.k8s.io/v1",
         "kind": "Event",
-        "metadata": {"name": occurrence.name, "namespace": NAMESPACE},
+        "metadata": {"name": occurrence.name, "namespace": about.get("namespace", NAMESPACE)},
         "eventTime": MicroTime.of(occurrence.first_seen),
         "reportingController": REPORTING_CONTROLLER,
         "reportingInstance": node_name[:INSTANCE_LIMIT],
         "action": action,
         "reason": reason,
-        "regarding": regarding(node_name, node_uid),
+        "regarding": about,
         "note": note,
         "type": type_,
     }

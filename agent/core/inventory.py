@@ -17,6 +17,21 @@ class Placement:
 
 
 @dataclass(frozen=True, slots=True)
+class GiProfileCounts:
+    """What NVML's GPU instance profile info (``nvmlDeviceGetGpuInstanceProfileInfo``) says one GPU instance of a
+    profile holds: the DRA capacities of a MIG device, as NVIDIA's driver reads them."""
+
+    id: int  # the GPU instance profile ID
+    multiprocessors: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg_engines: int
+    ofa_engines: int
+    memory_mib: int
+
+
+@dataclass(frozen=True, slots=True)
 class MigDevice:
     """One compute instance, which the driver exposes as one MIG device."""
 
@@ -67,6 +82,13 @@ class Gpu:
     numa_node: int | None = None
     compute_mode: str | None = None  # None when the driver does not say (e.g. parent of a MIG GPU)
     brand: str = ""  # go-nvlib's brand string ("Nvidia", "Tesla", ...); "" when NVML does not say
+    addressing_mode: str | None = None  # NVML's addressing mode: "HMM", "ATS" or "None"; None when not reported
+    # the GPU instance profiles NVML describes, by ascending ID; read while MIG mode is on (empty otherwise)
+    gi_profiles: tuple[GiProfileCounts, ...] = ()
+
+    def gi_profile(self, profile_id: int) -> GiProfileCounts | None:
+        """NVML's description of the GPU instance profile ``profile_id``, when discovery read one."""
+        return next((p for p in self.gi_profiles if p.id == profile_id), None)
 
     @property
     def mig_change_pending(self) -> bool:

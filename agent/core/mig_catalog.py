@@ -41,7 +41,9 @@ class GiProfileInfo:
     placements: tuple[Placement, ...]  # in memory slices
     media_extensions: bool  # +me (REV1 indices 7, 8): one per GPU
     full_ci_profile_id: int  # the compute instance profile spanning the whole GPU instance
-    # What NVML's GPU instance profile info says the instance holds (the DRA capacities of a MIG device)
+    # What NVML's GPU instance profile info says the instance holds. The DRA capacities of a MIG device are read
+    # from NVML itself (``Gpu.gi_profiles``, as NVIDIA's driver does); these are the simulator's data and the
+    # fallback for an inventory without profile info (dynamic MIG on a GPU whose MIG mode is still off)
     multiprocessors: int = 0
     copy_engines: int = 0
     decoders: int = 0

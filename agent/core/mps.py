@@ -27,6 +27,11 @@ class MpsDaemonSpec:
     def physical_ids(self) -> frozenset[str]:
         return frozenset(self.visible_devices)
 
+    @property
+    def limits(self) -> tuple[int, tuple[tuple[str, int], ...]]:
+        """The limits the daemon's servers hold (thread percentage, pinned memory per device)."""
+        return (self.active_thread_percentage, self.pinned_memory_mib)
+
 
 def daemon_key(resource: str, device: Device) -> str:
     if device.mig_uuid is None:

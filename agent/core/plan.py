@@ -26,6 +26,7 @@ from agent.core.resources import (
     NamingRule,
     PlanConfig,
     PlanError,
+    ReplicaMemory,
     ReplicaRule,
     Resource,
     ResourcePlan,
@@ -135,14 +136,24 @@ def _share(
     replicated: dict[str, list[Device]] = defaultdict(list)
     replicas_of: dict[str, tuple[int, str]] = {}  # target -> (replicas, rule)
     mps_of: dict[str, MpsLimits] = {}
+    memory_of: dict[str, ReplicaMemory] = {}
+    sizes_of: dict[str, tuple[object, str]] = {}  # target -> (its memory size, the first rule giving it)
     for rule in sharing.rules:
         devices = base.get(rule.name, [])
         if not devices:
             warnings.append(f"{rule.where}: no device on this node is {rule.name}; nothing is shared by this entry")
             continue
+        if rule.memory is not None and rule.target == rule.name:
+            warnings.append(
+                f"{rule.where}: replicas held to {rule.memory.request_mib} MiB keep the name {rule.name}: a pod asking "
+                f"for {rule.name} gets a {rule.memory.request_mib} MiB share, not a whole device; set rename or "
+                "renameByDefault to tell them apart"
+            )
         for device in _select(rule, devices, inventory):
             if rule.mps is not None:
                 _check_mps(rule, device, inventory)
+            if rule.memory is not None:
+                _check_sized(rule, device)
             if device.physical_id in claimed:
                 raise PlanError(
                     f"{rule.where}: GPU {device.index} ({device.physical_id}) is already shared by "
@@ -154,6 +165,16 @@ def _share(
             ]
         if rule.mps is not None:
             mps_of.setdefault(rule.target, rule.mps)
+        if rule.memory is not None:
+            memory_of.setdefault(rule.target, rule.memory)
+        sized = (rule.mps.memory_limit_mib if rule.mps else None, rule.memory)
+        first = sizes_of.setdefault(rule.target, (sized, rule.where))
+        if first[0] != sized:
+            raise PlanError(
+                f"{rule.where}.memoryLimit: {rule.target} gets a different memory size here than in {first[1]}; "
+                "one resource has one size: give both entries the same memoryLimit (and memoryBurstLimit), or "
+                "rename one of them"
+            )
         previous = replicas_of.setdefault(rule.target, (rule.replicas, rule.where))
         if previous[0] != rule.replicas:
             raise PlanError(
@@ -180,6 +201,7 @@ def _share(
                 replicas=replicas_of[name][0],
                 fail_requests_greater_than_one=sharing.fail_requests_greater_than_one,
                 mps=mps_of.get(name),
+                memory=memory_of.get(name),
             )
         )
     return resources
@@ -209,10 +231,42 @@ def _check_mps(rule: ReplicaRule, device: Device, inventory: Inventory) -> None:
             f"use at most {cap} replicas"
         )
     per_client = rule.mps.memory_for(device.memory_mib, rule.replicas)
+    if per_client > device.memory_mib:
+        raise PlanError(
+            f"{rule.where}.memoryLimit: {per_client} MiB per client is more than the {device.memory_mib} MiB of "
+            f"{what} (oversubscribe cannot give a client more than the whole device); give at most "
+            f"{device.memory_mib} MiB"
+        )
     if per_client * rule.replicas > device.memory_mib and not rule.mps.oversubscribe:
         raise PlanError(
             f"{rule.where}.memoryLimit: {rule.replicas} clients x {per_client} MiB is more than the "
             f"{device.memory_mib} MiB of {what}; lower memoryLimit or replicas, or set oversubscribe: true"
+        )
+
+
+def _check_sized(rule: ReplicaRule, device: Device) -> None:
+    """A time-sliced replica with a size: only the driver can hold it (no MPS server), never on a MIG device, and
+    the replicas' guaranteed memory (their requests) must fit in the device, as must the burst ceiling."""
+    assert rule.memory is not None
+    what = f"MIG device {device.index} ({device.mig_profile})" if device.mig_uuid else f"GPU {device.index}"
+    if device.mig_uuid is not None:
+        raise PlanError(
+            f"{rule.where}.memoryLimit: {rule.name} is a MIG device ({what}): the driver holds no container to a "
+            "memory size on MIG devices and time-slicing has no MPS server to do it; remove memoryLimit, or share "
+            "the MIG device with sharing.mps"
+        )
+    memory = rule.memory
+    if memory.limit_mib > device.memory_mib:
+        field = "memoryBurstLimit" if memory.limit_mib != memory.request_mib else "memoryLimit"
+        raise PlanError(
+            f"{rule.where}.{field}: {memory.limit_mib} MiB is more than the {device.memory_mib} MiB of {what}; "
+            f"give at most {device.memory_mib} MiB"
+        )
+    if memory.request_mib * rule.replicas > device.memory_mib:
+        raise PlanError(
+            f"{rule.where}.memoryLimit: {rule.replicas} replicas x {memory.request_mib} MiB guaranteed is more than "
+            f"the {device.memory_mib} MiB of {what}; lower memoryLimit or replicas (memoryBurstLimit lets a replica "
+            "use more when the others leave it free)"
         )
 
 

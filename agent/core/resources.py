@@ -64,6 +64,29 @@ class MpsLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaMemory:
+    """Tessera: the GPU memory each time-sliced replica is held to (``memoryLimit``, ``memoryBurstLimit``): its
+    container is guaranteed ``request_mib`` (the driver's soft limit) and may allocate up to ``limit_mib`` (the
+    hard limit). Without bursting the two are the same."""
+
+    request_mib: int
+    limit_mib: int
+
+
+def replica_memory(
+    device: Device, replicas: int, mps: MpsLimits | None, memory: ReplicaMemory | None
+) -> tuple[int, int] | None:
+    """(request, limit) in MiB a container given one replica of ``device`` is held to, or None when it has no size
+    (a whole GPU, a time-sliced replica without memoryLimit: it may use all of its device)."""
+    if mps is not None:
+        size = mps.memory_for(device.memory_mib, replicas)
+        return size, size
+    if memory is not None:
+        return memory.request_mib, memory.limit_mib
+    return None
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaRule:
     """One ``sharing.<strategy>.resources[]`` entry: replicate ``name``'s selected devices ``replicas`` times."""
 
@@ -73,6 +96,7 @@ class ReplicaRule:
     devices: DeviceSelector = field(default_factory=DeviceSelector)
     where: str = ""  # the config path, for messages: sharing.timeSlicing.resources[0]
     mps: MpsLimits | None = None  # set for sharing.mps entries
+    memory: ReplicaMemory | None = None  # set for time-slicing entries with a memoryLimit
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,13 +159,18 @@ class Resource:
     replicas: int = 1  # replicas per physical device
     fail_requests_greater_than_one: bool = False
     mps: MpsLimits | None = None
+    memory: ReplicaMemory | None = None  # time-sliced replicas with a size (Tessera's memoryLimit)
 
     def memory_of(self, device: Device) -> int:
         """The memory (MiB) a pod given ``device`` may use: an MPS replica's pinned-memory limit (its slice of
-        the GPU), else the device's own memory (a time-sliced replica may use all of it, shared with the others)."""
-        if self.mps is None:
-            return device.memory_mib
-        return self.mps.memory_for(device.memory_mib, self.replicas)
+        the GPU), a sized time-sliced replica's limit, else the device's own memory (a time-sliced replica may
+        use all of it, shared with the others)."""
+        sized = self.limits_of(device)
+        return device.memory_mib if sized is None else sized[1]
+
+    def limits_of(self, device: Device) -> tuple[int, int] | None:
+        """(request, limit) in MiB a container given ``device`` is held to; None when it has no size."""
+        return replica_memory(device, self.replicas, self.mps, self.memory)
 
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {
@@ -157,6 +186,8 @@ class Resource:
                     d.physical_id: self.mps.memory_for(d.memory_mib, self.replicas) for d in self.devices
                 },
             }
+        if self.memory is not None:
+            document["memory"] = {"request_mib": self.memory.request_mib, "limit_mib": self.memory.limit_mib}
         return document
 
 

@@ -14,7 +14,7 @@ from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
 from agent.core.health import HealthState
 from agent.core.inventory import Inventory
 from agent.core.preferred import DeviceLayout
-from agent.core.resources import AllocationPolicy, Device, MpsLimits, ResourcePlan, Sharing
+from agent.core.resources import AllocationPolicy, Device, MpsLimits, ReplicaMemory, ResourcePlan, Sharing
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +23,8 @@ class AllocationOptions:
     cdi_kind: str = DEFAULT_CDI_KIND
     policy: AllocationPolicy = AllocationPolicy.DISTRIBUTED
     mps_root: str = "/run/nvidia/mps"  # on the host
+    memory_envs: bool = False  # sized replicas' containers get NVIDIA_GPU_MEMORY_REQUEST / _LIMIT (limits enforced)
+    cdi_unavailable: str = ""  # why the device plugin's CDI spec could not be written (cdi-* strategies refuse)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,7 @@ class ResourceSnapshot:
     fail_requests_greater_than_one: bool = False
     replicas: int = 1
     mps: MpsLimits | None = None
+    memory: ReplicaMemory | None = None  # a time-sliced replica's size
     by_id: Mapping[str, Device] = field(init=False)
     layout: DeviceLayout = field(init=False)  # counted once here, not on every GetPreferredAllocation
     _listing: tuple[tuple[str, bool, int | None], ...] = field(init=False, repr=False, compare=False)
@@ -100,6 +103,7 @@ def build_snapshots(
             fail_requests_greater_than_one=resource.fail_requests_greater_than_one,
             replicas=resource.replicas,
             mps=resource.mps,
+            memory=resource.memory,
             previous=previous.get(resource.name) if previous else None,
         )
     return snapshots

@@ -60,7 +60,7 @@ class CdiStore:
     def write(self, claim_uid: str, spec: Mapping[str, Any]) -> Path:
         """Write (or replace) the claim's spec atomically; ``CdiStoreError`` if the directory is not writable."""
         final = self.path(claim_uid)
-        content = yaml.safe_dump(_plain(spec), sort_keys=False, default_flow_style=False).encode()
+        content = dump(spec)
         self._ensure_root()
         try:
             write_atomically(final, content, FILE_MODE)  # the mode whatever the umask: the runtime must read it
@@ -114,6 +114,14 @@ class CdiStore:
             ) from None
         else:
             log.info("created the CDI directory path=%s mode=%o", self.root, DIR_MODE)
+
+
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml's: a self-contained spec's ~4 kB in 2 ms, not 8
+
+
+def dump(spec: Mapping[str, Any]) -> bytes:
+    """A spec as YAML (the safe dumper's quoting, libyaml's speed where PyYAML has it)."""
+    return yaml.dump(_plain(spec), Dumper=_DUMPER, sort_keys=False, default_flow_style=False).encode()
 
 
 def _plain(value: Any) -> Any:

@@ -14,6 +14,10 @@ the minor is needed: the CDI entry asks for cgroup access ``rw`` and gives type,
 create the node in the container (``agent.core.dra.cdi.mig_nodes``). The major is the ``nvidia-caps`` line of the
 character devices in ``/proc/devices``. ``/proc/driver`` is kernel-wide, so the agent's container sees the host's.
 
+The driver also lists every capability it can ever create, with its minor, in ``/proc/driver/nvidia-caps/mig-minors``
+(``gpu0/gi1/access 12``, up to ``gpu31/gi14/ci7``): where that file is, the minors come from it (it holds the
+instances a dynamic-MIG Prepare has just created as well), else from the per-instance ``access`` files.
+
 The files are read on every Prepare of a MIG device, never cached: the minors belong to GPU and compute instances
 that MIG reconfiguration destroys and creates again.
 
@@ -26,11 +30,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from agent.core.cdi_edits import mig_minor_keys, parse_mig_minors
 from agent.core.dra.cdi import CdiError, DeviceNode, gpu_nodes, mig_nodes
 from agent.core.dra.claims import PreparableDevice
 
 PROC = Path("/proc")
 CAPABILITIES = Path("driver/nvidia/capabilities")
+MIG_MINORS = Path("driver/nvidia-caps/mig-minors")
 CAPS_DEVICE = "nvidia-caps"
 MINOR_KEY = "DeviceFileMinor"
 MAX_MINOR = (1 << 20) - 1  # Linux minor numbers are 20 bits
@@ -42,23 +48,38 @@ class DeviceNodeError(CdiError):
     """A device's nodes cannot be told (a file missing, unreadable or not in the driver's format); names the file."""
 
 
-def default_device_nodes(node_wide: bool, proc: Path = PROC) -> DeviceNodes:
+def default_device_nodes(node_wide: bool, proc: Path = PROC, dev_root: str = "/") -> DeviceNodes:
     """What the DRA service gives each device by default: the GPU's node alone with ``node_wide`` (the node-wide
-    entry brings a MIG device's capability nodes), else every node the device needs, read under ``proc``."""
+    entry brings a MIG device's capability nodes), else every node the device needs, read under ``proc``; the GPU
+    nodes' host paths under ``dev_root``."""
     if node_wide:
-        return lambda device: gpu_nodes(device.gpu_minor)
-    return lambda device: device_nodes(device, proc)
+        return lambda device: gpu_nodes(device.gpu_minor, dev_root)
+    return lambda device: device_nodes(device, proc, dev_root)
 
 
-def device_nodes(device: PreparableDevice, proc: Path = PROC) -> tuple[DeviceNode, ...]:
+def device_nodes(device: PreparableDevice, proc: Path = PROC, dev_root: str = "/") -> tuple[DeviceNode, ...]:
     """All the nodes ``device`` needs: its GPU's, and for a MIG device its two capability nodes."""
     if device.kind != "mig":
-        return gpu_nodes(device.gpu_minor)
+        return gpu_nodes(device.gpu_minor, dev_root)
     if device.gi_id is None or device.ci_id is None:
         raise DeviceNodeError(f"MIG device {device.name} has no GPU or compute instance ID to find its nodes by")
-    gi_access, ci_access = capability_files(proc, device.gpu_minor, device.gi_id, device.ci_id)
-    gi_minor, ci_minor = capability_minor(gi_access), capability_minor(ci_access)
-    return mig_nodes(device.gpu_minor, caps_major(proc), gi_minor, ci_minor)
+    gi_minor, ci_minor = mig_minors(proc, device.gpu_minor, device.gi_id, device.ci_id)
+    return mig_nodes(device.gpu_minor, caps_major(proc), gi_minor, ci_minor, dev_root)
+
+
+def mig_minors(proc: Path, gpu_minor: int, gi_id: int, ci_id: int) -> tuple[int, int]:
+    """The GI and CI access capabilities' minors: from ``mig-minors`` where the driver has it, else from the
+    instances' ``access`` files."""
+    table = proc / MIG_MINORS
+    if table.is_file():
+        minors = parse_mig_minors(_read(table))
+        keys = mig_minor_keys(gpu_minor, gi_id, ci_id)
+        missing = [key for key in keys if key not in minors or minors[key] > MAX_MINOR]
+        if missing:
+            raise DeviceNodeError(f"{table} lists no minor for {', '.join(missing)}; is it the NVIDIA driver's?")
+        return minors[keys[0]], minors[keys[1]]
+    gi_access, ci_access = capability_files(proc, gpu_minor, gi_id, ci_id)
+    return capability_minor(gi_access), capability_minor(ci_access)
 
 
 def capability_files(proc: Path, gpu_minor: int, gi_id: int, ci_id: int) -> tuple[Path, Path]:

@@ -50,7 +50,7 @@ class DraFrontEnd:
         self._publisher: Any = None
         self._registered_once = False
         self._mps_cond = threading.Condition()
-        self._mps_states: dict[str, tuple[str, str | None]] = {}
+        self._mps_states: dict[str, tuple[str, str | None, object]] = {}  # key -> (state, error, limits held)
         self._mps_root = settings.mps_root
         self._stopping = threading.Event()  # set by stop(): every wait of a claim worker ends
         self._checkpoint_lock: Any = None  # agent.plugin.lock.DirLock of the driver's plugin directory
@@ -62,12 +62,14 @@ class DraFrontEnd:
         taints: Mapping[str, Sequence[DeviceTaint]],
         *,
         published: Sequence[DraDevice] | None = None,
+        counters: Mapping[str, Mapping[str, int]] | None = None,
         slices: bool = True,
     ) -> None:
         """The devices DRA serves (prepared claims included) and their health; ``published`` (default: all of
         them) are the ones offered in the slices — a GPU on its way to the device plugin is served, not offered. The
         counter sets of the offered devices' GPUs come from every device served: a dynamic-MIG GPU whose full device
-        is not offered (a MIG device no claim made covers part of it) still has its set."""
+        is not offered (a MIG device no claim made covers part of it) still has its set; ``counters`` gives them
+        (``agent.core.dra.pool``), else they are worked out here the same way."""
         first = not self._registered_once
         self._service.update({d.name: d for d in devices}, dict(unhealthy))
         offered = devices if published is None else published
@@ -75,9 +77,11 @@ class DraFrontEnd:
         if slices:  # (not while the first answers about arriving GPUs are due: no pool published half-way)
             from agent.core.dra.partitions import counter_sets
 
-            gpus = {d.gpu_uuid for d in offered}
-            counters = counter_sets(d for d in devices if d.gpu_uuid in gpus)
-            self._publisher.publish(tuple(offered), {n: t for n, t in taints.items() if n in names}, counters)
+            if counters is None:
+                gpus = {d.gpu_uuid for d in offered}
+                counters = counter_sets(d for d in devices if d.gpu_uuid in gpus)
+            sets = {name: dict(values) for name, values in counters.items()}
+            self._publisher.publish(tuple(offered), {n: t for n, t in taints.items() if n in names}, sets)
         if first:  # the kubelet learns of the driver once its service knows the devices
             self._registrar.start()
             self._registered_once = True
@@ -91,28 +95,34 @@ class DraFrontEnd:
     def made_mig_devices(self) -> dict[str, str]:
         return self._service.made_mig_devices() if self._service is not None else {}
 
+    def mig_mode_changes(self) -> int:
+        return self._service.mig_mode_changes() if self._service is not None else 0
+
     def mps_records(self) -> dict[str, Any]:
         return self._service.mps_records() if self._service is not None else {}
 
-    def mps_changed(self, states: Mapping[str, tuple[str, str | None]], root: str) -> None:
-        """The loop's word on the MPS daemons DRA claims use: key -> (state, last error), and the MPS root."""
+    def mps_changed(self, states: Mapping[str, tuple[str, str | None, object]], root: str) -> None:
+        """The loop's word on the MPS daemons DRA claims use: key -> (state, last error, the limits it holds), and
+        the MPS root."""
         with self._mps_cond:
             self._mps_states, self._mps_root = dict(states), root
             self._mps_cond.notify_all()
 
-    def _wait_mps(self, key: str, timeout: float) -> str | None:
-        """Worker: None once the daemon ``key`` is ready; why not when it failed or did not answer in time."""
+    def _wait_mps(self, key: str, timeout: float, limits: object = None) -> str | None:
+        """Worker: None once the daemon ``key`` is ready (holding ``limits``, when given: a share's daemon whose
+        server defaults change with the shares); why not when it failed or did not answer in time."""
 
         def settled() -> bool:
-            state, error = self._mps_states.get(key, ("pending", None))
-            return state == "ready" or (state == "down" and error is not None) or self._stopping.is_set()
+            state, error, held = self._mps_states.get(key, ("pending", None, None))
+            ready = state == "ready" and (limits is None or held == limits)
+            return ready or (state == "down" and error is not None) or self._stopping.is_set()
 
         with self._mps_cond:
             if not self._mps_cond.wait_for(settled, timeout):
                 return f"it did not answer within {timeout:.0f} s"
             if self._stopping.is_set():  # the loop that would say "ready" has stopped: do not wait for it
                 return "the agent is stopping"
-            state, error = self._mps_states[key]
+            state, error, _ = self._mps_states[key]
         return None if state == "ready" else error
 
     def dropped_gates(self) -> tuple[str, ...]:
@@ -128,7 +138,9 @@ class DraFrontEnd:
         return claim_devices(self._service.checkpoint())
 
     def claims(self) -> list[dict[str, object]]:
-        return self._service.claims() if self._service is not None else []
+        with self._mps_cond:
+            held = {key: limits for key, (_, _, limits) in self._mps_states.items() if limits is not None}
+        return self._service.claims(held) if self._service is not None else []
 
     def register_again(self) -> None:
         if self._registrar is not None:
@@ -153,12 +165,14 @@ class DraFrontEnd:
         told of the driver with the first ``update``."""
         from agent.dra.cdi_store import CdiStore
         from agent.dra.checkpoint_store import CheckpointStore, checkpoint_path
-        from agent.dra.claims_api import KubernetesClaimReader
+        from agent.dra.claims_api import KubernetesClaimReader, KubernetesClaimStatus
+        from agent.dra.devnodes import default_device_nodes
         from agent.dra.names import dra_socket, registration_socket
         from agent.dra.publisher import SlicePublisher
-        from agent.dra.registration import DRA_SERVICES, HEALTH_SERVICE, DraRegistrar
+        from agent.dra.registration import DRA_SERVICES, HEALTH_SERVICES, DraRegistrar
         from agent.dra.service import DraService
         from agent.dra.timeslices import NvidiaSmiTimeslices
+        from agent.gpu.driver_root import CommonEdits
 
         s = self.settings
         endpoint = dra_socket(s.plugins_dir, s.driver, s.pod_uid)
@@ -174,11 +188,15 @@ class DraFrontEnd:
             checkpoints=store,
             latency=s.latency,
             node_cdi_kind=s.cdi_kind,
+            node_wide_cdi=s.node_wide_cdi,
+            cdi_common_edits=None if s.node_wide_cdi else CommonEdits(s.driver_root),
+            device_nodes=default_device_nodes(s.node_wide_cdi, s.driver_root.proc, str(s.driver_root.host_dev_root)),
             timeslices=NvidiaSmiTimeslices(s.nvidia_smi),
             claims_changed=lambda: self._post(DraClaimsChanged()),
             mps_ready=self._wait_mps,
             mps_root=lambda: self._mps_root,
             ledger=self._ledger,
+            claim_status=KubernetesClaimStatus(self._api_client, s.driver, s.node_name),
         )
         if self._ledger is not None:
             self._ledger.attach_claims(self._service.checkpoint, s.node_name)
@@ -194,7 +212,7 @@ class DraFrontEnd:
             registration_socket(s.registry_dir, s.driver, s.pod_uid),
             s.driver,
             endpoint,
-            (*DRA_SERVICES, HEALTH_SERVICE),
+            (*DRA_SERVICES, *HEALTH_SERVICES),
             on_status=lambda registered, error: self._post(DraRegistration(registered, error)),
         )
         log.info("DRA driver starting driver=%s node=%s socket=%s", s.driver, s.node_name, endpoint)

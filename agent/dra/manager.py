@@ -89,11 +89,14 @@ class DraManager:
         self._dynamic_mig: object = None  # the config's dra.dynamicMig
         self._gpu_shares: object = None  # the config's dra.gpuShares
         self._default_share: int | None = None  # ... and dra.defaultShare (bytes)
+        self._share_mode: str | int = "memory"  # ... and dra.consumableShares (NVIDIA's mode)
         self._seen_made: set[str] = set()  # MIG devices made for claims that a read after their making covered
         self._first_read: dict[str, Inventory | None] = {}  # made MIG device -> the loop's inventory when first known
         self._published: Inventory | None = None  # the inventory of the last publish
         self._last_made: frozenset[str] = frozenset()
+        self._last_modes = 0  # the front end's count of MIG mode changes by claims, when last asked
         self._pcie_roots: dict[str, str | None] = {}  # by PCI bus ID, read once per GPU (None: sysfs does not say)
+        self._numa_nodes: dict[str, int | None] = {}  # by PCI bus ID, as sysfs says (None: -1, no affinity)
         self._leaving_check = 0.0
         self._unclaimed: tuple[Unclaimed, ...] = ()  # GPU instances on dynamic-MIG GPUs no claim made (as published)
         self._sweep = _Waiting()  # destroying them: one job at a time, again after CHECK_INTERVAL while held
@@ -118,6 +121,7 @@ class DraManager:
         dynamic_mig: object = None,
         gpu_shares: object = None,
         default_share: int | None = None,
+        share_mode: str | int = "memory",
     ) -> None:
         """The config's ``dra`` section on this node; ``OwnershipError`` when ``gpus`` names GPUs it lacks,
         ``dynamic_mig`` GPUs DRA does not serve or that cannot do MIG, or ``gpu_shares`` GPUs DRA does not serve
@@ -128,6 +132,7 @@ class DraManager:
         self._dynamic_mig = dynamic_mig if enabled else None
         self._gpu_shares = gpu_shares if enabled else None
         self._default_share = default_share
+        self._share_mode = share_mode
         if wanted and self._front is None:
             client = self._api_client()
             if client is None:
@@ -170,7 +175,7 @@ class DraManager:
         from agent.core.dra.mps import KEY_PREFIX
 
         states = {
-            key: (str(entry.get("state")), entry.get("error"))  # type: ignore[misc]
+            key: (str(entry.get("state")), entry.get("error"), entry.get("limits"))  # type: ignore[misc]
             for key, entry in status.items()
             if key.startswith(f"{KEY_PREFIX}/")
         }
@@ -200,12 +205,6 @@ class DraManager:
         except OwnershipError:  # a named GPU is gone from the node: configure() says so; the rest stay as they are
             return frozenset()
 
-    def _dynamic_gpus(self, inventory: Inventory) -> frozenset[str]:
-        """DRA's GPUs in dynamic-MIG mode that are ready for it: MIG mode on (a GPU with MIG off is listed whole
-        until it is on; ``nvidia-smi -i <gpu> -mig 1`` turns it on)."""
-        named = self._named_dynamic(inventory, frozenset(self._served))
-        return frozenset(g.uuid for g in inventory.gpus if g.uuid in named and g.mig_enabled)
-
     def _shared_gpus(self, inventory: Inventory) -> frozenset[str]:
         """DRA's GPUs published for memory-sized shares; a GPU named there that is not DRA's (yet), or gone, is
         left out (``configure`` reports it), and so is one in dynamic MIG."""
@@ -227,8 +226,11 @@ class DraManager:
         served = (pci_bus_id(g.pci_bus_id) for g in inventory.gpus if g.uuid in self._served)
         bus_ids = {bus_id for bus_id in served if bus_id is not None} - self._pcie_roots.keys()
         if bus_ids:
+            from agent.dra.pcie import numa_nodes
+
             found = pcie_roots(bus_ids, self._sys_root)
             self._pcie_roots.update({bus_id: found.get(bus_id) for bus_id in bus_ids})
+            self._numa_nodes.update(numa_nodes(bus_ids, self._sys_root))
         return {bus_id: root for bus_id, root in self._pcie_roots.items() if root is not None}
 
     def _adopt(self) -> bool:
@@ -265,23 +267,26 @@ class DraManager:
         neither offered nor prepared until a read succeeds, as the device plugin withdraws them."""
         if self._front is None:
             return
-        from agent.core.dra.devices import dra_devices
+        from agent.core.dra.pool import dra_pool
         from agent.core.dra.taints import DeviceTaint, device_taints, rfc3339
 
-        devices = dra_devices(
+        recorded = self._ledger.recorded()
+        served = frozenset(self._served)
+        pool = dra_pool(
             inventory,
-            gpu_uuids=frozenset(self._served),
-            pcie_roots=self._roots(inventory),
-            dynamic_mig=self._dynamic_gpus(inventory),
+            served=served,
+            dynamic_mig=self._named_dynamic(inventory, served),
+            numa_nodes=self._numa_nodes,  # read with the roots, the first time a GPU is served
             shared=self._shared_gpus(inventory),
             default_share=self._default_share,
+            pcie_roots=self._roots(inventory),
+            offered_gpus=frozenset(g for g in self._wanted if g not in stale),
+            claimed_placements={g.uuid: recorded.claimed_placements(g.uuid) for g in inventory.gpus},
+            claimed_migs=recorded.claimed_migs(),
+            share_mode=self._share_mode,
         )
-        offered = [d for d in devices if d.gpu_uuid in self._wanted and d.gpu_uuid not in stale]
-        self._unclaimed = self._find_unclaimed(inventory)
-        if self._unclaimed:  # a claim allocated a placement one covers could never be prepared: not offered
-            from agent.core.dra.partitions import without_overlaps
-
-            offered = list(without_overlaps(offered, self._unclaimed))
+        devices, offered = pool.devices, pool.offered
+        self._unclaimed = pool.unclaimed  # a claim allocated a placement one covers could never be prepared
         self._taints = device_taints(devices, health, now=self._now(), previous=self._taints, driver=self._driver)
         unhealthy = {name: ", ".join(t.key for t in taints) for name, taints in self._taints.items()}
         for device in devices:
@@ -297,21 +302,8 @@ class DraManager:
         for name, uuid in self._vanished(inventory).items():  # the claim's container lost its device
             unhealthy[name] = f"the MIG device made for its claim ({uuid}) is gone: a GPU reset destroys MIG devices"
         first_answers_due = any(not w.answered for w in self._arriving.values())
-        self._front.update(devices, unhealthy, self._taints, published=offered, slices=not first_answers_due)
-
-    def _find_unclaimed(self, inventory: Inventory) -> tuple[Unclaimed, ...]:
-        dynamic = self._dynamic_gpus(inventory)
-        if not dynamic:
-            return ()
-        from agent.core.dra.partitions import unclaimed_instances
-
-        recorded = self._ledger.recorded()
-        migs = recorded.claimed_migs()
-        return tuple(
-            instance
-            for gpu in inventory.gpus
-            if gpu.uuid in dynamic
-            for instance in unclaimed_instances(gpu, recorded.claimed_placements(gpu.uuid), migs)
+        self._front.update(
+            devices, unhealthy, self._taints, published=offered, counters=pool.counters, slices=not first_answers_due
         )
 
     def on_swept(self, destroyed: int, waiting: tuple[str, ...], now: float) -> bool:
@@ -322,9 +314,11 @@ class DraManager:
         return destroyed > 0
 
     def made_mig_changed(self) -> bool:
-        """True once each time the MIG devices made for claims are different from the last time asked."""
+        """True once each time the MIG devices made for claims, or a GPU's MIG mode, changed since last asked."""
         made = frozenset(self._front.made_mig_devices().values()) if self._front is not None else frozenset()
-        changed, self._last_made = made != self._last_made, made
+        modes = self._front.mig_mode_changes() if self._front is not None else 0
+        changed = made != self._last_made or modes != self._last_modes
+        self._last_made, self._last_modes = made, modes
         return changed
 
     def _vanished(self, inventory: Inventory) -> dict[str, str]:
@@ -400,7 +394,7 @@ class DraManager:
                 if self.made_mig_changed():  # the node is read again now: that read comes after the making
                     for uuid in self._last_made - self._first_read.keys():
                         self._first_read[uuid] = self._published
-                    return News(reread="a DRA claim's MIG device was made or destroyed", mps=True)
+                    return News(reread="a DRA claim's MIG device or its GPU's MIG mode changed", mps=True)
                 return News(status=True, mps=True)
             case DraUnclaimedSwept(destroyed=destroyed, waiting=waiting):
                 if self.on_swept(destroyed, waiting, now):

@@ -12,7 +12,16 @@ from dataclasses import replace
 
 from agent.core.dra.checkpoint import CreatedMig
 from agent.core.inventory import Placement
-from agent.gpu.mig import MigOperationError, create_partition, destroy_partition, gpu_instance_at, mig_instance
+from agent.gpu.mig import (
+    MigModeState,
+    MigOperationError,
+    create_partition,
+    destroy_partition,
+    gpu_instance_at,
+    mig_instance,
+    mig_mode_state,
+    switch_mig_mode,
+)
 from agent.gpu.processes import ProcessesUnknown, device_processes
 
 log = logging.getLogger(__name__)
@@ -20,6 +29,10 @@ log = logging.getLogger(__name__)
 
 class PartitionError(RuntimeError):
     """A MIG device could not be created or destroyed; the message says which, where and why."""
+
+
+class MigModeBusy(PartitionError):
+    """A GPU's MIG mode cannot change now (something holds the GPU); a later attempt may succeed."""
 
 
 def describe(mig: CreatedMig) -> str:
@@ -80,3 +93,25 @@ class NvmlPartitions:
         except MigOperationError as error:
             raise PartitionError(f"{where}: {error}") from error
         log.info("MIG device of a claim destroyed gpu=%s gi=%d", mig.gpu_uuid, gi_id)
+
+    def mig_mode(self, gpu_uuid: str) -> MigModeState:
+        try:
+            return mig_mode_state(gpu_uuid)
+        except MigOperationError as error:
+            raise PartitionError(str(error)) from error
+
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> None:
+        """Turn the GPU's MIG mode on or off now; ``PartitionError`` when it refuses or would wait for a reset."""
+        mode = "on" if enabled else "off"
+        try:
+            in_force = switch_mig_mode(gpu_uuid, enabled)
+        except MigOperationError as error:
+            if error.error == "IN_USE":
+                raise MigModeBusy(f"GPU {gpu_uuid}: MIG mode cannot be turned {mode}: {error}") from error
+            raise PartitionError(f"GPU {gpu_uuid}: MIG mode cannot be turned {mode}: {error}") from error
+        if not in_force:
+            raise MigModeBusy(
+                f"GPU {gpu_uuid}: MIG mode would be turned {mode} only at the next GPU reset (a process or another "
+                "client holds the GPU); the request was withdrawn"
+            )
+        log.info("MIG mode turned %s for dynamic MIG gpu=%s", mode, gpu_uuid)

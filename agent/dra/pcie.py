@@ -1,4 +1,8 @@
-"""The PCIe root of each GPU, for the standard ``resource.kubernetes.io/pcieRoot`` attribute.
+"""What sysfs says of each GPU's PCI device: its PCIe root and its NUMA node, for the standard
+``resource.kubernetes.io/pcieRoot`` and ``resource.kubernetes.io/numaNode`` attributes.
+
+The NUMA node is ``/sys/bus/pci/devices/<bus ID>/numa_node``: a number, or ``-1`` when the platform gives the
+device no affinity (a single-node machine, a VM), which means no attribute.
 
 NVML gives a GPU's PCI bus ID but not the root complex above it; the kernel does: ``/sys/bus/pci/devices/<bus
 ID>`` links to the device's place in the PCI hierarchy, ``/sys/devices/pci<domain>:<bus>/…/<bus ID>``, and the
@@ -48,3 +52,27 @@ def _root_of(sysfs: Path, bus_id: str) -> str | None:
         return None
     root = parts[len(devices.parts)]
     return root if _ROOT.match(root) else None
+
+
+_MAX_NUMA_NODE = 1 << 16  # far above any machine's node count; a larger number is not a NUMA node
+
+
+def numa_nodes(bus_ids: Iterable[str], sysfs: Path = Path("/sys")) -> dict[str, int | None]:
+    """``{bus ID: NUMA node}`` for the bus IDs whose ``numa_node`` sysfs has: None where it says ``-1`` (no
+    affinity); bus IDs it has no readable value for are left out (the caller may ask NVML)."""
+    nodes: dict[str, int | None] = {}
+    for bus_id in bus_ids:
+        key = bus_id.lower()
+        if not _BUS_ID.match(key):  # never a path component that is not a bus ID
+            continue
+        path = sysfs / "bus" / "pci" / "devices" / key / "numa_node"
+        try:
+            text = path.read_text(encoding="ascii", errors="replace")[:32].strip()
+        except OSError as error:
+            log.debug("no NUMA node for the GPU bus_id=%s error=%s", bus_id, error)
+            continue
+        if not re.fullmatch(r"-?[0-9]{1,6}", text) or int(text) > _MAX_NUMA_NODE:
+            log.debug("no NUMA node for the GPU bus_id=%s numa_node=%r", bus_id, text)
+            continue
+        nodes[bus_id] = int(text) if int(text) >= 0 else None
+    return nodes

@@ -18,6 +18,11 @@ with an fsync) blocks, which is why none of it runs on the gRPC loop. The promis
 - Unprepare works from the checkpoint alone (the claim may be deleted from the API server by then) and does not
   assume this process prepared the claim; an unknown claim is a success.
 - A call's deadline is honoured per claim: a claim whose turn comes after the kubelet gave up is not started.
+- Once prepared, the claim's ``status.devices`` says so (``agent.core.dra.device_status``: a ``Ready`` condition and
+  each device's UUID, a created MIG device's included), and Unprepare takes the entries back. Both are reports, not
+  steps, written by ``report`` after the kubelet has its answer (the service queues it on this same thread, so
+  reports keep the order of the calls): they never lengthen a call, and an API server that refuses them or hangs
+  is logged while the Prepare or Unprepare stands.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from agent.core.dra.checkpoint import (
     PreparedClaim,
     PreparedDevice,
     held_devices,
+    mps_records,
     planned_mig,
     prepare_completed,
     prepare_started,
@@ -48,16 +54,18 @@ from agent.core.dra.checkpoint import (
     without_mps,
 )
 from agent.core.dra.claims import ClaimError, ClaimRef, PreparableDevice, PreparePlan, plan_prepare
-from agent.core.dra.mps import MpsRecord, client_edits, mps_record, share_record
+from agent.core.dra.mps import MpsRecord, client_edits, mps_record, records_specs, share_record
 from agent.core.dra.opaque import OpaqueConfigError
+from agent.core.dra.shares import MEMORY, limits
 from agent.dra.cdi_store import CdiStore, CdiStoreError
 from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore
-from agent.dra.claims_api import ClaimReader, ClaimsUnavailable, ClaimUnreadable
+from agent.dra.claims_api import ClaimReader, ClaimStatus, ClaimsUnavailable, ClaimUnreadable
 from agent.dra.devnodes import DeviceNodes
-from agent.dra.partitions import PartitionError
+from agent.dra.partitions import MigModeBusy, PartitionError
 from agent.dra.timeslices import TimesliceFailed
 
 if TYPE_CHECKING:
+    from agent.gpu.mig import MigModeState
     from agent.ledger import DeviceLedger
 
 log = logging.getLogger(__name__)
@@ -84,6 +92,8 @@ class Partitions(Protocol):
 
     def create(self, mig: CreatedMig) -> CreatedMig: ...
     def destroy(self, mig: CreatedMig) -> None: ...
+    def mig_mode(self, gpu_uuid: str) -> MigModeState: ...
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> None: ...
 
 
 class Timeslices(Protocol):
@@ -99,6 +109,7 @@ class _Done:
 
     created: dict[str, CreatedMig] = field(default_factory=dict)
     timesliced: set[str] = field(default_factory=set)
+    mig_on: set[str] = field(default_factory=set)  # GPUs whose MIG mode it turned on
 
 
 class ClaimWorker:
@@ -119,16 +130,19 @@ class ClaimWorker:
         view: Callable[[], Devices | None],
         node_wide: bool,
         node_cdi_kind: str,
-        common_edits: Mapping[str, Any] | None,
+        common_edits: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None,
         device_nodes: DeviceNodes,
         partitions: Partitions | None = None,
         timeslices: Timeslices | None = None,
         changed: Callable[[], None] = lambda: None,
-        mps_ready: Callable[[str, float], str | None] = lambda key, timeout: "no MPS manager runs for DRA here",
+        mps_ready: Callable[..., str | None] = lambda key, timeout, limits=None: "no MPS manager runs for DRA here",
         mps_root: Callable[[], str] = lambda: "/run/nvidia/mps",
         ledger: DeviceLedger | None = None,
+        claim_status: ClaimStatus | None = None,
     ) -> None:
         self._driver, self._pool = driver, pool
+        self._claim_status = claim_status  # writes status.devices; None: not reported (a service without an API)
+        self._unreported: list[tuple[ClaimRef, str, Callable[[ClaimStatus], bool]]] = []  # for report()
         # The agent's ledger: a Prepare records PrepareStarted in its critical section, after asking that each GPU is
         # still DRA's, and time-slices change in it. Without one (a service on its own) every device of the view is
         # the service's, and a lock of its own orders the same steps.
@@ -151,9 +165,10 @@ class ClaimWorker:
             timeslices = NvidiaSmiTimeslices()
         self._timeslices = timeslices
         self._changed = changed  # told after every Prepare and Unprepare call
-        self._mps_ready = mps_ready  # (daemon key, timeout) -> None once the daemon is ready, else why not
+        self._mps_ready = mps_ready  # (daemon key, timeout, limits) -> None once it is ready (holding them), else why
         self._mps_root = mps_root  # the MPS root on the host now (the config's mpsRoot), for the clients' mounts
         self.checkpoint: Checkpoint = checkpoints.load()
+        self.mig_mode_changes = 0  # how often a Prepare or Unprepare changed a GPU's MIG mode (the node changed)
 
     # ----- Prepare ------------------------------------------------------------------------------------------------
 
@@ -214,11 +229,13 @@ class ClaimWorker:
         )
         if isinstance(plan, ClaimError):
             return plan
-        if not any(planned_mig(d) for d in plan.devices):  # a spec that cannot be built fails before anything is done
-            try:
+        try:  # a spec that cannot be built fails before anything is done
+            if any(planned_mig(d) for d in plan.devices):
+                self._common()  # the driver's files at least: the MIG devices' own nodes are known once made
+            else:
                 self._spec(ref.uid, [(d.device, d.info) for d in plan.devices])
-            except CdiError as error:
-                return ClaimError(ref, f"cannot build its CDI spec: {error}")
+        except CdiError as error:
+            return ClaimError(ref, f"cannot build its CDI spec: {error}")
         gpus = {d.info.parent_uuid or d.info.uuid for d in plan.devices}
         with self._reserving(gpus) as foreign:  # no hand-over or destructive step slips in before PrepareStarted
             if foreign:
@@ -239,8 +256,11 @@ class ClaimWorker:
         try:
             for planned in plan.devices:
                 if (intent := planned_mig(planned)) is not None:
+                    self._mig_mode(ref, intent.gpu_uuid, True, done)  # its first partition: MIG mode on
                     with self._section():  # MIG changes, of any room, one at a time in the ledger's section
                         created[planned.device] = self._partitions.create(intent)
+                elif planned.info.consumes_counters and not planned.admin_access:  # a partitioned GPU, whole
+                    self._mig_mode(ref, planned.info.uuid, False, done)
                 if planned.timeslice is not None:
                     with self._section():
                         self._timeslices.apply(planned.info.uuid, planned.timeslice)
@@ -260,9 +280,62 @@ class ClaimWorker:
             reason = f"cannot build its CDI spec: {error}" if isinstance(error, CdiError) else str(error)
             if (problem := self._roll_back(ref, done)) is not None:
                 return ClaimError(ref, f"{reason}; rolling back failed too ({problem}): the next attempt retries it")
+            if isinstance(error, MigModeBusy):
+                return ClaimError(ref, f"{reason}; nothing was prepared, the kubelet retries", True)
             return ClaimError(ref, f"{reason}; nothing was left prepared")
         self.checkpoint = completed
-        return completed.claims[ref.uid].devices
+        prepared = completed.claims[ref.uid].devices
+        self._report_prepared(ref, prepared, {name: info.uuid for name, info in made})
+        return prepared
+
+    # ----- status.devices -----------------------------------------------------------------------------------------
+
+    def _report_prepared(self, ref: ClaimRef, devices: Sequence[PreparedDevice], uuids: Mapping[str, str]) -> None:
+        if self._claim_status is None:
+            return
+        from agent.core.dra.device_status import DeviceStatus
+
+        statuses = [DeviceStatus(d.pool, d.device, uuids.get(d.device, ""), d.share_id) for d in devices]
+        self._report(ref, "prepared", lambda s: s.prepared(ref.namespace, ref.name, ref.uid, statuses))
+
+    def _report_unprepared(self, ref: ClaimRef, devices: Sequence[PreparedDevice]) -> None:
+        if self._claim_status is None or not devices:
+            return
+        names = [d.device for d in devices]
+        self._report(ref, "unprepared", lambda s: s.unprepared(ref.namespace, ref.name, ref.uid, self._pool, names))
+
+    def _report(self, ref: ClaimRef, what: str, write: Callable[[ClaimStatus], bool]) -> None:
+        self._unreported.append((ref, what, write))
+
+    def report(self) -> None:
+        """Write the ``status.devices`` reports the calls since the last ``report`` left, in their order. A report
+        only: whatever goes wrong is logged, the Prepare or Unprepare it follows stands."""
+        reports, self._unreported = self._unreported, []
+        for ref, what, write in reports:
+            self._write_report(ref, what, write)
+
+    def _write_report(self, ref: ClaimRef, what: str, write: Callable[[ClaimStatus], bool]) -> None:
+        assert self._claim_status is not None
+        try:
+            written = write(self._claim_status)
+        except Exception as error:  # ClaimStatusNotWritten, or a bug: never undoes what was done
+            log.warning(
+                "claim status.devices not written claim=%s/%s uid=%s after=%s error=%s",
+                ref.namespace,
+                ref.name,
+                ref.uid,
+                what,
+                error,
+            )
+            return
+        log.debug(
+            "claim status.devices claim=%s/%s uid=%s after=%s written=%s",
+            ref.namespace,
+            ref.name,
+            ref.uid,
+            what,
+            written,
+        )
 
     # ----- the ledger's critical section ----------------------------------------------------------------------------
 
@@ -278,6 +351,78 @@ class ClaimWorker:
 
     def _section(self) -> contextlib.AbstractContextManager[None]:
         return self._own_lock if self._ledger is None else self._ledger.section()
+
+    @contextlib.contextmanager
+    def _acting_on_gpu(self, claim_uid: str, gpu_uuid: str) -> Iterator[list[str]]:
+        """Who other than the claim holds the GPU (empty: nobody), inside the ledger's critical section: a step that
+        disturbs the whole GPU (its MIG mode) acts only when that is empty."""
+        if self._ledger is None:
+            with self._own_lock:
+                gpu_minor = next((d.gpu_minor for d in self._view_devices() if d.gpu_uuid == gpu_uuid), None)
+                yield [f"claim {c}" for c in self._other_claims_on(claim_uid, gpu_minor, admin=True)]
+            return
+        from agent.core.ledger import Drain
+
+        # MIG mode changes only on a GPU without MIG devices (``_mig_mode``): processes run on the GPU itself; a claim
+        # holds it by its name, or by the UUID of a MIG device made for it (recorded, even if a reset took it)
+        made = {h.device for h in self._ledger.recorded().on_gpu(gpu_uuid) if h.device.startswith("MIG-")}
+        drain = Drain(frozenset({gpu_uuid, *made}), frozenset({gpu_uuid}))
+        with self._ledger.acting(drain, other_than_claim=claim_uid) as busy:
+            yield busy
+
+    def _view_devices(self) -> list[Any]:
+        view = self._view()
+        return list(view.devices.values()) if view is not None else []
+
+    def _mig_mode(self, ref: ClaimRef, gpu_uuid: str, enabled: bool, done: _Done) -> None:
+        """Dynamic MIG (NVIDIA's): the GPU's MIG mode on for a partition, off for the whole GPU, changed only when
+        nobody else holds the GPU; ``MigModeBusy`` naming who does (the kubelet retries), ``PartitionError`` when the
+        GPU cannot change it without a reset or still holds MIG devices."""
+        from agent.core.dra.partitions import reset_free_mig_mode
+
+        mode = "on" if enabled else "off"
+        state = self._partitions.mig_mode(gpu_uuid)
+        if state.enabled == enabled:
+            return
+        if not reset_free_mig_mode(state.architecture):
+            raise PartitionError(
+                f"GPU {gpu_uuid} ({state.architecture}): its MIG mode is {'off' if enabled else 'on'} and changes only "
+                f"with a GPU reset, which Tessera does not do under claims; turn it {mode} "
+                f"(nvidia-smi -i {gpu_uuid} -mig {int(enabled)}, then a reset)"
+            )
+        if not enabled and state.mig_devices:
+            raise MigModeBusy(
+                f"GPU {gpu_uuid}: MIG mode cannot be turned off for the whole GPU while {state.mig_devices} MIG "
+                "device(s) exist on it"
+            )
+        with self._acting_on_gpu(ref.uid, gpu_uuid) as busy:
+            if busy:
+                held = "; ".join(busy)
+                raise MigModeBusy(f"GPU {gpu_uuid}: MIG mode cannot be turned {mode} while it is held: {held}")
+            self._partitions.set_mig_mode(gpu_uuid, enabled)
+            self.mig_mode_changes += 1
+        if enabled:
+            done.mig_on.add(gpu_uuid)
+
+    def _mig_mode_off_after_last(self, claim_uid: str, gpu_uuids: set[str]) -> None:
+        """Unprepare (or a roll back) took a claim's last partition of these GPUs: MIG mode goes off again where it
+        can change without a reset, no MIG device is left and nobody else holds the GPU (else it stays on; the next
+        Prepare of the whole GPU turns it off)."""
+        from agent.core.dra.partitions import reset_free_mig_mode
+
+        for gpu_uuid in sorted(gpu_uuids):
+            try:
+                state = self._partitions.mig_mode(gpu_uuid)
+                if not state.enabled or state.mig_devices or not reset_free_mig_mode(state.architecture):
+                    continue
+                with self._acting_on_gpu(claim_uid, gpu_uuid) as busy:
+                    if busy:
+                        log.info("MIG mode stays on gpu=%s held_by=%r", gpu_uuid, "; ".join(busy))
+                        continue
+                    self._partitions.set_mig_mode(gpu_uuid, False)
+                    self.mig_mode_changes += 1
+            except PartitionError as error:
+                log.warning("MIG mode stays on gpu=%s error=%r", gpu_uuid, str(error))
 
     def _other_claims_on(self, claim_uid: str, gpu_minor: int | None, *, admin: bool) -> list[str]:
         """The other recorded claims holding a device of the GPU (admin-access ones only when ``admin``)."""
@@ -326,7 +471,8 @@ class ClaimWorker:
         mps = [d for d in plan.devices if d.mps is not None]
         share = next((d for d in plan.devices if d.mps_share is not None), None)
         if share is not None:  # plan_prepare allows one share and no MPS devices beside it
-            record = share_record(devices[share.device].uuid, share.mps_share)  # type: ignore[arg-type]
+            held = limits(share.info, share.mps_share)  # type: ignore[arg-type]
+            record = share_record(devices[share.device].uuid, held, share.info.capacity.get(MEMORY, 0) >> 20)
         elif mps:
             record = mps_record([devices[d.device].uuid for d in mps], mps[0].mps)  # type: ignore[arg-type]
         else:
@@ -335,7 +481,9 @@ class ClaimWorker:
         self._store.save(staged)
         self.checkpoint = staged
         self._changed()  # the loop reads the daemons it must run from the checkpoint
-        problem = self._mps_ready(record.key, MPS_READY_SECONDS)
+        # a share's daemon holds the shares' limits: wait until it holds the ones with this claim's share in them
+        wanted = next((s.limits for s in records_specs(mps_records(staged)) if s.key == record.key), None)
+        problem = self._mps_ready(record.key, MPS_READY_SECONDS, wanted if record.share is not None else None)
         if problem is not None:
             devices_text = ", ".join(record.devices)
             raise MpsNotReady(f"its MPS daemon ({record.key}, devices {devices_text}) is not ready: {problem}")
@@ -373,7 +521,7 @@ class ClaimWorker:
         device_edits: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]]:
         nodes = {name: tuple(self._device_nodes(info)) for name, info in devices}
-        spec = claim_spec(claim_uid, nodes, common_edits=self._common_edits, device_edits=device_edits)
+        spec = claim_spec(claim_uid, nodes, common_edits=self._common(), device_edits=device_edits)
         ids = {
             name: cdi_device_ids(
                 claim_uid, name, info.uuid, node_wide=self._node_wide, node_cdi_kind=self._node_cdi_kind
@@ -381,6 +529,11 @@ class ClaimWorker:
             for name, info in devices
         }
         return spec, ids
+
+    def _common(self) -> Mapping[str, Any] | None:
+        """The spec-level edits (the driver's files); ``CdiError`` (``DriverMissing``) when the node has no driver."""
+        common = self._common_edits
+        return common() if callable(common) else common
 
     def _roll_back(self, ref: ClaimRef, done: _Done | None = None) -> str | None:
         """Undo a prepare that did not complete (spec, time-slices, MIG devices, then the record); the reason when
@@ -393,6 +546,7 @@ class ClaimWorker:
         try:
             self._cdi.remove(ref.uid)
             record = self.checkpoint.claims.get(ref.uid)
+            partitioned = set(done.mig_on) if done is not None else set()
             for device in record.devices if record is not None else ():
                 if device.timeslice is not None and (done is None or device.device in done.timesliced):
                     self._reset_timeslice(ref.uid, device)
@@ -400,6 +554,8 @@ class ClaimWorker:
                 if mig is not None:
                     with self._section():  # it checks that no process runs there, and destroys, in one step
                         self._partitions.destroy(mig)
+                    partitioned.add(mig.gpu_uuid)
+            self._mig_mode_off_after_last(ref.uid, partitioned)
         except (CdiStoreError, PartitionError, TimesliceFailed) as error:
             log.error("cannot roll back claim=%s/%s uid=%s error=%r", ref.namespace, ref.name, ref.uid, str(error))
             return str(error)
@@ -453,6 +609,7 @@ class ClaimWorker:
                 if device.mig is not None:
                     with self._section():  # it checks that no process runs there, and destroys, in one step
                         self._partitions.destroy(device.mig)  # the record stays until it is gone: the kubelet retries
+            self._mig_mode_off_after_last(ref.uid, {d.mig.gpu_uuid for d in claim.devices if d.mig} if claim else set())
         except (CdiStoreError, PartitionError, TimesliceFailed, CheckpointSaveError) as error:
             return _failed_unprepare(ref, str(error))
         if claim is None:
@@ -470,6 +627,7 @@ class ClaimWorker:
         except CheckpointSaveError as error:
             return _failed_unprepare(ref, str(error))
         self.checkpoint = rolled
+        self._report_unprepared(ref, claim.devices)
         log.info(
             "claim unprepared claim=%s/%s uid=%s devices=%s state=%s",
             ref.namespace,

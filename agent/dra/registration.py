@@ -20,6 +20,7 @@ import grpc.aio
 
 from agent.api.dra.v1 import api_pb2 as dra_v1
 from agent.api.dra.v1beta1 import api_pb2 as dra_v1beta1
+from agent.api.drahealth.v1 import api_pb2 as dra_health_v1
 from agent.api.drahealth.v1alpha1 import api_pb2 as dra_health
 from agent.api.pluginregistration.v1 import api_pb2
 from agent.grpc_loop import GrpcLoop, grpc_loop
@@ -41,7 +42,9 @@ DRA_SERVICES = (
     service_name(dra_v1.DESCRIPTOR.services_by_name["DRAPlugin"]),  # v1.DRAPlugin: kubelet 1.34+
     service_name(dra_v1beta1.DESCRIPTOR.services_by_name["DRAPlugin"]),  # v1beta1.DRAPlugin: older kubelets
 )
-HEALTH_SERVICE = service_name(dra_health.DESCRIPTOR.services_by_name["DRAResourceHealth"])
+HEALTH_SERVICE = service_name(dra_health.DESCRIPTOR.services_by_name["DRAResourceHealth"])  # v1alpha1
+# the health services, in the order a kubelet is to prefer them: v1 (1.37+), then v1alpha1 (until the 1.40 era)
+HEALTH_SERVICES = (service_name(dra_health_v1.DESCRIPTOR.services_by_name["DRAResourceHealth"]), HEALTH_SERVICE)
 
 
 class DraRegistrar:

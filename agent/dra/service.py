@@ -1,8 +1,10 @@
 """The DRA driver's gRPC service: NodePrepareResources / NodeUnprepareResources and the device health stream.
 
-One ``grpc.aio`` server on the agent's gRPC loop, on the driver's DRA socket (mode 0600), serves three services:
+One ``grpc.aio`` server on the agent's gRPC loop, on the driver's DRA socket (mode 0600), serves four services:
 ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` (kubelet 1.34+), ``...dra.v1beta1.DRAPlugin`` (older kubelets; the same
-behaviour, without ``Device.share_id``) and ``v1alpha1.DRAResourceHealth``.
+behaviour, without ``Device.share_id``), ``v1.DRAResourceHealth`` (kubelet 1.37+ prefers it) and
+``v1alpha1.DRAResourceHealth`` (1.34-1.36, and 1.37-1.39 for drivers without v1): the two health services have the
+same messages in two packages, so one handler serves both with the same bytes.
 
 Prepare and Unprepare: the handlers only translate. The work blocks (reading claims from the API server, writing
 CDI specs and the checkpoint, each with an fsync), so it runs on one worker thread, never on the loop: the
@@ -39,15 +41,16 @@ import grpc.aio
 
 from agent.api.dra.v1 import api_pb2 as dra_v1
 from agent.api.dra.v1beta1 import api_pb2 as dra_v1beta1
+from agent.api.drahealth.v1 import api_pb2 as dra_health_v1
 from agent.api.drahealth.v1alpha1 import api_pb2 as dra_health
-from agent.core.allocation import DEFAULT_CDI_KIND
+from agent.core.dra.cdi import NODE_WIDE_CDI_KIND
 from agent.core.dra.checkpoint import PREPARE_COMPLETED, Checkpoint, mps_records
 from agent.core.dra.claims import ClaimError, ClaimRef
 from agent.core.dra.devices import DraDevice
 from agent.core.dra.mps import MpsRecord
 from agent.dra.cdi_store import CdiStore
 from agent.dra.checkpoint_store import CheckpointStore
-from agent.dra.claims_api import ClaimReader
+from agent.dra.claims_api import ClaimReader, ClaimStatus
 from agent.dra.devnodes import DeviceNodes, default_device_nodes
 from agent.dra.names import MAX_SOCKET_PATH, check_driver_name
 from agent.dra.prepare import ClaimWorker, Timeslices
@@ -65,7 +68,8 @@ MAX_HEALTH_MESSAGE = 1024  # the kubelet truncates longer messages
 STOP_GRACE = 0.1
 DRA_V1 = dra_v1.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
 DRA_V1BETA1 = dra_v1beta1.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
-HEALTH = dra_health.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name
+HEALTH = dra_health.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name  # v1alpha1.DRAResourceHealth
+HEALTH_V1 = dra_health_v1.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name  # v1.DRAResourceHealth
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,25 +109,30 @@ class DraService:
         read_claim: ClaimReader,
         cdi: CdiStore,
         checkpoints: CheckpointStore,
-        node_wide_cdi: bool = True,
-        node_cdi_kind: str = DEFAULT_CDI_KIND,
-        cdi_common_edits: Mapping[str, Any] | None = None,
+        node_wide_cdi: bool = False,
+        node_cdi_kind: str = NODE_WIDE_CDI_KIND,
+        cdi_common_edits: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
         device_nodes: DeviceNodes | None = None,
         timeslices: Timeslices | None = None,
         claims_changed: Callable[[], None] = lambda: None,
-        mps_ready: Callable[[str, float], str | None] = lambda key, timeout: "no MPS manager runs for DRA here",
+        mps_ready: Callable[..., str | None] = lambda key, timeout, limits=None: "no MPS manager runs for DRA here",
         mps_root: Callable[[], str] = lambda: "/run/nvidia/mps",
         health_timeout_seconds: int = HEALTH_TIMEOUT_SECONDS,
         loop: GrpcLoop | None = None,
         latency: Any = None,
         ledger: DeviceLedger | None = None,
+        claim_status: ClaimStatus | None = None,
     ) -> None:
-        """``pool`` is the node's name; ``node_wide_cdi`` adds each device's ``<node_cdi_kind>=<uuid>`` CDI ID
-        (the spec ``nvidia-ctk cdi generate`` writes brings the driver libraries; see ``agent.core.dra.cdi``).
+        """``pool`` is the node's name; ``cdi_common_edits`` (edits, or a callable giving them:
+        ``agent.gpu.driver_root.CommonEdits``, which raises ``DriverMissing`` on a node without a driver) go at the
+        spec level of every claim's spec, so the claim's IDs resolve to its spec alone. ``node_wide_cdi`` (off by
+        default) instead adds each device's ``<node_cdi_kind>=<uuid>`` CDI ID of the spec ``nvidia-ctk cdi generate``
+        writes (see ``agent.core.dra.cdi``).
         ``device_nodes`` gives each device's nodes for its claim entry; by default
         ``agent.dra.devnodes.default_device_nodes``: the GPU's node, and without node-wide CDI a MIG device's
         capability nodes read from the driver's ``/proc``. ``latency`` (``agent.telemetry.latency.OperationLatency``)
-        records each Prepare and Unprepare call as the kubelet's ``dra_operations_duration_seconds`` does. The
+        records each Prepare and Unprepare call as the kubelet's ``dra_operations_duration_seconds`` does.
+        ``claim_status`` writes each prepared claim's ``status.devices`` (and takes it back at Unprepare). The
         checkpoint is read here, so ``prepared`` answers before ``start``."""
         if health_timeout_seconds < 3:
             raise ValueError("health_timeout_seconds must be at least 3 (the stream reports every third of it)")
@@ -150,6 +159,7 @@ class DraService:
             mps_ready=mps_ready,
             mps_root=mps_root,
             ledger=ledger,
+            claim_status=claim_status,
         )
         self._executor: ThreadPoolExecutor | None = None
         self._server: grpc.aio.Server | None = None
@@ -220,6 +230,10 @@ class DraService:
             if d.mig is not None and d.mig.uuid is not None
         }
 
+    def mig_mode_changes(self) -> int:
+        """How many times a Prepare or Unprepare changed a GPU's MIG mode (dynamic MIG)."""
+        return self._claims.mig_mode_changes
+
     def checkpoint(self) -> Checkpoint:
         """The prepared claims now (an immutable value, replaced whole by the worker: safe to read anywhere)."""
         return self._claims.checkpoint
@@ -228,11 +242,19 @@ class DraService:
         """Claim UID -> the MPS daemon it needs (a consistent view: the checkpoint is replaced whole)."""
         return mps_records(self._claims.checkpoint)
 
-    def claims(self) -> list[dict[str, object]]:
-        """The recorded claims as the status shows them: name, state, devices, and what Prepare made for them."""
+    LEGACY_SHARE = (
+        "limits advisory: prepared before the MPS server held shares, only the client's CUDA_MPS_* variables hold "
+        "them until the claim is prepared again"
+    )
+
+    def claims(self, held: Mapping[str, object] | None = None) -> list[dict[str, object]]:
+        """The recorded claims as the status shows them: name, state, devices, and what Prepare made for them; for a
+        share, what holds its limits (``held``: daemon key -> the limits the daemon holds now)."""
+        from agent.core.dra.mps import enforcement_entry, share_enforcement
         from agent.core.dra.opaque import INTERVALS
 
         levels = {level: name for name, level in INTERVALS.items()}
+        records = mps_records(self._claims.checkpoint)
         shown = []
         for uid, claim in sorted(self._claims.checkpoint.claims.items(), key=lambda c: (c[1].namespace, c[1].name)):
             devices = []
@@ -244,6 +266,15 @@ class DraService:
                     entry["timeslice"] = levels.get(device.timeslice.level, str(device.timeslice.level))
                 if device.share is not None:
                     entry["share"] = {"memory": device.share.memory, "computePercent": device.share.compute_percent}
+                    if device.share.shares:
+                        entry["share"]["shares"] = device.share.shares  # type: ignore[index]
+                    record = claim.mps if claim.state == PREPARE_COMPLETED else None  # held once prepared
+                    now = (held or {}).get(record.key) if record is not None else None
+                    enforced = share_enforcement(record, records, now) if record is not None else None
+                    if enforced is not None:
+                        entry["enforcement"] = enforcement_entry(enforced)
+                    elif record is not None:  # recorded by a Tessera whose MPS server did not hold shares
+                        entry["enforcement"] = {"advisory": True, "note": self.LEGACY_SHARE}
                 devices.append(entry)
             shown.append({"claim": f"{claim.namespace}/{claim.name}", "uid": uid, "state": claim.state,
                           "devices": devices})  # fmt: skip
@@ -290,6 +321,7 @@ class DraService:
         for service, handlers in (
             (DRA_V1, self._plugin_handlers(dra_v1)),
             (DRA_V1BETA1, self._plugin_handlers(dra_v1beta1)),
+            (HEALTH_V1, {"NodeWatchResources": grpc.unary_stream_rpc_method_handler(self._watch_resources)}),
             (HEALTH, {"NodeWatchResources": grpc.unary_stream_rpc_method_handler(self._watch_resources)}),
         ):
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
@@ -388,9 +420,12 @@ class DraService:
         if executor is None or self._stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the DRA driver is stopping")
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, work, refs, deadline)
+            result = await asyncio.get_running_loop().run_in_executor(executor, work, refs, deadline)
         except RuntimeError:  # the executor was shut down while the call waited: the agent is stopping
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the DRA driver is stopping")
+        with contextlib.suppress(RuntimeError):  # stopping: the reports are lost, as a report may be
+            executor.submit(self._claims.report)  # status.devices, after the kubelet has its answer
+        return result
 
     async def _watch_resources(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """The complete device list now, on every change, and every third of the timeout; until the stream ends.

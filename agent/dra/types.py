@@ -5,9 +5,11 @@ Kept apart so that an agent without DRA loads none of the DRA front end (the loo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from agent.gpu.driver_root import DriverRoot
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +20,9 @@ class DraSettings:
     plugins_dir: Path  # the kubelet's plugins directory: <plugins>/<driver>/ holds the DRA socket and checkpoint
     cdi_root: Path
     pod_uid: str | None = None  # with it, socket names allow a rolling update of the DaemonSet
-    cdi_kind: str = "nvidia.com/gpu"  # the node-wide CDI spec's kind (nvidia-ctk cdi generate), as --cdi-kind
+    cdi_kind: str = "nvidia.com/gpu"  # with node_wide_cdi: the node-wide CDI spec's kind (nvidia-ctk cdi generate)
+    node_wide_cdi: bool = False  # claims' IDs also name the node-wide spec's entries (--node-wide-cdi)
+    driver_root: DriverRoot = field(default_factory=DriverRoot)  # the driver's files: claims' self-contained specs
     sys_root: Path = Path("/sys")  # where the GPUs' PCIe roots are read (resource.kubernetes.io/pcieRoot)
     nvidia_smi: str = "nvidia-smi"  # sets a time-slicing claim's GPU time-slice
     mps_root: str = "/run/nvidia/mps"  # the MPS root on the host (mpsRoot): MPS claims' pipes and shared memory

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import pynvml
 
-from agent.core.inventory import Gpu, GpuFailure, Inventory, MigDevice, Placement
+from agent.core.inventory import GiProfileCounts, Gpu, GpuFailure, Inventory, MigDevice, Placement
 from agent.core.mig_naming import mig_profile_name
 from agent.gpu.nvml import NvmlUnavailable, error_name, is_error, nvml_session
 
@@ -32,6 +32,12 @@ _ARCHITECTURES = {
     pynvml.NVML_DEVICE_ARCH_ADA: "Ada",
     pynvml.NVML_DEVICE_ARCH_HOPPER: "Hopper",
     pynvml.NVML_DEVICE_ARCH_BLACKWELL: "Blackwell",
+}
+# NVML's addressing mode as NVIDIA's DRA driver publishes it (``addressingMode``: HMM, ATS or None; facts dra.md C3)
+_ADDRESSING_MODES = {
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_NONE: "None",
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_HMM: "HMM",
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_ATS: "ATS",
 }
 # go-nvlib's GetBrandAsString, which NVIDIA's DRA driver publishes as the ``brand`` attribute. A brand nvlib
 # has no string for (DLA, NPU, vGameDev: nvlib returns an error) is left empty.
@@ -77,6 +83,7 @@ class _GiProfileInfo:
     index: int
     slice_count: int
     memory_mib: int
+    counts: GiProfileCounts  # what the profile info says an instance holds (engines, SMs, memory)
 
 
 def _warn_once(message: str) -> None:
@@ -196,6 +203,8 @@ def _describe_gpu(index: int, uuid: str, handle: object) -> Gpu:
     mig_enabled = bool(mig_capable and mig_mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE)
     compute_mode = None if mig_enabled else _optional(pynvml.nvmlDeviceGetComputeMode, handle)
     numa = _optional(pynvml.nvmlDeviceGetNumaNodeId, handle)
+    addressing = _optional(pynvml.nvmlDeviceGetAddressingMode, handle)
+    gi_profiles = _gi_profiles(handle) if mig_enabled else {}
     return Gpu(
         index=index,
         uuid=uuid,
@@ -209,10 +218,12 @@ def _describe_gpu(index: int, uuid: str, handle: object) -> Gpu:
         mig_capable=mig_capable,
         mig_enabled=mig_enabled,
         mig_pending=bool(mig_mode[1] == pynvml.NVML_DEVICE_MIG_ENABLE) if mig_capable else None,
-        mig_devices=tuple(_mig_devices(index, uuid, handle, memory.total)) if mig_enabled else (),
+        mig_devices=tuple(_mig_devices(index, uuid, handle, memory.total, gi_profiles)) if mig_enabled else (),
         numa_node=numa if numa is not None and numa >= 0 else None,
         compute_mode=_COMPUTE_MODES.get(compute_mode) if compute_mode is not None else None,
         brand=_BRANDS.get(brand, "") if brand is not None else "",
+        addressing_mode=_ADDRESSING_MODES.get(addressing) if addressing is not None else None,
+        gi_profiles=tuple(gi_profiles[i].counts for i in sorted(gi_profiles)),
     )
 
 
@@ -226,7 +237,17 @@ def _gi_profiles(handle: object) -> dict[int, _GiProfileInfo]:
             if is_error(error, *_SKIPPED_PROFILE_ERRORS):
                 continue
             raise _GpuStepFailed("nvmlDeviceGetGpuInstanceProfileInfo", error) from error
-        profiles[info.id] = _GiProfileInfo(profile_index, info.sliceCount, info.memorySizeMB)
+        counts = GiProfileCounts(
+            id=info.id,
+            multiprocessors=info.multiprocessorCount,
+            copy_engines=info.copyEngineCount,
+            decoders=info.decoderCount,
+            encoders=info.encoderCount,
+            jpeg_engines=info.jpegCount,
+            ofa_engines=info.ofaCount,
+            memory_mib=info.memorySizeMB,
+        )
+        profiles[info.id] = _GiProfileInfo(profile_index, info.sliceCount, info.memorySizeMB, counts)
     return profiles
 
 
@@ -254,8 +275,9 @@ def _mig_handles(handle: object) -> Iterator[tuple[int, object]]:
                 raise _GpuStepFailed("nvmlDeviceGetMigDeviceHandleByIndex", error) from error
 
 
-def _mig_devices(gpu_index: int, gpu_uuid: str, handle: object, total_bytes: int) -> list[MigDevice]:
-    gi_profiles = _gi_profiles(handle)
+def _mig_devices(
+    gpu_index: int, gpu_uuid: str, handle: object, total_bytes: int, gi_profiles: dict[int, _GiProfileInfo]
+) -> list[MigDevice]:
     devices = []
     for mig_index, mig in _mig_handles(handle):
         gi_id = _step("nvmlDeviceGetGpuInstanceId", pynvml.nvmlDeviceGetGpuInstanceId, mig)

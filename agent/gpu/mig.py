@@ -34,6 +34,54 @@ def set_mig_mode(gpu_index: int, enabled: bool) -> bool:
         return bool(current) == enabled
 
 
+@dataclass(frozen=True, slots=True)
+class MigModeState:
+    """A GPU's MIG mode now, its architecture (as discovery names it) and how many MIG devices it holds."""
+
+    enabled: bool
+    architecture: str
+    mig_devices: int
+
+
+def mig_mode_state(gpu_uuid: str) -> MigModeState:
+    from agent.gpu.discovery import _ARCHITECTURES  # one table of NVML's architecture names
+
+    with nvml_session():
+        handle = _gpu_by_uuid(gpu_uuid)
+        try:
+            current, _ = pynvml.nvmlDeviceGetMigMode(handle)
+            architecture = _ARCHITECTURES.get(pynvml.nvmlDeviceGetArchitecture(handle), "Unknown")
+            count = 0
+            for index in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle) if current else 0):
+                try:
+                    pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+                except pynvml.NVMLError as error:
+                    if error_name(error) == "NOT_FOUND":
+                        continue
+                    raise
+                count += 1
+        except pynvml.NVMLError as error:
+            raise MigOperationError(f"GPU {gpu_uuid}: read its MIG mode", error) from error
+        return MigModeState(bool(current), architecture, count)
+
+
+def switch_mig_mode(gpu_uuid: str, enabled: bool) -> bool:
+    """Request a MIG mode; True when it is in force now. When it would only take effect at a GPU reset (the
+    activation status says why), the request is withdrawn again, so no reset applies it later, and False is returned."""
+    with nvml_session():
+        handle = _gpu_by_uuid(gpu_uuid)
+        what = f"GPU {gpu_uuid}: set MIG mode {'on' if enabled else 'off'}"
+        try:
+            pynvml.nvmlDeviceSetMigMode(handle, int(enabled))
+            current, _ = pynvml.nvmlDeviceGetMigMode(handle)
+            if bool(current) == enabled:
+                return True
+            pynvml.nvmlDeviceSetMigMode(handle, int(current))  # pending := current: nothing waits for a reset
+            return False
+        except pynvml.NVMLError as error:
+            raise MigOperationError(what, error) from error
+
+
 def destroy_instance(gpu_index: int, gi_id: int) -> None:
     """Destroy a GPU instance and, first, its compute instances."""
     with nvml_session():

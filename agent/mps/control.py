@@ -43,6 +43,20 @@ def thread_percentage_command(percent: int) -> str:
     return f"set_default_active_thread_percentage {percent}"
 
 
+def server_limit_commands(server: int, uuid_mib: Sequence[tuple[str, int]], percent: int) -> list[str]:
+    """The limits for a running server's new clients (``set_device_pinned_mem_limit`` and
+    ``set_active_thread_percentage`` on its PID): defaults only reach servers started after them (facts mig-mps.md)."""
+    if not _is_int(server) or server <= 0:
+        raise ValueError(f"refusing to send limits for MPS server {server!r}")
+    thread_percentage_command(percent)  # the same checks as the defaults
+    commands = []
+    for uuid, mib in uuid_mib:
+        pinned_limit_command(uuid, mib)
+        commands.append(f"set_device_pinned_mem_limit {server} {uuid} {mib}M")
+    commands.append(f"set_active_thread_percentage {server} {percent}")
+    return commands
+
+
 class MpsControl:
     def __init__(
         self,

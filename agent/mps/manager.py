@@ -16,6 +16,10 @@ a small worker pool whose results come back as events (``MpsDaemonReady``, ``Mps
   stopping the agent leaves daemons running. Where the daemon runs decides whether it outlives the agent's
   container: with a keeper (``keeper``, ``agent.mps.keeper``) ``-d`` runs in the keeper's container and the
   daemon survives an agent restart or upgrade; without one it runs in the agent's and ends with it.
+- A DRA daemon serving shares of a device (``agent.core.dra.mps``) whose limits change (a share came or went) is not
+  restarted: the new limits are set on it — as defaults for servers to come and on each running server for its new
+  clients — and it reports ready once they are in place (state ``limiting`` until then), so a Prepare waiting on it
+  returns only when the server holds the new share. Clients already running keep the limits they started with.
 - Retiring a daemon (its resource went away, or its spec changed) never pulls the server from under a
   client: its devices are withdrawn from ListAndWatch first (``withdrawn``), then a worker waits until the
   kubelet holds none of their replicas and NVML lists no compute process or MPS client on them — unknown
@@ -42,6 +46,7 @@ from agent.mps.control import (
     MpsError,
     control_for,
     pinned_limit_command,
+    server_limit_commands,
     thread_percentage_command,
 )
 from agent.mps.exits import ProcessExited, ProcessExitWatcher
@@ -92,7 +97,9 @@ class _Daemon:
     spec: MpsDaemonSpec
     control: MpsControl | None
     generation: int = 0  # bumped per start attempt, so a late result of an old attempt is ignored
-    state: str = "pending"  # pending | starting | ready | down
+    state: str = "pending"  # pending | starting | limiting | ready | down
+    applying: MpsDaemonSpec | None = None  # the spec whose limits the job in flight sets
+    applied: MpsDaemonSpec | None = None  # the spec whose limits the daemon holds (its last good job's)
     ready_once: bool = False
     attempts: int = 0
     next_attempt: float = 0.0
@@ -143,13 +150,38 @@ class MpsManager:
                 self._retire(key, now)
             self._root = root
         for key in list(self._daemons):
-            if key not in wanted or wanted[key] != self._daemons[key].spec:
+            if (
+                key in wanted
+                and wanted[key] != self._daemons[key].spec
+                and _limits_only(self._daemons[key].spec, wanted[key])
+            ):
+                self._limit(key, self._daemons[key], wanted[key], root)
+            elif key not in wanted or wanted[key] != self._daemons[key].spec:
                 self._retire(key, now)
         for key, spec in wanted.items():
             if key not in self._daemons:
                 self._daemons[key] = _Daemon(spec, self._control(spec, root), next_attempt=now)
         if wanted:
             (root / "shm").mkdir(parents=True, exist_ok=True)
+
+    def _limit(self, key: str, daemon: _Daemon, spec: MpsDaemonSpec, root: Path) -> None:
+        """New limits for a running DRA daemon: set on it (a job), not a restart; a start in flight sets them after."""
+        daemon.spec = spec
+        daemon.control = self._control(spec, root)  # a restart after a crash starts with these in its environment
+        log.info("MPS daemon limits change key=%s threads=%s pinned=%s", key, spec.active_thread_percentage,
+                 ",".join(f"{u}={m}M" for u, m in spec.pinned_memory_mib) or "-")  # fmt: skip
+        if daemon.state == "ready":
+            self._submit_limits(key, daemon)
+
+    def _submit_limits(self, key: str, daemon: _Daemon) -> None:
+        daemon.generation += 1
+        daemon.state, daemon.applying = "limiting", daemon.spec
+        if daemon.control is None:
+            self._post(MpsDaemonFailed(key, daemon.generation, "no control for the daemon"))
+            return
+        submit(
+            self._pool, self._post, "mps", key, self._set_limits, key, daemon.generation, daemon.spec, daemon.control
+        )
 
     def next_deadline(self) -> float | None:
         """When ``tick`` has something to do next (None: nothing until an event)."""
@@ -163,7 +195,7 @@ class MpsManager:
     def on_exited(self, event: ProcessExited, now: float) -> bool:
         """A daemon's process ended: its devices turn Unhealthy and it is started again."""
         daemon = self._daemons.get(event.key)
-        if daemon is None or daemon.state != "ready" or daemon.pid != event.pid:
+        if daemon is None or daemon.state not in ("ready", "limiting") or daemon.pid != event.pid:
             return False
         self._died(event.key, daemon, now)
         return True
@@ -233,7 +265,7 @@ class MpsManager:
             log.error("MPS daemon retirement failed key=%s error=%r; trying again", event.key, event.error)
             return False
         daemon = self._daemons.get(event.key)
-        if daemon is None or daemon.state != "starting":
+        if daemon is None or daemon.state not in ("starting", "limiting"):
             return False
         return self.on_failed(MpsDaemonFailed(event.key, daemon.generation, event.error), now)
 
@@ -260,6 +292,9 @@ class MpsManager:
             return False
         daemon.state, daemon.ready_once, daemon.attempts, daemon.last_error = "ready", True, 0, None
         daemon.pid = event.pid
+        daemon.applied = daemon.applying
+        if daemon.applying is not None and daemon.applying != daemon.spec:  # the limits changed while it started
+            self._submit_limits(event.key, daemon)
         log.info("MPS daemon ready key=%s pid=%s adopted=%s", event.key, event.pid, event.adopted)
         if event.pid is not None:
             if self._exits is None:
@@ -286,7 +321,7 @@ class MpsManager:
         """Physical devices whose daemon is not ready: their replicas are Unhealthy."""
         down: set[str] = set()
         for daemon in self._daemons.values():
-            if daemon.state != "ready":
+            if daemon.state not in ("ready", "limiting"):  # limiting: it serves, new limits on their way
                 down |= daemon.spec.physical_ids
         return frozenset(down)
 
@@ -297,7 +332,13 @@ class MpsManager:
 
     def status(self) -> dict[str, dict[str, object]]:
         status: dict[str, dict[str, object]] = {
-            key: {"state": d.state, "restarts": d.restarts, "error": d.last_error, "resource": d.spec.resource}
+            key: {
+                "state": d.state,
+                "restarts": d.restarts,
+                "error": d.last_error,
+                "resource": d.spec.resource,
+                "limits": d.applied.limits if d.applied is not None else None,
+            }
             for key, d in self._daemons.items()
         }
         for key, r in self._retiring.items():
@@ -344,6 +385,7 @@ class MpsManager:
             except (MpsError, ValueError) as error:
                 self._post(MpsDaemonFailed(key, daemon.generation, str(error)))
                 return
+        daemon.applying = daemon.spec
         job = (key, daemon.generation, daemon.spec, daemon.control, self._root)
         submit(self._pool, self._post, "mps", key, self._bring_up, *job)
 
@@ -363,12 +405,36 @@ class MpsManager:
                     start_through_keeper(self._keeper, root, spec)
             commands = [thread_percentage_command(spec.active_thread_percentage)]
             commands += [pinned_limit_command(uuid, mib) for uuid, mib in spec.pinned_memory_mib]
+            if adopted and _limits_only(spec, spec):  # a DRA daemon's running servers: limits set on them too
+                for server in sorted(_server_pids(control)):
+                    commands += server_limit_commands(server, spec.pinned_memory_mib, spec.active_thread_percentage)
             control.commands(commands)
             reply = control.commands([READINESS_COMMAND])
             if not reply or float(reply[-1]) != float(spec.active_thread_percentage):
                 raise MpsError(f"the daemon reports {reply!r} for {READINESS_COMMAND}")
             self._post(MpsDaemonReady(key, generation, control.pid(), adopted))
         except Exception as error:  # MpsError, OSError, NVML gone ...: a failed attempt, retried with backoff
+            self._post(MpsDaemonFailed(key, generation, str(error) or type(error).__name__))
+
+    def _set_limits(self, key: str, generation: int, spec: MpsDaemonSpec, control: MpsControl) -> None:
+        """Worker thread: a running daemon's new limits, as defaults (servers to come) and on each running server
+        (its new clients); then readiness."""
+        try:
+            commands = [thread_percentage_command(spec.active_thread_percentage)]
+            commands += [pinned_limit_command(uuid, mib) for uuid, mib in spec.pinned_memory_mib]
+            servers = sorted(_server_pids(control))
+            for server in servers:
+                commands += server_limit_commands(server, spec.pinned_memory_mib, spec.active_thread_percentage)
+            replies = control.commands(commands)
+            refused = [line for line in replies if line.strip() and not _is_number(line) and "not found" not in line]
+            if refused:
+                raise MpsError(f"the daemon refused the new limits: {'; '.join(refused)}")
+            reply = control.commands([READINESS_COMMAND])
+            if not reply or float(reply[-1]) != float(spec.active_thread_percentage):
+                raise MpsError(f"the daemon reports {reply!r} for {READINESS_COMMAND}")
+            log.info("MPS daemon limits set key=%s servers=%s", key, ",".join(map(str, servers)) or "-")
+            self._post(MpsDaemonReady(key, generation, control.pid(), True))
+        except Exception as error:  # as a failed start: the daemon is started (adopted) again, limits and all
             self._post(MpsDaemonFailed(key, generation, str(error) or type(error).__name__))
 
     def _retire(self, key: str, now: float) -> None:
@@ -400,6 +466,23 @@ class MpsManager:
                     _compute_mode(uuid, DEFAULT)
         log.info("MPS daemon stopped key=%s", key)
         self._post(MpsDaemonStopped(key))
+
+
+def _limits_only(old: MpsDaemonSpec, new: MpsDaemonSpec) -> bool:
+    """The same DRA daemon with other limits (shares came or went): set on it, not a restart."""
+    from agent.core.dra.mps import RESOURCE
+
+    return (old.key, old.resource, old.visible_devices) == (new.key, new.resource, new.visible_devices) and (
+        old.resource == RESOURCE
+    )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _server_pids(control: MpsControl | None) -> frozenset[int]:

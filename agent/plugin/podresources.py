@@ -16,7 +16,7 @@ The answer is read from protobuf's wire format by :mod:`agent.plugin.podresource
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,7 @@ class DeviceHolder:
 
 ClaimDeviceKey = tuple[str, str, str, str]  # the claim's namespace and name, the device's pool and name
 PodName = tuple[str, str]  # namespace, name
+ContainerName = tuple[str, str, str]  # namespace, pod, container
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,7 @@ class PodAllocations:
 
     devices: dict[str, DeviceHolder]
     claims: dict[ClaimDeviceKey, frozenset[PodName]]
+    claim_containers: dict[ClaimDeviceKey, frozenset[ContainerName]] = field(default_factory=dict)
 
 
 def allocated_devices(socket: Path) -> dict[str, DeviceHolder]:
@@ -75,7 +77,7 @@ def list_pod_resources(socket: Path) -> PodAllocations:
         with grpc.insecure_channel(f"unix://{socket}", options=CHANNEL_OPTIONS) as channel:
             answer = channel.unary_unary(LIST_METHOD)(b"", timeout=TIMEOUT)  # bytes out and in: no protobuf runtime
         response = list_response(answer)
-        return PodAllocations(_holders(response), _claim_users(response))
+        return PodAllocations(_holders(response), _claim_users(response), _claim_containers(response))
     except PodResourcesError:
         raise
     except grpc.RpcError as error:
@@ -141,3 +143,17 @@ def _claim_users(response: ListPodResourcesResponse) -> dict[ClaimDeviceKey, fro
                         )
                     users.setdefault(key, set()).add((pod.namespace, pod.name))
     return {key: frozenset(pods) for key, pods in users.items()}
+
+
+def _claim_containers(response: ListPodResourcesResponse) -> dict[ClaimDeviceKey, frozenset[ContainerName]]:
+    """Each claim device -> the containers using it (the memory limits hold each container); called after
+    ``_claim_users``, which refused an answer with names too long or too many claim devices."""
+    containers: dict[ClaimDeviceKey, set[ContainerName]] = {}
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            for claim in container.dynamic_resources:
+                for device in claim.claim_resources:
+                    key = (claim.claim_namespace, claim.claim_name, device.pool_name, device.device_name)
+                    if len(container.name) <= MAX_NAME_CHARS:
+                        containers.setdefault(key, set()).add((pod.namespace, pod.name, container.name))
+    return {key: frozenset(names) for key, names in containers.items()}

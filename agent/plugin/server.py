@@ -87,6 +87,10 @@ class _Served:
             cdi_kind=options.cdi_kind,
             mps=mps,
             fail_requests_greater_than_one=snapshot.fail_requests_greater_than_one,
+            memory=snapshot.memory,
+            replicas=snapshot.replicas,
+            memory_envs=options.memory_envs,
+            cdi_unavailable=options.cdi_unavailable,
         )
         return cls(snapshot, message, entries, allocator)
 

@@ -32,6 +32,7 @@ from agent.gpu.process_utilization import ProcessUtilization, UtilizationRead
 from agent.gpu.telemetry import GpuStats, read_stats
 from agent.plugin.podresources import ClaimDeviceKey, PodAllocations, PodName
 from agent.plugin.podresources import DeviceHolder as Holder
+from agent.telemetry import memory_limits
 from agent.telemetry.attribution import Checkpoint, CheckpointReader
 from agent.telemetry.dra_claims import ClaimDevice, KubeletClaimPods, PhysicalClaim, resolve
 from agent.telemetry.exposition import Family, Renderer, counter, gauge
@@ -116,6 +117,7 @@ class TelemetryCollector:
         on_collected: Callable[[object], None] = lambda status: None,
         latency: OperationLatency | None = None,
         claims: Callable[[], Sequence[ClaimDevice]] | None = None,
+        memory_limits: Callable[[], Sequence[object]] | None = None,
     ) -> None:
         """``latency``: the kubelet-facing servers' timings, exposed with every collection; ``claims``: the devices
         of the DRA front end's prepared claims (``dra_claims.claim_devices`` of its checkpoint); ``holders``:
@@ -123,6 +125,7 @@ class TelemetryCollector:
         self.options = options
         self.latency = latency
         self._claims = claims
+        self._memory_limits = memory_limits  # the memory-limits room's snapshot (per container and GPU)
         self._claim_pods = KubeletClaimPods(options.kubelet_dir or options.device_plugin_dir.parent)
         self.last = LastCollection()
         self._status = status
@@ -166,12 +169,16 @@ class TelemetryCollector:
         inventory = getattr(status, "inventory", None)
         stats: dict[str, GpuStats] = {}
         utilization: dict[str, UtilizationRead] = {}
+        limits = self._memory_limits() if self._memory_limits is not None else ()
+        limits_used: dict[tuple[str, str], int] = {}
         listed_at = boot_clock()  # a process that started after this is not one NVML is about to list
         if inventory is not None:
             try:
                 with nvml_session():
                     stats = read_stats(inventory)
                     utilization = self._read_utilization(inventory, stats)
+                    if limits:
+                        limits_used = memory_limits.read_used(limits)
             except Exception as error:  # NVML gone entirely: report the GPUs as down, keep the rest
                 self._warn_once("nvml", f"cannot read GPU telemetry error={error!r}")
         checkpoint = self._checkpoint.read()
@@ -192,6 +199,7 @@ class TelemetryCollector:
         elapsed = 0.0 if self._last_collection is None else now - self._last_collection
         self._last_collection = now
         families = self._families(status, stats, holders, elapsed, checkpoint, utilization, listed_at, claims, users)
+        families += memory_limits.families(limits, limits_used, self.options.hostname)  # empty without the room
         self.last.publish(families)
         self._on_collected(status)
 

@@ -55,6 +55,7 @@ class Telemetry:
         node_api: CoreApi | None = None,
         latency: OperationLatency | None = None,
         claims: Callable[[], Sequence[ClaimDevice]] | None = None,
+        memory_limits: Callable[[], Sequence[object]] | None = None,
     ) -> None:
         """``node_api`` is where ``settings.label_node`` writes the labels; ``latency`` holds the timings the
         device plugin servers and the DRA service record (one is made when none is given: its histograms are
@@ -86,6 +87,7 @@ class Telemetry:
             on_collected=self._write_labels,
             latency=latency if latency is not None else OperationLatency(),
             claims=claims,
+            memory_limits=memory_limits,
         )
         status_socket = str(settings.status_socket) if settings.status_socket is not None else None
         self.server = TelemetryServer(settings.metrics_address, self.collector.last, self.healthy, self.ready,

@@ -3,6 +3,7 @@ against the API server stand-in (in this process, on loopback, every written obj
 kubelet emulator and the device-plugin kubelet emulator.
 
 Run: python tests/bench/bench_dra.py [--rounds 5] [--prepares 200] [--pods 30] [--xids 20] [--restarts 10] [--writes 30]
+(the self-contained CDI spec's Prepare, in process: python tests/bench/bench_dra.py self-contained [ROUNDS [PREPARES]])
 
 Every round runs every part once with a fresh agent process, stand-in and emulators (a noisy neighbour spreads
 over all of them); the figures printed are the medians over the rounds of each round's p50 and p99 (single
@@ -449,7 +450,7 @@ def prepare_node(base: Path, args: argparse.Namespace, figures: dict[str, Figure
                 name = claim["metadata"]["name"]
                 pod, containers = f"pod-{n}-{count}", {"c": [("gpu", None)]}
                 ids = _timed(pods[f"run {count}"], world.dra.run_pod, "default", pod, uid, [("gpu", name)], containers)
-                if len(ids["c"]) != 2 * count:  # the claim's device and the node-wide ID of each GPU
+                if len(ids["c"]) != count:  # the claim's own ID for each GPU (its spec stands alone)
                     raise RuntimeError(f"pod of {name}: CDI IDs {ids}")
                 _timed(pods[f"stop {count}"], world.dra.stop_pod, uid)
             for _ in range(2):  # add the reservation, take it away: the two writes of a pod's life
@@ -998,7 +999,7 @@ def main() -> None:
     parser.add_argument("--agent-log-level", default="warning")
     parser.add_argument("--churn", type=int, default=1000, help="dynamic-MIG claim churn steps per round")
     parser.add_argument(
-        "--parts", default="prepare,mig,both,dynamic,shares", help="which parts to run (comma-separated)"
+        "--parts", default="prepare,mig,both,dynamic,shares,dynamic-mode", help="which parts to run (comma-separated)"
     )
     args = parser.parse_args()
     logging.disable(logging.ERROR)  # the emulators' and the stand-in's notes are not the report
@@ -1010,6 +1011,7 @@ def main() -> None:
         "both": lambda base: both_front_ends(base, args, figures),
         "dynamic": lambda base: dynamic_node(base, args, figures),
         "shares": lambda base: shares_node(base, args, figures),
+        "dynamic-mode": lambda base: bench_prepare_dynamic_mig_mode(base, args, figures),
     }
     steps = [parts[name] for name in args.parts.split(",")]
     global AGENT_HOME
@@ -1033,5 +1035,152 @@ def run_rounds(args: argparse.Namespace, steps: list[Callable[[Path], None]]) ->
         print(f"round {n + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
 
+# ----- 6. dynamic MIG with the MIG-mode toggle (issue 25) --------------------------------------------------------
+
+DYNAMIC_MODE_DEVICES = 8 * 26  # a dgx-h100 with MIG mode off: per GPU the whole GPU and 25 profile placements
+SECTIONS += (
+    (
+        "6. Dynamic MIG with MIG mode off (issue 25): dgx-h100, MIG mode turned on at Prepare and off at Unprepare",
+        {
+            "mode floor": ("floor: NodePrepareResources, 1g.10gb on a GPU already in MIG mode", "-"),
+            "mode prepare": ("NodePrepareResources, 1g.10gb (MIG mode on, then the MIG device)", "p99 < 200 ms"),
+            "mode unprepare": ("NodeUnprepareResources, 1g.10gb (the MIG device, then MIG mode off)", "-"),
+            "mode toggles": ("  nvmlDeviceSetMigMode calls per prepare/unprepare pair", "2", "n"),
+        },
+    ),
+)
+
+
+def bench_prepare_dynamic_mig_mode(base: Path, args: argparse.Namespace, figures: dict[str, Figure]) -> None:
+    """A dgx-h100 whose GPUs are in dynamic-MIG mode with MIG mode off (NVIDIA's dynamic MIG): Prepare of a
+    1g.10gb turns its GPU's MIG mode on (in the ledger's critical section: who holds the GPU is read first) and
+    creates the MIG device; Unprepare destroys it and turns MIG mode off. The floor, in the same run: the same
+    claim prepared while another claim keeps a 1g.10gb on that GPU, so its MIG mode is on already (no toggle)."""
+
+    def body(world: World) -> None:
+        api = world.api
+        world.spawn_until_pool(DYNAMIC_MODE_DEVICES)
+        world.registered()
+        api.create("deviceclasses", {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+                                     "metadata": {"name": "mig.nvidia.com"},
+                                     "spec": {"selectors": [{"cel": {"expression": MIG_CLASS}}]}})  # fmt: skip
+        classes = {c["metadata"]["name"]: c for c in api.objects("deviceclasses")}
+        slices = _complete_pool(api) or []
+        control = SimControlClient(world.base / "ctl.sock")
+        stub = world.stub()
+
+        def toggles() -> int:
+            return sum(1 for c in control.call("destructive_calls") if c["symbol"] == "nvmlDeviceSetMigMode")
+
+        timed = _allocated_claim(api, "timed", _mig_request("1g.10gb"), slices, classes, set())
+        assert timed is not None
+        (result,) = timed["status"]["allocation"]["devices"]["results"]
+        held = {(result["driver"], result["pool"], result["device"])}
+        pairs = max(1, args.prepares // 4)
+        before, prepare, unprepare = toggles(), [], []
+        for _ in range(pairs):
+            _pairs(stub, timed, 1, prepare, unprepare)
+        figures["mode toggles"].add_one((toggles() - before) / pairs)
+        if control.call("mig_devices"):
+            raise RuntimeError(f"MIG devices left after the pairs: {control.call('mig_devices')}")
+        figures["mode prepare"].add(prepare)
+        figures["mode unprepare"].add(unprepare)
+
+        # the floor: another 1g.10gb on the same GPU keeps its MIG mode on
+        gpu = next(d for d in _devices(slices) if d["name"] == result["device"])["attributes"]["parentUUID"]["string"]
+        same_gpu = {**_mig_request("1g.10gb")}
+        same_gpu["selectors"] = [
+            *same_gpu["selectors"],
+            {"cel": {"expression": f"device.attributes['gpu.nvidia.com'].parentUUID == '{gpu}'"}},
+        ]
+        keeper = _allocated_claim(api, "keeper", same_gpu, slices, classes, held)
+        assert keeper is not None
+        _check(stub.NodePrepareResources(_request(keeper)[0], timeout=45), keeper, 1)
+        floor: list[float] = []
+        after_floor: list[float] = []
+        for _ in range(pairs):
+            _pairs(stub, timed, 1, floor, after_floor)
+        figures["mode floor"].add(floor)
+        _check(stub.NodeUnprepareResources(_request(keeper)[1], timeout=45), keeper, None)
+
+    _with_world(base, "dgx-h100", "all", args, body, dra_extra="  dynamicMig: all\n")
+
+
+def bench_prepare_self_contained(rounds: int = 5, prepares: int = 200) -> None:
+    """Prepare p99 of a whole GPU with the self-contained claim spec (issue 25: < 50 ms), in process.
+
+    The DRA service alone (``tests/integration/test_dra_service.py``'s node: real gRPC on its unix socket, the
+    checkpoint and the CDI spec fsynced on this disk) on a simulated A100 node whose driver lies on disk
+    (``agent.sim.driver_root``): per round, ``prepares`` prepare/unprepare pairs of a 1-GPU claim with the spec
+    holding the driver's common edits (control nodes, libraries, binaries, firmware), then as many with
+    ``--node-wide-cdi`` (the claim spec holds the GPU's node only: what the self-contained spec adds is the
+    difference), and the floor: ``write_atomically`` of the self-contained spec's bytes in the same directory (a
+    prepare writes the spec once and the checkpoint twice). Also the driver root's discovery uncached (what a
+    Prepare pays once a minute, ``agent.gpu.driver_root.CACHE_SECONDS``). Medians over the rounds of each round's
+    p50 and p99.
+    """
+    from agent.core.dra.devices import dra_devices
+    from agent.gpu.discovery import discover
+    from agent.gpu.driver_root import CommonEdits
+    from agent.sim.nvml.install import simulated_node
+    from agent.sim.nvml.spec import parse_node_spec
+    from tests.integration.test_dra_service import NODE_SPEC, Claims, Node, claim, ref, uid
+
+    figures = {
+        "self-contained": Figure("Prepare, 1 GPU, self-contained spec", "< 50 ms p99"),
+        "node-wide": Figure("Prepare, 1 GPU, --node-wide-cdi (GPU node only)"),
+        "unprepare": Figure("Unprepare, 1 GPU, self-contained spec"),
+        "floor": Figure("floor: atomic write of the spec's bytes (fsync file + directory)"),
+        "discovery": Figure("driver root discovery, uncached"),
+    }
+    logging.disable(logging.ERROR)
+    with simulated_node(parse_node_spec(NODE_SPEC)):
+        devices = dra_devices(discover())
+        for n in range(rounds):
+            base = Path(tempfile.mkdtemp(prefix="bs", dir="/tmp"))  # unix socket paths must stay short
+            try:
+                node = Node(base, devices, Claims())
+                node.claims.add(claim(1, "gpu-0"))
+                times: dict[str, list[float]] = {key: [] for key in figures}
+                modes = [("self-contained", {}), ("node-wide", {"node_wide_cdi": True, "cdi_common_edits": None})]
+                for mode, options in modes[n % 2 :] + modes[: n % 2]:  # each round starts with the other
+                    node.start(**options)
+                    assert node.kubelet is not None
+                    for i in range(WARM_UP + prepares):
+                        began = time.perf_counter()
+                        answer = node.kubelet.prepare(ref(1)).claims[uid(1)]
+                        took = time.perf_counter() - began
+                        if answer.error or len(answer.devices) != 1:
+                            raise RuntimeError(f"prepare ({mode}): {answer.error!r}")
+                        if i >= WARM_UP:
+                            times[mode].append(took)
+                        if mode == "self-contained":
+                            spec = node.spec_file(1).read_bytes()
+                        measured = times["unprepare"] if mode == "self-contained" and i >= WARM_UP else []
+                        _timed(measured, node.kubelet.unprepare, ref(1))
+                    node.stop()
+                source = CommonEdits(node.driver_root, ttl=0)
+                for _ in range(prepares):
+                    _timed(times["floor"], write_atomically, base / "floor.yaml", spec, 0o644)
+                    _timed(times["discovery"], source)
+                for key, values in times.items():
+                    figures[key].add(values)
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+            print(f"round {n + 1}/{rounds} done", file=sys.stderr, flush=True)
+    print(
+        f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, Python {platform.python_version()}; "
+        f"{rounds} rounds of {prepares} prepare/unprepare pairs per mode; p50 / p99: medians of the per-round values"
+    )
+    print()
+    print("| measure | p50 | p99 | min | max | n | target |")
+    print("|---|---|---|---|---|---|---|")
+    for figure in figures.values():
+        print(_row(figure))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["self-contained"]:  # python tests/bench/bench_dra.py self-contained [ROUNDS [PREPARES]]
+        bench_prepare_self_contained(*(int(a) for a in sys.argv[2:4]))
+    else:
+        main()

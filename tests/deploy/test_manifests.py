@@ -62,17 +62,25 @@ HOST_PATHS = {
         False,
     ),
     ("/proc", "Directory", "/host/proc", True),
+    # memory limits: the host's cgroup v2 tree where the host has it (NVML is given a container's cgroup by this
+    # path) and the kubelet's container log links (a starting container's ID); the agent only reads both
+    ("/sys/fs/cgroup", "Directory", "/sys/fs/cgroup", True),
+    ("/var/log/containers", "DirectoryOrCreate", "/var/log/containers", True),
 }
 MPS_ROOT = ("/run/nvidia/mps", "DirectoryOrCreate", "/run/nvidia/mps", False)
 # The directory of the MPS keeper's socket, which the keeper and the agent mount from the same host path.
 KEEPER_SOCKET_DIRECTORY = ("/run/tessera", "DirectoryOrCreate", "/run/tessera", False)
 # The DRA driver's directories (overlays/dra), each at the host's path: the kubelet is handed these paths (the
 # registration socket in the plugin watcher's directory, the DRA socket and checkpoint under the plugins
-# directory) and the container runtime reads the claims' CDI specs from the host's /var/run/cdi.
+# directory) and the container runtime reads the claims' CDI specs from the host's /var/run/cdi. The host's root,
+# read-only at /driver-root (CONTAINER_DRIVER_ROOT): the specs name the driver's files and device nodes as the host
+# has them, so the agent reads them there (agent.gpu.driver_root).
+DRIVER_ROOT = ("/", "Directory", "/driver-root", True)
 DRA_HOST_PATHS = {
     ("/var/lib/kubelet/plugins_registry", "Directory", "/var/lib/kubelet/plugins_registry", False),
     ("/var/lib/kubelet/plugins", "DirectoryOrCreate", "/var/lib/kubelet/plugins", False),
     ("/var/run/cdi", "DirectoryOrCreate", "/var/run/cdi", False),
+    DRIVER_ROOT,
 }
 # The variants with the DRA front end (components/dra), exactly, each with the variant it adds DRA to.
 DRA_VARIANTS = {"dra": "base", "dra-mps": "mps", "dra-mig-manager": "mig-manager"}
@@ -99,6 +107,7 @@ DRA_ENV = {
     "TESSERA_DRA_PLUGINS_DIR": "/var/lib/kubelet/plugins",
     "TESSERA_CDI_ROOT": "/var/run/cdi",
     "POD_UID": {"fieldRef": {"fieldPath": "metadata.uid"}},
+    "CONTAINER_DRIVER_ROOT": "/driver-root",  # NVIDIA's variable: where the agent sees the host's driver root
 }
 # The MIG capability devices the NVIDIA runtime mounts (components/gpu-admin, with CAP_SYS_ADMIN): "config" to
 # create and destroy GPU and compute instances, "monitor" to list every MIG device.
@@ -115,7 +124,8 @@ GRANTS = NODE_READ | EVENTS
 # watched (field-selected), created, replaced (PUT) and deleted; the ResourceClaim the kubelet asks it to prepare
 # read by name. No `get` on slices (never read by name), no list/watch on claims, no patch, no deletecollection.
 DRA_GRANTS = {("resource.k8s.io", "resourceslices", v) for v in ("list", "watch", "create", "update", "delete")} | {
-    ("resource.k8s.io", "resourceclaims", "get")
+    ("resource.k8s.io", "resourceclaims", "get"),
+    ("resource.k8s.io", "resourceclaims/status", "patch"),  # status.devices after Prepare (agent.dra.claims_api)
 }
 # What an opt-in overlay adds to GRANTS; every other variant (a new overlay too) grants GRANTS alone.
 EXTRA_GRANTS = {"node-labels": {("", "nodes", "patch")}, **{variant: DRA_GRANTS for variant in DRA_VARIANTS}}
@@ -211,7 +221,8 @@ def flag_twins(command: str) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-m", "agent", command, "--help"], capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout
-    return set(re.findall(r"\[env\s+([A-Z_]+)", out))
+    groups = re.findall(r"\[env\s+([^\]]+)\]", out)  # "[env A]", "[env A, B]", "[env A=true]", wrapped or not
+    return {name for group in groups for name in re.findall(r"(?:^|,)\s*([A-Z_]+)", group)}
 
 
 def config_map(objects: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -442,9 +453,18 @@ def with_dra(ds: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any
     c["env"] = [e for e in c["env"] if e["name"] not in added] + [
         {"name": k, "valueFrom": v} if isinstance(v, dict) else {"name": k, "value": v} for k, v in added.items()
     ]
-    c["volumeMounts"] += [{"name": v["name"], "mountPath": v["hostPath"]["path"]} for v in volumes]
+    c["volumeMounts"] += [_dra_mount(v) for v in volumes]
     c["securityContext"]["capabilities"]["add"] = ["SYS_ADMIN"]
     return ds
+
+
+def _dra_mount(volume: dict[str, Any]) -> dict[str, Any]:
+    """Each DRA directory at the host's own path; the host's root read-only at /driver-root, following what a driver
+    container mounts there later (HostToContainer)."""
+    if volume["hostPath"]["path"] == DRIVER_ROOT[0]:
+        return {"name": volume["name"], "mountPath": DRIVER_ROOT[2], "readOnly": True,
+                "mountPropagation": "HostToContainer"}  # fmt: skip
+    return {"name": volume["name"], "mountPath": volume["hostPath"]["path"]}
 
 
 @pytest.mark.parametrize("variant", DRA_VARIANTS)
@@ -770,6 +790,18 @@ def test_every_environment_variable_is_a_flag_twin_of_tessera_run(rendered):
     assert env(c)["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
     # the image's entrypoint (`tessera`) with `run`, said in the manifest rather than left to the image's CMD
     assert "command" not in c and c["args"] == ["run"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_memory_limits_are_on_and_read_where_the_host_mounts_are(rendered, variant):
+    """Every variant holds sized replicas to their size: TESSERA_CGROUP_ROOT and TESSERA_CONTAINER_LOGS point at
+    read-only mounts of the host's cgroup tree (at the host's own path, which NVML is given) and log links."""
+    c = container(rendered[variant])
+    assert env(c)["TESSERA_MEMORY_LIMITS"] == "on"
+    mounted = {m["mountPath"]: m.get("readOnly", False) for m in c["volumeMounts"]}
+    for name, host in (("TESSERA_CGROUP_ROOT", "/sys/fs/cgroup"), ("TESSERA_CONTAINER_LOGS", "/var/log/containers")):
+        assert env(c)[name] == host and mounted[host] is True, (variant, name)
+    assert {"TESSERA_MEMORY_LIMITS", "TESSERA_CGROUP_ROOT", "TESSERA_CONTAINER_LOGS"} <= flag_twins("run")
 
 
 def test_status_is_served_on_a_socket_in_the_pod_not_on_the_metrics_port(rendered):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
 from agent.agent import Agent, AgentOptions
 from agent.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
@@ -36,7 +37,9 @@ from agent.core.plan import plan
 from agent.core.resources import MigStrategy
 from agent.core.snapshot import AllocationOptions
 from agent.gpu.discovery import discover
+from agent.gpu.driver_root import DriverRoot
 from agent.run import OptionsError, build_options
+from agent.sim.driver_root import sim_driver_root
 from agent.sim.kubelet import KubeletEmulator
 from agent.sim.nvml.driver import SimDriver
 
@@ -335,14 +338,19 @@ def test_device_list_strategy_shapes_the_allocate_response(
 ) -> None:
     driver = sim_node(TWO_GPUS)
     kubelet = harness.kubelet()
-    harness.agent(allocation=AllocationOptions(strategies=strategies))
+    cdi_root = harness.base / "cdi"  # the device plugin's own spec goes there, the simulated driver's files in it
+    driver_root = sim_driver_root(harness.base / "driver")
+    harness.agent(allocation=AllocationOptions(strategies=strategies), cdi_root=cdi_root, driver_root=driver_root)
     kubelet.wait_for(_registered(kubelet, GPU, 2), timeout=5, what="registered")
     uuids = [driver.gpus[1].uuid, driver.gpus[0].uuid]
     (response,) = kubelet.allocate_raw(GPU, uuids).container_responses
 
     cdi = [d.name for d in response.cdi_devices]
     mounts = {(m.container_path, m.host_path) for m in response.mounts}
-    names = [f"nvidia.com/gpu={u}" for u in uuids]
+    names = [f"k8s.device-plugin.nvidia.com/gpu={u}" for u in uuids]  # the entries of the spec the agent wrote
+    if expect != "mounts":
+        spec = yaml.safe_load((cdi_root / "k8s.device-plugin.nvidia.com-gpu.yaml").read_text())
+        assert {f"{spec['kind']}={d['name']}" for d in spec["devices"]} == set(names)
     visible = response.envs.get("NVIDIA_VISIBLE_DEVICES")
     annotations = dict(response.annotations)
     if expect == "cdi":  # NVIDIA: when every strategy is CDI, no NVIDIA_VISIBLE_DEVICES at all
@@ -356,6 +364,34 @@ def test_device_list_strategy_shapes_the_allocate_response(
         assert (cdi, visible, mounts) == ([], None, set())
         ((key, value),) = annotations.items()
         assert key.startswith("cdi.k8s.io/") and value == ",".join(names)
+
+
+def test_without_a_driver_a_cdi_allocate_is_refused_naming_the_fix_and_envvar_still_works(
+    harness: Harness, sim_node
+) -> None:
+    driver = sim_node(TWO_GPUS)
+    kubelet = harness.kubelet()
+    nowhere = harness.base / "no-driver"
+    cdi = AllocationOptions(strategies=(DeviceListStrategy.CDI_CRI,))
+    harness.agent(allocation=cdi, cdi_root=harness.base / "cdi", driver_root=DriverRoot(nowhere))
+    kubelet.wait_for(_registered(kubelet, GPU, 2), timeout=5, what="registered")
+    with pytest.raises(grpc.RpcError) as refused:
+        kubelet.allocate_raw(GPU, [driver.gpus[0].uuid])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"not found under the driver root {nowhere}" in refused.value.details()
+    assert "--driver-root" in refused.value.details()
+    assert not (harness.base / "cdi" / "k8s.device-plugin.nvidia.com-gpu.yaml").exists()
+
+
+def test_with_node_wide_cdi_the_names_are_nvidia_ctks_and_no_spec_is_written(harness: Harness, sim_node) -> None:
+    driver = sim_node(TWO_GPUS)
+    kubelet = harness.kubelet()
+    cdi = AllocationOptions(strategies=(DeviceListStrategy.CDI_CRI,))
+    harness.agent(allocation=cdi, cdi_root=harness.base / "cdi", node_wide_cdi=True)  # no driver root needed
+    kubelet.wait_for(_registered(kubelet, GPU, 2), timeout=5, what="registered")
+    (response,) = kubelet.allocate_raw(GPU, [driver.gpus[0].uuid]).container_responses
+    assert [d.name for d in response.cdi_devices] == [f"nvidia.com/gpu={driver.gpus[0].uuid}"]
+    assert not (harness.base / "cdi").exists()
 
 
 # ------------------------------------------------------------------------------------- 5. preferred allocation

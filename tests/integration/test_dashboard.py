@@ -51,7 +51,7 @@ def test_the_dashboard_is_grafana_json_with_queries_on_documented_metrics() -> N
             assert used and used <= metrics, (panel["title"], used - metrics)
         assert panel["gridPos"]["x"] >= 0 and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
     titles = " ".join(p["title"] for p in panels()).lower()
-    for subject in ("gpu", "mig", "pod", "idle gpu-hours by namespace", "xid", "mps"):
+    for subject in ("gpu", "mig", "pod", "idle gpu-hours by namespace", "xid", "mps", "used vs limit"):
         assert subject in titles, subject
 
 
@@ -64,7 +64,10 @@ def test_every_panel_returns_data_from_a_scraped_agent(world) -> None:  # noqa: 
     started = time.time()
     pods = [kubelet.create_pod(f"infer-{n}", {"main": {GPU: 1}}, namespace="serving") for n in range(3)]
     shared, busy, quiet, other, lonely = shared_pair(node, pods)
-    node.run_process(busy, shared, 8100, 20000, kind="mps_client", sm=65, memory=30)
+    for pod in pods:  # started: the driver holds each to its replica's memory ("used vs limit")
+        kubelet.start_container(pod.name, "main", pod.namespace)
+    cgroup = str(kubelet.started_container(busy.name, "main", busy.namespace).cgroup)
+    node.run_process(busy, shared, 8100, 20000, kind="mps_client", sm=65, memory=30, cgroup=cgroup)
     node.run_process(quiet, shared, 8101, 6000, kind="mps_client")  # holds memory, computes nothing
     node.run_process(lonely, other, 8102, 9000, kind="mps_client", sm=35)
     node.proc_entry(8200, "0::/system.slice/monitoring-agent.service\n")

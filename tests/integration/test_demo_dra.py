@@ -86,7 +86,8 @@ def test_the_pod_gets_cdi_ids_and_a_spec_is_shown(run: subprocess.CompletedProce
     assert re.search(rf"k8s.gpu.nvidia.com-claim_{uid}\.yaml", step)  # the spec file's path
     assert "| kind: k8s.gpu.nvidia.com/claim" in step and "- path: /dev/nvidia0" in step  # its content
     made = re.search(r"claim mig-small's MIG device was created for it: (MIG-[0-9a-f-]+) on GPU 3", step)
-    assert made is not None and f"nvidia.com/gpu={made.group(1)}" in step  # the container gets the new device
+    assert made is not None  # the container gets the new device: its claim's spec holds its nodes
+    assert re.search(r"its claim's CDI spec gives the container /dev/nvidia3, /dev/nvidia-caps/nvidia-cap\d+, ", step)
 
 
 def test_an_xid_taints_the_device_and_the_taint_goes_after_the_shortened_window(
@@ -105,7 +106,7 @@ def test_the_slices_come_back_after_a_kubelet_restart(run: subprocess.CompletedP
     step = _step(run.stdout, 5)
     assert "Restarting the kubelet" in step
     assert "the kubelet deleted slice(s)" in step
-    back = re.search(r"slices back after (\d+\.\d+) s\n.*: 28 devices", step)
+    back = re.search(r"slices back after (\d+\.\d+) s\n.*: 27 devices", step)  # GPU 3, an A100 in MIG mode: not whole
     assert back is not None and float(back.group(1)) < 10
     assert "running pods keep their devices, nothing is prepared again: trainer" in step
 
@@ -145,7 +146,7 @@ def test_an_unchanged_nvidia_com_gpu_pod_runs_through_dra_once_the_node_is_all_d
     assert re.search(
         r"the scheduler writes claim plain-extended-resources-\w+\n +\(request container-0-request-0\)", step
     )
-    assert re.search(r"container cuda gets k8s.gpu.nvidia.com/claim=[0-9a-f-]+-gpu-\d, nvidia.com/gpu=GPU-", step)
+    assert re.search(r"container cuda gets k8s.gpu.nvidia.com/claim=[0-9a-f-]+-gpu-\d\n", step)
 
 
 def test_flags_of_the_device_plugin_demo_are_refused_not_ignored() -> None:

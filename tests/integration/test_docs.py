@@ -82,6 +82,7 @@ USER_FILES = {
 # Flags of other programs that the docs mention, by the program.
 FOREIGN_FLAGS = {
     "--overwrite": "kubectl label",
+    "--consumable-shares": "NVIDIA's gpu-kubelet-plugin",
     "--field-selector": "kubectl get",
     "--previous": "kubectl logs",
     "--to-revision": "kubectl rollout undo",

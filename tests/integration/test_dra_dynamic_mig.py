@@ -20,6 +20,7 @@ from agent.core.dra.checkpoint import CHECKPOINT_FILE, PREPARE_STARTED, decode, 
 from agent.sim.apiserver import ApiServer
 from agent.sim.kubelet.dra_common import PodStartError, PodStopError
 from agent.sim.scheduler import Unschedulable, allocate
+from tests import cdi_devices
 
 from . import test_dra_e2e
 from .test_dra_e2e import DEADLINE, NODE, World
@@ -29,8 +30,8 @@ DRIVER = "gpu.nvidia.com"
 world = test_dra_e2e.world  # the fixture: an agent, both kubelets and the API server on a simulated node
 MIG_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'"  # NVIDIA's
 GPU_CLASS = "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"
-# A100-SXM4-80GB: GPU-instance profile, its NVML profile ID, placements (start) -- mig-profiles.json
-A100_PARTITIONS = {
+# A100-SXM4-80GB and H100-SXM5-80GB: GPU-instance profile, its NVML profile ID, placements (start) -- mig-profiles.json
+PARTITIONS_80GB = {
     "1g10gb": (19, range(7)),
     "1g10gb-me": (20, range(7)),
     "1g20gb": (15, (0, 2, 4, 6)),
@@ -41,7 +42,7 @@ A100_PARTITIONS = {
 }
 
 
-def preview(tmp_path: Path, version: str, gpus: str = "all", node: str = "dgx-a100") -> list[dict]:
+def preview(tmp_path: Path, version: str, gpus: str = "all", node: str = "dgx-h100") -> list[dict]:
     config = tmp_path / "dynamic.yaml"
     config.write_text(f"version: v1\ndra:\n  enabled: true\n  gpus: {gpus}\n  dynamicMig: all\n")
     result = exits(0, "plan", "--dra", "--node", node, "--config", str(config), "--kubernetes-version", version,
@@ -60,7 +61,7 @@ def test_every_profile_and_placement_is_a_device_of_its_gpu(tmp_path: Path, vers
     expected = {f"gpu-{g}" for g in range(8)} | {
         f"gpu-{g}-mig-{profile}-{profile_id}-{start}"
         for g in range(8)
-        for profile, (profile_id, starts) in A100_PARTITIONS.items()
+        for profile, (profile_id, starts) in PARTITIONS_80GB.items()
         for start in starts
     }
     assert set(published) == expected  # 8 x (1 + 25)
@@ -74,8 +75,8 @@ def test_every_profile_and_placement_is_a_device_of_its_gpu(tmp_path: Path, vers
     assert {k for k in consumed["counters"] if k.startswith("memory-slice")} == {
         f"memory-slice-{i}" for i in range(4, 8)
     }
-    assert consumed["counters"]["multiprocessors"] == {"value": "42"}
-    assert partition["capacity"]["memory"] == {"value": "40192Mi"}
+    assert consumed["counters"]["multiprocessors"] == {"value": "60"}  # an H100's 3g.40gb
+    assert partition["capacity"]["memory"] == {"value": "40448Mi"}
     sets = {c["name"]: c["counters"] for s in slices for c in s["spec"].get("sharedCounters", [])}
     assert set(sets) == {f"gpu-{g}-counter-set" for g in range(8)}
     # the full GPU consumes its whole set: it excludes every partition of its GPU
@@ -113,7 +114,8 @@ def test_the_api_server_accepts_the_pool_in_its_layout(tmp_path: Path, version: 
 
 
 class Pool:
-    """One A100 in dynamic-MIG mode, as the scheduler sees it, and the claims allocated from it so far."""
+    """One H100 in dynamic-MIG mode (MIG mode off: switched at Prepare), as the scheduler sees it, and the claims
+    allocated from it so far."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.slices = preview(tmp_path, "1.36", gpus="[0]")
@@ -137,7 +139,7 @@ class Pool:
             "metadata": {"name": f"c{self.count}", "namespace": "default", "uid": f"uid-{self.count}"},
             "spec": {"devices": {"requests": [{"name": "r", "exactly": exactly}]}},
         }
-        done = allocate(claim, self.slices, self.classes, self.allocated, "dgx-a100")
+        done = allocate(claim, self.slices, self.classes, self.allocated, "dgx-h100")
         (result,) = done["status"]["allocation"]["devices"]["results"]
         self.allocated.add((result["driver"], result["pool"], result["device"]))
         return result["device"]
@@ -199,7 +201,8 @@ def dynamic_world(world: World) -> None:
     """Turn dynamic MIG on in the world's config and wait for GPU 0's partitions."""
     world.api.wait_for(lambda: world.devices() == ["gpu-1"], DEADLINE)  # GPU 0: MIG on, no instance, no dynamicMig
     (world.base / "config.yaml").write_text(DYNAMIC)
-    world.api.wait_for(lambda: len(world.devices()) == 27, DEADLINE)  # GPU 0: whole + 25 partitions; GPU 1 whole
+    world.api.wait_for(lambda: len(world.devices()) == 26, DEADLINE)  # GPU 0: 25 partitions (MIG on, an A100: never
+    # whole, it cannot be prepared so), GPU 1 whole
     world.api.create("deviceclasses", {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
                                        "metadata": {"name": "mig.nvidia.com"},
                                        "spec": {"selectors": [{"cel": {"expression": MIG_CLASS}}]}})  # fmt: skip
@@ -246,7 +249,12 @@ def test_a_claim_gets_its_mig_device_created_at_the_placement_and_destroyed_afte
     ids = world.dra.run_pod("default", "small", "pod-1", [("mig", "small")], {"main": [("mig", None)]})
     mig_uuid = instances(world)[(start, 4)]  # exactly the allocated placement
     assert (world.base / "cdi" / f"k8s.gpu.nvidia.com-claim_{claim['metadata']['uid']}.yaml").exists()
-    assert f"nvidia.com/gpu={mig_uuid}" in ids["main"]  # the node-wide CDI spec's entry for the new MIG device
+    assert cdi_devices.physical(world.base / "cdi", ids["main"], world.driver) == [mig_uuid]  # the claim's spec has it
+    statuses = world.api.wait_for(
+        lambda: world.api.get("resourceclaims", "small", "default")["status"].get("devices"), test_dra_e2e.DEADLINE
+    )  # written once the kubelet has its answer
+    (reported,) = statuses
+    assert (reported["device"], reported["data"]) == (result["device"], {"uuid": mig_uuid})  # the device it became
 
     text = test_dra_e2e.poll(lambda: "claim default/small" in status_text(world) and status_text(world), "status")
     assert f"claim default/small: {result['device']} (MIG device {mig_uuid})" in text  # what `tessera status` says
@@ -351,7 +359,7 @@ migLayout:
 def test_a_static_layout_never_touches_a_dynamic_mig_gpu(world: World, caplog: pytest.LogCaptureFixture) -> None:
     world.api.wait_for(lambda: world.devices() == ["gpu-1"], DEADLINE)
     (world.base / "config.yaml").write_text(LAYOUT_TOO)
-    world.api.wait_for(lambda: len(world.devices()) == 27, DEADLINE)  # GPU 0's partitions, GPU 1 whole
+    world.api.wait_for(lambda: len(world.devices()) == 26, DEADLINE)  # GPU 0's partitions, GPU 1 whole
     test_dra_e2e.poll(lambda: world.agent.status.mig_state == "success", "the MIG layout applied")
     assert instances(world) == {}  # the layout's seven 1g.10gb were never made on GPU 0
     assert "the MIG layout leaves GPUs 0 alone: dra.dynamicMig makes their MIG devices per claim" in caplog.text

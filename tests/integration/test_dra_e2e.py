@@ -25,6 +25,7 @@ import pytest
 from agent.agent import Agent, AgentOptions
 from agent.core.health import HealthPolicy
 from agent.sim.apiserver import ApiServer
+from agent.sim.driver_root import sim_driver_root
 from agent.sim.kubelet import DraKubeletEmulator, KubeletEmulator
 from agent.sim.kubelet.dra_common import PodStartError
 from agent.sim.nvml.driver import SimDriver
@@ -70,6 +71,7 @@ def start_agent(
         dra_registry_dir=base / "registry",
         dra_plugins_dir=base / "plugins",
         cdi_root=base / "cdi",
+        driver_root=sim_driver_root(base / "driver"),  # the node's driver: the claims' CDI specs mount it
         sys_root=base / "sys",
     )
     agent = Agent(AgentOptions(**{**more, **defaults, **options}))  # type: ignore[arg-type]
@@ -127,12 +129,14 @@ class World:
         return self.api.update("resourceclaims", allocated, status=True)
 
 
-def fake_sysfs(root: Path, links: dict[str, str]) -> None:
-    """``/sys/bus/pci/devices/<bus ID>`` linked to the device under its root, as the kernel lays it out."""
+def fake_sysfs(root: Path, links: dict[str, str], numa_node: int = 1) -> None:
+    """``/sys/bus/pci/devices/<bus ID>`` linked to the device under its root, as the kernel lays it out, with the
+    device's ``numa_node``."""
     (root / "bus" / "pci" / "devices").mkdir(parents=True)
     for bus_id, pcie_root in links.items():
         device = root / "devices" / pcie_root / "0000:00:01.0" / bus_id
         device.mkdir(parents=True)
+        (device / "numa_node").write_text(f"{numa_node}\n")
         (root / "bus" / "pci" / "devices" / bus_id).symlink_to(device)
 
 
@@ -206,6 +210,15 @@ def test_a_gpu_names_its_pcie_root_where_sysfs_has_it(world: World) -> None:
     assert "resource.kubernetes.io/pcieRoot" not in devices["gpu-1"]  # sysfs does not say: no attribute
 
 
+def test_a_gpu_names_its_numa_node_from_sysfs_or_else_from_nvml(world: World) -> None:
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    devices = {d["name"]: d["attributes"] for s in world.slices() for d in s["spec"]["devices"]}
+    assert world.driver.gpus[0].numa_node == 0  # NVML's answer; sysfs (the kernel's) says 1 and wins
+    assert devices["gpu-0"]["resource.kubernetes.io/numaNode"] == {"int": 1}
+    assert devices["gpu-1"]["resource.kubernetes.io/numaNode"] == {"int": world.driver.gpus[1].numa_node}
+    assert "addressingMode" not in devices["gpu-0"]  # an A100 on x86: NVML reports no addressing mode
+
+
 def test_a_claim_selected_with_nvidias_class_is_prepared_for_a_pod_and_unprepared(world: World) -> None:
     world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
     world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered")
@@ -221,6 +234,31 @@ def test_a_claim_selected_with_nvidias_class_is_prepared_for_a_pod_and_unprepare
     assert not spec.exists()
 
 
+def test_a_prepared_claim_says_so_in_its_status_devices_until_it_is_unprepared(world: World) -> None:
+    """After Prepare the claim's status.devices names the device, Ready, with its UUID (kubectl get resourceclaim
+    shows it); Unprepare takes the entry back."""
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.dra.wait_for(lambda: DRIVER in world.dra.drivers(), DEADLINE, "the DRA driver registered")
+    claim = world.claim("train", ["device.attributes['gpu.nvidia.com'].productName.contains('A100')"])
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert "devices" not in claim["status"]
+    world.dra.run_pod("default", "trainer", "pod-1", [("gpu", "train")], {"main": [("gpu", None)]})
+
+    def reported() -> list[dict]:
+        return world.api.get("resourceclaims", "train", "default")["status"].get("devices", [])
+
+    world.api.wait_for(reported, DEADLINE)  # written after the kubelet got its answer
+    (entry,) = reported()
+    gpu = world.driver.gpus[int(result["device"].removeprefix("gpu-"))]
+    assert (entry["driver"], entry["pool"], entry["device"], entry["data"]) == (
+        DRIVER, NODE, result["device"], {"uuid": gpu.uuid},
+    )  # fmt: skip
+    (ready,) = entry["conditions"]
+    assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "True", "Prepared")
+    world.dra.stop_pod("pod-1")
+    world.api.wait_for(lambda: reported() == [], DEADLINE)
+
+
 def test_an_xid_taints_the_dra_device_in_its_slice(world: World) -> None:
     world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
     world.driver.inject_xid(0, 79)  # fell off the bus: critical
@@ -230,6 +268,27 @@ def test_an_xid_taints_the_dra_device_in_its_slice(world: World) -> None:
     )
     taint = world.slices()[0]["spec"]["devices"][0]["taints"][0]
     assert taint["value"] == "79" and taint["effect"] == "NoSchedule"
+
+
+@pytest.mark.parametrize(
+    ("kubelet", "service"), [("1.37", "v1.DRAResourceHealth"), ("1.36", "v1alpha1.DRAResourceHealth")]
+)
+def test_the_kubelet_streams_device_health_over_the_health_service_it_prefers(
+    world: World, kubelet: str, service: str
+) -> None:
+    """A 1.37 kubelet takes the v1 health service the agent advertises first; a 1.36 one knows v1alpha1 only. Both
+    see a GPU fall off the bus."""
+    world.api.wait_for(lambda: world.devices() == ["gpu-0", "gpu-1"], DEADLINE)
+    world.dra.stop()
+    world.dra = DraKubeletEmulator(
+        world.base / "registry", NODE, world.api.api_client(), wipe_delay=1.0, kubelet_version=kubelet
+    )
+    world.dra.start()
+    world.dra.wait_for(lambda: world.dra.health_services(DRIVER) == [service], DEADLINE, f"a {service} stream")
+    world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, "gpu-0") == "Healthy", DEADLINE, "Healthy")
+    world.driver.inject_xid(0, 79)
+    world.dra.wait_for(lambda: world.dra.device_health(DRIVER, NODE, "gpu-0") == "Unhealthy", DEADLINE, "Unhealthy")
+    assert world.dra.device_health(DRIVER, NODE, "gpu-1") == "Healthy"
 
 
 def test_slices_wiped_by_a_kubelet_restart_come_back(world: World) -> None:

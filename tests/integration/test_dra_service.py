@@ -35,6 +35,8 @@ from agent.dra.devnodes import capability_files, default_device_nodes
 from agent.dra.names import dra_socket
 from agent.dra.service import DraService
 from agent.gpu.discovery import discover
+from agent.gpu.driver_root import CommonEdits, DriverRoot
+from agent.sim.driver_root import make_driver_root
 
 DRIVER = "gpu.nvidia.com"
 NODE = "node-a"
@@ -197,6 +199,8 @@ class Node:
         self.boot_id = base / "boot_id"
         self.boot_id.write_text(BOOT + "\n")
         self.cdi_root = base / "cdi"
+        minors = sorted({d.gpu_minor for d in devices})
+        self.driver_root = DriverRoot(make_driver_root(base / "driver", minors), proc=base / "driver" / "proc")
         self.socket = dra_socket(base / "plugins", DRIVER)
         self.checkpoint = checkpoint_path(self.socket.parent)
         self.service: DraService | None = None
@@ -210,6 +214,10 @@ class Node:
         devices_known: bool = True,
         **options: Any,
     ) -> DraService:
+        driver = self.driver_root  # as the agent's DRA front end gives them (agent.dra.frontend)
+        defaults: dict[str, Any] = {"cdi_common_edits": CommonEdits(driver)}
+        if not options.get("node_wide_cdi"):
+            defaults["device_nodes"] = default_device_nodes(False, driver.proc, str(driver.host_dev_root))
         self.service = DraService(
             self.socket,
             driver=DRIVER,
@@ -217,7 +225,7 @@ class Node:
             read_claim=self.claims,
             cdi=cdi or CdiStore(self.cdi_root),
             checkpoints=checkpoints or CheckpointStore(self.checkpoint, boot_id_path=self.boot_id),
-            **options,
+            **{**defaults, **options},
         )
         if devices_known:
             self.service.update(self.devices, {})
@@ -278,7 +286,7 @@ def device_names(response: Any, n: int) -> list[str]:
 # ----- Prepare ----------------------------------------------------------------------------------------------------
 
 
-def test_preparing_a_gpu_writes_its_cdi_spec_and_returns_the_claim_and_node_wide_ids(node: Node):
+def test_preparing_a_gpu_writes_a_cdi_spec_that_stands_alone_and_returns_only_its_id(node: Node):
     node.claims.add(claim(1, "gpu-0"))
     response = node.kubelet.prepare(ref(1))
     assert list(response.claims) == [uid(1)]
@@ -287,34 +295,85 @@ def test_preparing_a_gpu_writes_its_cdi_spec_and_returns_the_claim_and_node_wide
     [device] = answer.devices
     assert list(device.request_names) == ["gpu"]
     assert (device.pool_name, device.device_name) == (NODE, "gpu-0")
-    assert list(device.cdi_device_ids) == [
-        f"k8s.gpu.nvidia.com/claim={uid(1)}-gpu-0",  # first: the kubelet shows it as the device's resourceID
-        f"nvidia.com/gpu={node.devices['gpu-0'].uuid}",  # the node-wide spec brings the driver libraries
-    ]
+    assert list(device.cdi_device_ids) == [f"k8s.gpu.nvidia.com/claim={uid(1)}-gpu-0"]  # no spec of anyone else's
     assert not device.HasField("share_id")
     spec_file = node.spec_file(1)
     assert stat.S_IMODE(spec_file.stat().st_mode) == 0o644
-    assert yaml.safe_load(spec_file.read_text()) == {
-        "cdiVersion": "0.5.0",
-        "kind": "k8s.gpu.nvidia.com/claim",
-        "devices": [{"name": f"{uid(1)}-gpu-0", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}}],
-        "containerEdits": {"env": ["NVIDIA_VISIBLE_DEVICES=void"]},
-    }
+    spec = yaml.safe_load(spec_file.read_text())
+    driver = node.driver_root.root
+    lib = "/usr/lib/x86_64-linux-gnu"
+    gpu0 = node.devices["gpu-0"].gpu_minor
+    assert spec["cdiVersion"] == "0.5.0" and spec["kind"] == "k8s.gpu.nvidia.com/claim"
+    assert spec["devices"] == [
+        {
+            "name": f"{uid(1)}-gpu-0",
+            "containerEdits": {
+                "deviceNodes": [{"path": f"/dev/nvidia{gpu0}", "hostPath": f"{driver}/dev/nvidia{gpu0}"}]
+            },
+        }
+    ]
+    edits = spec["containerEdits"]
+    assert edits["env"] == ["NVIDIA_VISIBLE_DEVICES=void"]
+    assert [n["path"] for n in edits["deviceNodes"]] == [
+        "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset",
+    ]  # fmt: skip
+    mounts = {m["containerPath"]: m for m in edits["mounts"]}
+    assert mounts[f"{lib}/libcuda.so.550.54.15"]["hostPath"] == f"{driver}{lib}/libcuda.so.550.54.15"
+    assert "ro" in mounts[f"{lib}/libcuda.so.550.54.15"]["options"]
+    assert {f"{lib}/libnvidia-ml.so.550.54.15", f"{lib}/libcuda.so.1", "/usr/bin/nvidia-smi"} <= set(mounts)
+    assert "/lib/firmware/nvidia/550.54.15" in mounts
     assert node.service.prepared() == {uid(1): ("gpu-0",)}
     assert node.recorded() == {uid(1): PREPARE_COMPLETED}
     socket_mode = node.socket.stat().st_mode
     assert stat.S_ISSOCK(socket_mode) and stat.S_IMODE(socket_mode) == 0o600
 
 
-def test_a_mig_device_gets_its_gpus_node_and_its_own_node_wide_id(node: Node):
+def test_a_mig_device_gets_its_gpus_node_and_its_capability_nodes_from_the_drivers_mig_minors(node: Node):
     node.claims.add(claim(1, MIG, request="mig"))
     [device] = node.kubelet.prepare(ref(1)).claims[uid(1)].devices
-    assert list(device.cdi_device_ids) == [
-        f"k8s.gpu.nvidia.com/claim={uid(1)}-{MIG}",
-        f"nvidia.com/gpu={node.devices[MIG].uuid}",  # the MIG UUID: nvidia-ctk's entry with the capability nodes
-    ]
+    assert list(device.cdi_device_ids) == [f"k8s.gpu.nvidia.com/claim={uid(1)}-{MIG}"]
     spec = yaml.safe_load(node.spec_file(1).read_text())
+    mig = node.devices[MIG]
+    gi_minor = 3 + mig.gpu_minor * 135 + mig.gi_id * 9  # the driver's mig-minors table (the simulator writes it)
+    assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [
+        {"path": "/dev/nvidia2", "hostPath": f"{node.driver_root.root}/dev/nvidia2"},
+        {"path": f"/dev/nvidia-caps/nvidia-cap{gi_minor}", "type": "c", "major": 508, "minor": gi_minor,
+         "permissions": "rw"},
+        {"path": f"/dev/nvidia-caps/nvidia-cap{gi_minor + 1 + mig.ci_id}", "type": "c", "major": 508,
+         "minor": gi_minor + 1 + mig.ci_id, "permissions": "rw"},
+    ]  # fmt: skip
+
+
+def test_with_node_wide_cdi_the_ids_name_nvidia_ctks_spec_as_before(node: Node):
+    node.restart(node_wide_cdi=True, cdi_common_edits=None)
+    node.claims.add(claim(1, "gpu-0"), claim(2, MIG, request="mig"))
+    response = node.kubelet.prepare(ref(1), ref(2))
+    [gpu] = response.claims[uid(1)].devices
+    assert list(gpu.cdi_device_ids) == [
+        f"k8s.gpu.nvidia.com/claim={uid(1)}-gpu-0",  # first: the kubelet shows it as the device's resourceID
+        f"nvidia.com/gpu={node.devices['gpu-0'].uuid}",  # the node-wide spec brings the driver libraries
+    ]
+    [mig] = response.claims[uid(2)].devices
+    assert list(mig.cdi_device_ids)[1] == f"nvidia.com/gpu={node.devices[MIG].uuid}"  # nvidia-ctk's MIG entry
+    spec = yaml.safe_load(node.spec_file(2).read_text())
     assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia2"}]
+    assert spec["containerEdits"] == {"env": ["NVIDIA_VISIBLE_DEVICES=void"]}
+
+
+def test_without_a_driver_prepare_fails_naming_what_is_missing_and_the_flag_and_prepares_nothing(node: Node):
+    empty = node.base / "no-driver"
+    empty.mkdir()
+    node.restart(cdi_common_edits=CommonEdits(DriverRoot(empty)))
+    node.claims.add(claim(1, "gpu-0"), claim(2, MIG, request="mig"))
+    response = node.kubelet.prepare(ref(1), ref(2))
+    for n in (1, 2):
+        error = entry_error(response, n)
+        assert "/dev/nvidiactl, libcuda.so.<version>, libnvidia-ml.so.<version> not found" in error, error
+        assert f"driver root {empty}" in error and "--driver-root" in error
+        assert device_names(response, n) == [] and not node.spec_file(n).exists()
+    assert node.recorded() == {}
+    node.restart()  # the driver is found (--driver-root fixed): the kubelet's retry prepares the claim
+    assert entry_error(node.kubelet.prepare(ref(1)), 1) == ""
 
 
 def driver_proc(root: Path, device: DraDevice, gi_minor: int, ci_minor: int) -> Path:
@@ -349,7 +408,7 @@ def test_without_node_wide_cdi_a_mig_device_gets_its_capability_nodes_from_the_d
 
 @pytest.mark.skipif(Path("/proc/driver/nvidia").exists(), reason="a real NVIDIA driver is loaded here")
 def test_by_default_without_node_wide_cdi_the_capability_nodes_are_read_from_the_hosts_proc(node: Node):
-    node.restart(node_wide_cdi=False)
+    node.restart(node_wide_cdi=False, device_nodes=None)  # the service's own default: the host's /proc
     node.claims.add(claim(1, MIG, request="mig"))
     error = entry_error(node.kubelet.prepare(ref(1)), 1)
     assert "cannot read /proc/driver/nvidia/capabilities/gpu2/mig/gi" in error

@@ -16,6 +16,7 @@ import pytest
 from agent.sim.kubelet.dra_common import PodStartError
 from agent.sim.nvml.control import SimControlServer
 from agent.sim.scheduler import allocate
+from tests import cdi_devices
 
 from . import test_dra_e2e
 from .test_dra_e2e import DEADLINE, DRIVER, NODE, World
@@ -168,7 +169,7 @@ def test_an_unchanged_nvidia_com_gpu_pod_is_served_through_dra_with_the_class_co
         {"main": [("extended", "container-0-request-0")], "sidecar": []},
     )  # fmt: skip
     uuids = {world.driver.gpus[i].uuid for i in gpus}
-    assert {i.split("=", 1)[1] for i in ids["main"] if i.startswith("nvidia.com/gpu=")} == uuids
+    assert set(cdi_devices.physical(world.base / "cdi", ids["main"], world.driver)) == uuids
     assert ids["sidecar"] == []
     assert [world.driver.gpus[i].timeslice for i in gpus] == [3, 3]  # the class's config, the only one it has
     world.dra.stop_pod(pod["metadata"]["uid"])

@@ -317,3 +317,39 @@ def test_a_hanging_api_server_never_blocks_emit_or_stop(fake, recorder) -> None:
     assert time.monotonic() - started < 0.5 + 0.5
     assert events.dropped == 20  # what was queued behind the hung write
     fake.release()
+
+
+CLAIM = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "ResourceClaim",
+    "namespace": "ml",
+    "name": "small",
+    "uid": "0b8e2f44-0000-4000-8000-000000000001",
+}
+ADVISORY = (
+    "Warning",
+    "ShareLimitAdvisory",
+    "PrepareShare",
+    "gpu-0: memory 10240Mi advisory: the MPS server holds 20480Mi",
+)
+
+
+def test_an_event_about_a_claim_arrives_in_its_namespace_regarding_it_and_repeats_count_there(fake, recorder) -> None:
+    events = flushed(recorder(node_uid=NODE_UID))
+    events.emit(*ADVISORY, regarding=CLAIM)
+    events.emit(*ADVISORY, regarding=CLAIM)
+    events.emit(*ADVISORY, regarding={**CLAIM, "name": "other", "uid": "0b8e2f44-0000-4000-8000-000000000002"})
+    flushed(events)
+    stored = sorted(fake.stored(), key=lambda e: e["regarding"]["name"])
+    assert [e["metadata"]["namespace"] for e in stored] == ["ml", "ml"]  # kubectl describe resourceclaim finds them
+    assert stored[1]["regarding"] == CLAIM and stored[1]["reason"] == "ShareLimitAdvisory"
+    assert stored[1]["series"]["count"] == 2 and "series" not in stored[0]  # one claim's repeat, not the other's
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [{**CLAIM, "namespace": "Not_A_Label"}, {k: v for k, v in CLAIM.items() if k != "uid"}, {**CLAIM, "name": ""}],
+)
+def test_an_event_about_a_malformed_subject_is_refused_naming_it(recorder, subject: dict) -> None:
+    with pytest.raises(ValueError, match="subject"):
+        recorder().emit(*ADVISORY, regarding=subject)

@@ -606,3 +606,49 @@ def test_version_and_bad_options(mps: Mps) -> None:
     assert version.returncode == 0 and "13000" in version.stdout
     bad = mps.run("-x")
     assert bad.returncode != 0 and "Usage" in bad.stderr
+
+
+# ----- clients (agent.sim.mps.client): held to the server's limits, which their own variables can only lower ------
+
+
+def run_app(mps: Mps, *allocations: int, device: str = GPU0, **env: str) -> tuple[int, list[dict]]:
+    """A CUDA application (``agent.sim.mps.client``) with the pipe directory and ``env``; its status and lines."""
+    import json
+
+    environment = {"PATH": mps.env["PATH"], "CUDA_MPS_PIPE_DIRECTORY": str(mps.pipe), **env}
+    command = [sys.executable, "-m", "agent.sim.mps.client", "--device", device]
+    command += [f"--allocate={mib}" for mib in allocations]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode in (0, 2), done
+    return done.returncode, [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_a_client_is_held_to_its_servers_limits_and_its_own_variables_can_only_lower_them(mps: Mps) -> None:
+    mps.start()
+    mps.send(f"set_default_device_pinned_mem_limit {GPU0} 2G\nset_default_active_thread_percentage 50\n")
+    status, lines = run_app(mps, 2048, 1)  # no variables: the server's limits
+    assert (lines[0]["pinned_limit_mib"], lines[0]["active_thread_percentage"]) == (2048, 50.0)
+    assert status == 2 and lines[2] == {
+        "allocate_mib": 1,
+        "ok": False,
+        "error": "cudaErrorMemoryAllocation: out of memory",
+    }
+    _, lines = run_app(mps, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=8G", CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="90")
+    assert (lines[0]["pinned_limit_mib"], lines[0]["active_thread_percentage"]) == (2048, 50.0)  # not raised
+    _, lines = run_app(mps, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=f"{GPU0}=512MB", CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="20")
+    assert (lines[0]["pinned_limit_mib"], lines[0]["active_thread_percentage"]) == (512, 20.0)  # lowered
+    _, lines = run_app(mps, device=GPU1)  # no limit set for the second device
+    assert lines[0]["pinned_limit_mib"] is None
+    assert "NEW CLIENT 0 from user" in "\n".join(mps.log_messages())  # the first client started the server
+
+
+def test_defaults_reach_later_servers_and_a_running_servers_limit_its_new_clients(mps: Mps) -> None:
+    mps.start()
+    mps.send("set_default_device_pinned_mem_limit 0 4G\n")  # by ordinal: GPU0 is CUDA_VISIBLE_DEVICES' first
+    _, lines = run_app(mps)
+    server = lines[0]["server"]
+    assert lines[0]["pinned_limit_mib"] == 4096
+    mps.send("set_default_device_pinned_mem_limit 0 1G\n")  # defaults: for servers started later only
+    assert run_app(mps)[1][0]["pinned_limit_mib"] == 4096
+    mps.send(f"set_device_pinned_mem_limit {server} {GPU0} 1G\n")  # the running server: its new clients
+    assert run_app(mps)[1][0]["pinned_limit_mib"] == 1024

@@ -84,7 +84,8 @@ def test_plan_without_dra_shows_only_what_the_device_plugin_keeps(tmp_path: Path
             1,
             "GPU 0 is in dra.dynamicMig: a GPU is split by MIG or shared",
         ),
-        ("{enabled: true, gpuShares: all, defaultShare: 1500Mi}", 1, "'1500Mi' is not a whole number of GiB"),
+        ("{enabled: true, gpuShares: all, defaultShare: 1500.5Mi}", 1, "'1500.5Mi' is not a whole number of MiB"),
+        ("{enabled: true, consumableShares: 0}", 1, "dra.consumableShares: 0 is not a consumableShares value"),
         (
             "{enabled: true, gpuShares: all, defaultShare: true}",
             1,

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from agent.memlimits.settings import MemoryLimitSettings
 from agent.sim.kubelet import Pod
 from tests.integration.test_telemetry import (
     GPU,
@@ -279,11 +280,12 @@ class FiringLog:
 @pytest.fixture
 def world(sim_node, mps_bin: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TelemetryNode, Prometheus, Path]]:
     monkeypatch.setenv("PATH", f"{mps_bin}{os.pathsep}{os.environ.get('PATH', '')}")  # the agent finds it with which
-    node = TelemetryNode.create(sim_node(NODE), MPS)
+    # driver r615 and cgroups for started containers: the agent holds MPS replicas' containers to their memory
+    node = TelemetryNode.create(sim_node({**NODE, "driver_version": "615.71.09"}), MPS, cgroups=True)
     prometheus: Prometheus | None = None
     try:
         node.kubelet.start()
-        node.start_agent()
+        node.start_agent(memory_limits=MemoryLimitSettings(node.base / "cgroup", node.base / "log" / "containers"))
         node.wait_registered(timeout=30)
         for attempt in range(3):
             prometheus = Prometheus(node.base / f"prometheus-{attempt}", node.port)

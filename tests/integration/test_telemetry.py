@@ -120,11 +120,15 @@ class TelemetryNode:
         self.proc.mkdir(exist_ok=True)
 
     @classmethod
-    def create(cls, driver: SimDriver, config: str, *, pod_resources: bool = True) -> TelemetryNode:
-        """``@BASE@`` in ``config`` becomes the node's temporary directory (for an MPS root, say)."""
+    def create(
+        cls, driver: SimDriver, config: str, *, pod_resources: bool = True, cgroups: bool = False
+    ) -> TelemetryNode:
+        """``@BASE@`` in ``config`` becomes the node's temporary directory (for an MPS root, say). ``cgroups``: the
+        kubelet makes started containers cgroup directories and log links under it (``cgroup``, ``log``)."""
         base = Path(tempfile.mkdtemp(prefix="tm", dir="/tmp"))  # short: unix socket paths are limited
         (base / "config.yaml").write_text(config.replace("@BASE@", str(base)))
-        kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock" if pod_resources else None)
+        roots = {"cgroup_root": base / "cgroup", "log_root": base / "log"} if cgroups else {}
+        kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock" if pod_resources else None, **roots)
         return cls(driver, base, kubelet)
 
     def start_agent(self, **options: object) -> Agent:
@@ -225,11 +229,13 @@ class TelemetryNode:
         kind: str = "compute",
         sm: int = 0,
         memory: int = 0,
+        cgroup: str | None = None,
     ) -> None:
         """A process of ``pod`` on the GPU: in the driver, and in the fake /proc with the pod's cgroup and its
-        start time; it keeps the GPU's SM and memory controller ``sm`` and ``memory`` percent busy."""
+        start time; it keeps the GPU's SM and memory controller ``sm`` and ``memory`` percent busy. ``cgroup``: its
+        container's cgroup directory, where the driver counts it against the container's memory limit."""
         self.proc_entry(pid, cgroup_line(pod.uid))
-        self.driver.add_process(gpu, pid, used_mib, mig_uuid=mig_uuid, kind=kind, sm=sm, memory=memory)
+        self.driver.add_process(gpu, pid, used_mib, mig_uuid=mig_uuid, kind=kind, sm=sm, memory=memory, cgroup=cgroup)
 
     def proc_entry(self, pid: int, cgroup: str) -> None:
         """``/proc/<pid>``: its cgroup, and its stat with a start time of now (replacing an earlier process's)."""

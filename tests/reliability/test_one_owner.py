@@ -64,6 +64,7 @@ from agent.sim.kubelet.dra_common import PodStartError, PodStopError
 from agent.sim.nvml.codes import Return
 from agent.sim.nvml.driver import DestructiveCall, SimDriver
 from agent.sim.scheduler.errors import Unschedulable
+from tests import cdi_devices
 from tests.integration import test_dra_e2e
 from tests.integration.test_dra_e2e import DRIVER, World
 from tests.integration.test_dra_sharing import LEVELS, gpu_config, smi  # noqa: F401 (smi: the fixture)
@@ -95,7 +96,6 @@ MIG_CONFIGS = """      all-disabled:
 QUICK_CHECKS = {"liveness_seconds": 0.5, "recovery_seconds": 0.5}
 CLAIM_KINDS = ("gpu", "gpu", "mig", "admin", "timeslice")
 INTERVALS = ("Short", "Medium", "Long")
-NODE_WIDE_CDI = "nvidia.com/gpu="  # a prepared device's entry in the node-wide CDI spec: its UUID
 MIG_DEVICE_CLASS = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": "mig.nvidia.com"},
                     "spec": {"selectors": [{"cel": {"expression": MIG_CLASS}}]}}  # fmt: skip
 
@@ -327,8 +327,8 @@ class Scenario:
             return
         self.ops[f"{kind} claim prepared"] += 1
         workload.prepared = time.monotonic()
-        # the device the container gets: the node-wide CDI entry of its UUID, next to the claim's own
-        physical = next((i.split("=", 1)[1] for i in ids["main"] if i.startswith(NODE_WIDE_CDI)), None)
+        # the device the container gets: what the claim's CDI spec gives it
+        physical = next(iter(cdi_devices.physical(world.base / "cdi", ids["main"], world.driver)), None)
         if physical is None or not self.exists(physical) or not self.holds.take(f"claim {name}", [physical]):
             self.claim_given_a_missing_device(workload, physical)
             return
@@ -568,8 +568,9 @@ class Sampler:
         holds, present = self.scenario.holds, {}
         for uid, claim in checkpoint.claims.items() if checkpoint is not None else ():
             for device in claim.devices:
-                uuid = next((i.split("=", 1)[1] for i in device.cdi_device_ids if i.startswith(NODE_WIDE_CDI)),
-                            None) or self._resolve(device.device)  # fmt: skip
+                world = self.scenario.world
+                given = cdi_devices.physical(world.base / "cdi", device.cdi_device_ids[:1], world.driver)
+                uuid = given[0] if given and given[0] is not None else self._resolve(device.device)
                 if uuid is not None:
                     present[f"checkpoint {uid} {device.device}"] = uuid
         holding = holds.holding()
@@ -798,7 +799,7 @@ def test_dra_never_prepares_a_mig_device_its_gpu_no_longer_has(world: World) -> 
     except PodStartError as refused:
         assert "gpu-0-mig-3g40gb-9-0" in str(refused)  # refused, naming the device the agent cannot vouch for
     else:
-        given = [i.split("=", 1)[1] for i in ids["main"] if i.startswith(NODE_WIDE_CDI)]
+        given = cdi_devices.physical(world.base / "cdi", ids["main"], world.driver)
         pytest.fail(f"prepared on {given}; the layout change destroyed {sorted(gone)}")
     finally:
         world.driver.clear_injected_errors()

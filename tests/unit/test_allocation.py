@@ -194,27 +194,30 @@ def test_volume_mounts_of_replicas_mount_each_gpu_once():
 
 def test_cdi_cri_names_each_device_and_sets_no_visible_devices_env():
     allocation = allocate([GPUS[2], GPUS[0]], CDI_CRI)
-    assert allocation.cdi_devices == (f"nvidia.com/gpu={gpu_uuid(2)}", f"nvidia.com/gpu={gpu_uuid(0)}")
+    assert allocation.cdi_devices == (
+        f"k8s.device-plugin.nvidia.com/gpu={gpu_uuid(2)}",
+        f"k8s.device-plugin.nvidia.com/gpu={gpu_uuid(0)}",
+    )
     assert "NVIDIA_VISIBLE_DEVICES" not in allocation.envs
     assert allocation.annotations == {}
     assert allocation.mounts == ()
 
 
 def test_cdi_names_use_the_configured_kind():
-    allocation = allocate([GPUS[0]], CDI_CRI, cdi_kind="k8s.device-plugin.nvidia.com/gpu")
-    assert allocation.cdi_devices == (f"k8s.device-plugin.nvidia.com/gpu={gpu_uuid(0)}",)
+    allocation = allocate([GPUS[0]], CDI_CRI, cdi_kind="nvidia.com/gpu")  # --node-wide-cdi: nvidia-ctk's spec
+    assert allocation.cdi_devices == (f"nvidia.com/gpu={gpu_uuid(0)}",)
 
 
 def test_cdi_names_mig_devices_by_mig_uuid():
     allocation = container_allocation(MIG_1G, [mig_device(0, 2)], [CDI_CRI])
-    assert allocation.cdi_devices == (f"nvidia.com/gpu={mig_uuid(0, 2)}",)
+    assert allocation.cdi_devices == (f"k8s.device-plugin.nvidia.com/gpu={mig_uuid(0, 2)}",)
 
 
 def test_cdi_annotations_put_every_name_in_one_annotation():
     allocation = allocate([GPUS[1], GPUS[3]], CDI_ANNOTATIONS)
     ((key, value),) = allocation.annotations.items()
     assert key.startswith("cdi.k8s.io/")
-    assert value == f"nvidia.com/gpu={gpu_uuid(1)},nvidia.com/gpu={gpu_uuid(3)}"
+    assert value == f"k8s.device-plugin.nvidia.com/gpu={gpu_uuid(1)},k8s.device-plugin.nvidia.com/gpu={gpu_uuid(3)}"
     assert allocation.cdi_devices == ()
     assert "NVIDIA_VISIBLE_DEVICES" not in allocation.envs
 
@@ -240,8 +243,8 @@ def test_all_strategies_together():
     allocation = allocate([GPUS[0]], ENVVAR, VOLUME_MOUNTS, CDI_CRI, CDI_ANNOTATIONS)
     assert allocation.envs == {"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"}
     assert len(allocation.mounts) == 1
-    assert allocation.cdi_devices == (f"nvidia.com/gpu={gpu_uuid(0)}",)
-    assert list(allocation.annotations.values()) == [f"nvidia.com/gpu={gpu_uuid(0)}"]
+    assert allocation.cdi_devices == (f"k8s.device-plugin.nvidia.com/gpu={gpu_uuid(0)}",)
+    assert list(allocation.annotations.values()) == [f"k8s.device-plugin.nvidia.com/gpu={gpu_uuid(0)}"]
 
 
 def test_strategy_order_and_repeats_do_not_change_the_answer():
@@ -300,8 +303,9 @@ def test_a_snapshot_takes_over_the_layout_of_the_one_it_replaces_only_when_its_d
     assert set(shrunk.layout.position) == {gpu_uuid(0), gpu_uuid(1)}
 
 
-def test_default_options_are_envvar_with_nvidia_cdi_kind():
-    assert AllocationOptions() == AllocationOptions(strategies=(ENVVAR,), cdi_kind="nvidia.com/gpu")
+def test_default_options_are_envvar_with_the_device_plugins_own_cdi_kind():
+    expected = AllocationOptions(strategies=(ENVVAR,), cdi_kind="k8s.device-plugin.nvidia.com/gpu")
+    assert AllocationOptions() == expected
 
 
 def test_snapshot_cannot_be_changed_by_its_readers():

@@ -111,3 +111,22 @@ def test_every_announcement_is_an_event_the_recorder_takes(status):
     assert len({a.reason for a in said}) >= 14
     for announcement in said:
         validate_event(announcement.type, announcement.reason, announcement.action, announcement.note)
+
+
+def test_a_memory_limit_fallback_is_announced_once_not_per_container(status):
+    from agent.core.memlimits import ContainerRef, Enforcement
+    from agent.memlimits.manager import HeldLimit
+
+    gpu = status.inventory.gpus[1]
+    why = "the driver has no nvmlDeviceSetMemoryLimits_v1 (it needs r615 or newer); the MPS server's default holds it"
+
+    def held(pod: str, how: Enforcement = Enforcement.MPS) -> HeldLimit:
+        return HeldLimit(ContainerRef("ns", pod, "main"), gpu.uuid, gpu.index, 10 << 30, 10 << 30, how, why)
+
+    one = replace(status, memory_limits=(held("a"),))
+    (said,) = announcements(status, one)
+    assert (said.type, said.reason, said.action) == ("Warning", "MemoryLimitFallback", "LimitMemory")
+    assert f"GPU 1 ({gpu.uuid})" in said.note and "(mps), not the driver: the driver has no" in said.note
+    assert announcements(one, replace(status, memory_limits=(held("a"), held("b")))) == []  # a second container
+    driver = replace(status, memory_limits=(held("a", Enforcement.DRIVER),))
+    assert announcements(status, driver) == []  # the driver holds it: nothing to say

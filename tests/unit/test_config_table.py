@@ -902,7 +902,7 @@ def test_a_replica_allocates_its_physical_gpu(nodes: dict[str, Inventory]):
     gpu1 = inventory.gpus[1].uuid
     assert allocate(resource, [f"{gpu1}::2"]).envs == {VISIBLE_DEVICES_ENV: gpu1}
     cdi = allocate(resource, [f"{gpu1}::3"], (DeviceListStrategy.CDI_CRI,))
-    assert cdi.cdi_devices == (f"nvidia.com/gpu={gpu1}",)
+    assert cdi.cdi_devices == (f"k8s.device-plugin.nvidia.com/gpu={gpu1}",)
 
 
 def test_two_replicas_of_one_gpu_give_the_container_one_gpu(nodes: dict[str, Inventory]):

@@ -11,6 +11,7 @@ from agent.core.allocation import DeviceListStrategy, container_allocation
 from agent.core.dra.cdi import (
     CDI_KIND,
     CDI_VERSION,
+    NODE_WIDE_CDI_KIND,
     CdiError,
     DeviceNode,
     cdi_device_ids,
@@ -131,19 +132,23 @@ def test_a_spec_that_would_be_invalid_is_refused(devices: dict[str, tuple[Device
         claim_spec(UID, devices)
 
 
-def test_the_kubelet_gets_the_claim_id_first_then_the_node_wide_id_of_the_device():
-    assert cdi_device_ids(UID, "gpu-0", "GPU-aaaa") == (f"{CDI_KIND}={UID}-gpu-0", "nvidia.com/gpu=GPU-aaaa")
-    assert cdi_device_ids(UID, "gpu-0-mig-1g10gb-19-0", "MIG-cccc")[1] == "nvidia.com/gpu=MIG-cccc"
-    assert cdi_device_ids(UID, "gpu-0", "GPU-aaaa", node_wide=False) == (f"k8s.gpu.nvidia.com/claim={UID}-gpu-0",)
-    assert cdi_device_ids(UID, "gpu-0", "GPU-aaaa", node_cdi_kind="example.com/gpu")[1] == "example.com/gpu=GPU-aaaa"
+def test_the_kubelet_gets_only_the_claim_id_by_default_and_the_node_wide_id_only_when_asked():
+    assert cdi_device_ids(UID, "gpu-0", "GPU-aaaa") == (f"{CDI_KIND}={UID}-gpu-0",)  # the claim's own spec alone
+    wide = cdi_device_ids(UID, "gpu-0", "GPU-aaaa", node_wide=True)
+    assert wide == (f"{CDI_KIND}={UID}-gpu-0", "nvidia.com/gpu=GPU-aaaa")
+    assert cdi_device_ids(UID, "gpu-0-mig-1g10gb-19-0", "MIG-cccc", node_wide=True)[1] == "nvidia.com/gpu=MIG-cccc"
+    custom = cdi_device_ids(UID, "gpu-0", "GPU-aaaa", node_wide=True, node_cdi_kind="example.com/gpu")
+    assert custom[1] == "example.com/gpu=GPU-aaaa"
 
 
-def test_the_node_wide_id_is_the_one_the_device_plugin_hands_out_with_cdi_cri():
+def test_with_node_wide_cdi_the_id_is_the_one_the_device_plugin_hands_out_with_that_kind():
     gpu = Device(id="GPU-aaaa", gpu_uuid="GPU-aaaa", gpu_index=0, index="0", memory_mib=81920)
     mig = Device(id="MIG-cccc", gpu_uuid="GPU-2222", gpu_index=2, index="2:0", memory_mib=9728, mig_uuid="MIG-cccc")
     for device, name in ((gpu, "gpu-0"), (mig, "gpu-2-mig-1g10gb-19-0")):
-        plugin = container_allocation("nvidia.com/gpu", [device], [DeviceListStrategy.CDI_CRI])
-        assert plugin.cdi_devices == cdi_device_ids(UID, name, device.physical_id)[1:]
+        plugin = container_allocation(
+            "nvidia.com/gpu", [device], [DeviceListStrategy.CDI_CRI], cdi_kind=NODE_WIDE_CDI_KIND
+        )
+        assert plugin.cdi_devices == cdi_device_ids(UID, name, device.physical_id, node_wide=True)[1:]
 
 
 def test_a_claim_device_id_refuses_a_uid_that_could_escape():

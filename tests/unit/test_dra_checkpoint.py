@@ -51,8 +51,8 @@ def test_a_checkpoint_round_trips_through_its_bytes():
         namespace="ml",
         name="train",
         devices=(
-            PreparedDevice("node-a", "gpu-0", ("gpu",), (f"{CLAIM_KIND}={UID_A}-gpu-0", "nvidia.com/gpu=GPU-aaaa")),
-            PreparedDevice("node-a", "gpu-1", ("gpu",), (f"{CLAIM_KIND}={UID_A}-gpu-1", "nvidia.com/gpu=GPU-bbbb")),
+            PreparedDevice("node-a", "gpu-0", ("gpu",), (f"{CLAIM_KIND}={UID_A}-gpu-0",)),
+            PreparedDevice("node-a", "gpu-1", ("gpu",), (f"{CLAIM_KIND}={UID_A}-gpu-1",)),
         ),
     )
     assert both.claims[UID_B].state == "PrepareStarted"
@@ -250,8 +250,9 @@ def test_a_claims_mps_daemon_is_recorded_and_read_back_and_claims_on_the_same_de
 @pytest.mark.parametrize(
     ("share", "message"),
     [
-        ({"memory": 0}, r"share.memory is not a positive number of bytes"),
-        ({"memory": "10Gi"}, r"share.memory is not a positive number of bytes"),
+        ({"memory": -1}, r"share.memory is not a number of bytes"),
+        ({"memory": "10Gi"}, r"share.memory is not a number of bytes"),
+        ({"memory": 0, "shares": "1"}, r"share.shares is not a number of shares"),
         ({"memory": 1 << 30, "computePercent": 101}, r"share.computePercent is not a percentage 0-100"),
         ("10Gi", r"share is not an object"),
     ],

@@ -237,9 +237,32 @@ def test_a_misspelt_field_in_a_claim_config_names_the_claim_the_config_and_the_f
     )
 
 
-def test_an_unknown_config_kind_is_refused_even_if_no_device_uses_it():
-    answer = refused(claim([result("gpu-0")], [opaque("VfioDeviceConfig", requests=["vfio"])]))
-    assert "VfioDeviceConfig (resource.nvidia.com/v1beta1) is not supported by Tessera" in answer.reason
+@pytest.mark.parametrize("kind", ["VfioDeviceConfig", "ComputeDomainChannelConfig", "ComputeDomainDaemonConfig"])
+def test_a_config_for_devices_tessera_does_not_publish_is_skipped_when_it_names_no_request(kind):
+    """NVIDIA skips a class-wide config whose type matches no device of the claim: a plain GPU claim is prepared."""
+    answer = planned(claim([result("gpu-0"), result("gpu-2-mig-1g10gb-19-0", request="mig")], [opaque(kind)]))
+    assert [(d.device, d.config) for d in answer.devices] == [("gpu-0", None), ("gpu-2-mig-1g10gb-19-0", None)]
+
+
+def test_a_vfio_config_naming_a_gpu_request_fails_the_claim_as_on_nvidias_driver():
+    answer = refused(claim([result("gpu-0")], [opaque("VfioDeviceConfig", requests=["gpu"])]))
+    assert 'cannot apply VfioDeviceConfig to device "gpu-0" of type "gpu" (request: gpu)' in answer.reason
+
+
+def test_a_vfio_config_naming_another_request_does_not_touch_the_gpu():
+    answer = planned(claim([result("gpu-0")], [opaque("VfioDeviceConfig", requests=["vfio"])]))
+    assert [(d.device, d.config) for d in answer.devices] == [("gpu-0", None)]
+
+
+def test_a_multi_user_mps_config_fails_the_claim_it_applies_to_by_name_and_no_other():
+    mps = {"sharing": {"strategy": "MPS", "mpsConfig": {"multiUser": True}}}
+    answer = refused(claim([result("gpu-0")], [opaque(**mps)]))
+    assert answer.reason.startswith(
+        "config[0] (FromClaim, GpuConfig, requests [all]): sharing.mpsConfig.multiUser: true"
+    )
+    assert "is not supported by Tessera" in answer.reason
+    elsewhere = planned(claim([result("gpu-0")], [opaque(requests=["mig"], **mps)]))  # applies to no device here
+    assert [(d.device, d.config) for d in elsewhere.devices] == [("gpu-0", None)]
 
 
 def test_an_invalid_config_source_is_refused():
@@ -338,7 +361,8 @@ def test_a_claim_that_cannot_be_prepared_says_why_and_whether_a_retry_can_help(
     assert answer.retriable is retriable
 
 
-def test_a_partition_of_a_dynamic_mig_gpu_is_planned_and_the_whole_gpu_is_refused():
+def test_a_partition_and_the_whole_of_a_dynamic_mig_gpu_are_planned():
+    """The whole GPU is published only where it can be prepared (MIG mode off, or switched off at Prepare)."""
     counters = {"gpu-0-counter-set": {"memory-slice-0": 1}}
     devices = {
         "gpu-0": Dev("gpu-0", "gpu", "GPU-aaaa", consumes_counters=counters),
@@ -350,4 +374,4 @@ def test_a_partition_of_a_dynamic_mig_gpu_is_planned_and_the_whole_gpu_is_refuse
     answer = plan_prepare(REF, claim([result("gpu-0-mig-1g10gb-19-0")]), driver=DRIVER, pool=POOL, devices=devices)
     assert isinstance(answer, PreparePlan) and answer.devices[0].info.placement == (0, 1)
     answer = plan_prepare(REF, claim([result("gpu-0")]), driver=DRIVER, pool=POOL, devices=devices)
-    assert isinstance(answer, ClaimError) and "whole GPU in dynamic-MIG mode" in answer.message
+    assert isinstance(answer, PreparePlan) and answer.devices[0].info.placement is None

@@ -12,6 +12,7 @@ import pytest
 
 from agent.core.dra.devices import (
     DEFAULT_DRIVER,
+    NUMA_NODE,
     PCI_BUS_ID,
     PCIE_ROOT,
     DraDevice,
@@ -25,6 +26,7 @@ from agent.core.dra.devices import (
     semver,
 )
 from agent.core.inventory import Inventory
+from agent.core.mig_catalog import mig_catalog
 from agent.gpu.discovery import discover
 from agent.sim.nvml.codes import Return
 from agent.sim.nvml.driver import SimDriver
@@ -139,6 +141,7 @@ def test_full_a100_attributes_and_capacity(inventory):
         "driverVersion": "580.95.5",  # the simulator's driver is 580.95.05: semver drops the leading zero
         "cudaDriverVersion": "13.0.0",
         PCI_BUS_ID: "0000:18:00.0",
+        NUMA_NODE: 0,  # NVML's node (the shell passes sysfs's when it has one)
     }
     assert dict(device.capacity) == {"memory": 80 * GIB}
     kinds = {name: attribute_kind(value) for name, value in device.attributes.items()}
@@ -147,7 +150,7 @@ def test_full_a100_attributes_and_capacity(inventory):
         "driverVersion",
         "cudaDriverVersion",
     ]
-    assert set(kinds.values()) == {"string", "version"}
+    assert set(kinds.values()) == {"string", "version", "int"}
 
 
 def test_mig_device_attributes_carry_the_parents_and_its_own(inventory):
@@ -168,6 +171,7 @@ def test_mig_device_attributes_carry_the_parents_and_its_own(inventory):
         "driverVersion": "580.95.5",
         "cudaDriverVersion": "13.0.0",
         PCI_BUS_ID: "0000:18:00.0",
+        NUMA_NODE: 0,
     }
 
 
@@ -201,6 +205,44 @@ def test_mig_capacities_come_from_the_gpu_instance_profile(inventory):
     assert [n for n in big if n.startswith("memorySlice")] == [f"memorySlice{i}" for i in (4, 5, 6, 7)]
 
 
+def test_mig_engine_counts_are_what_nvmls_profile_info_says_not_the_packaged_table(sim_node):
+    """A driver whose profile info differs from the packaged table (a newer driver, another board): NVML wins."""
+    driver = sim_node(node(a100(["1g.10gb"])))
+    model = driver.gpus[0].model
+    richer = tuple(replace(p, copy_engine_count=2, jpeg_count=3) if p.id == 19 else p for p in model.gi_profiles)
+    driver.gpus[0].model = replace(model, gi_profiles=richer)
+    inv = discover()
+    counts = inv.gpus[0].gi_profile(19)
+    assert counts is not None and (counts.copy_engines, counts.jpeg_engines, counts.multiprocessors) == (2, 3, 14)
+    (device,) = dra_devices(inv)
+    assert (device.capacity["copyEngines"], device.capacity["jpegEngines"]) == (2, 3)
+
+
+def test_dynamic_mig_partitions_take_nvmls_engine_counts_when_mig_mode_is_on(sim_node):
+    driver = sim_node(node(a100([])))
+    model = driver.gpus[0].model
+    driver.gpus[0].model = replace(
+        model, gi_profiles=tuple(replace(p, copy_engine_count=2) if p.id == 19 else p for p in model.gi_profiles)
+    )
+    inv = discover()
+    devices = by_name(dra_devices(inv, dynamic_mig={inv.gpus[0].uuid}))
+    partition = devices["gpu-0-mig-1g10gb-19-0"]
+    assert partition.capacity["copyEngines"] == 2
+    assert partition.consumes_counters["gpu-0-counter-set"]["copy-engines"] == 2
+
+
+def test_a_model_the_packaged_mig_table_does_not_know_still_gets_its_engine_counts(inventory):
+    """Blackwell (B200, PCI device 0x2901) is not in the packaged table: the counts come from NVML's profile info."""
+    inv = inventory(node(a100(MIXED_A100)))
+    blackwell = replace(inv, gpus=(replace(inv.gpus[0], pci_device_id=0x290110DE),))
+    assert mig_catalog(0x290110DE) is None
+    devices = by_name(dra_devices(blackwell))
+    big = devices["gpu-0-mig-3g40gb-9-4"].capacity
+    assert (big["multiprocessors"], big["copyEngines"], big["decoders"], big["memory"]) == (42, 3, 2, 40192 * MIB)
+    media = devices["gpu-0-mig-1g10gb-me-20-2"].capacity
+    assert (media["decoders"], media["jpegEngines"], media["ofaEngines"]) == (1, 1, 1)
+
+
 def test_architecture_and_brand_are_go_nvlibs_strings(inventory):
     inv = inventory(node({"model": "L4"}, {"model": "V100-SXM2-16GB"}, {"model": "T4"}, {"model": "H100-SXM5-80GB"}))
     values = [
@@ -220,6 +262,25 @@ def test_pcie_root_only_when_the_shell_knows_it(inventory):
     devices = dra_devices(inv, pcie_roots={"0000:18:00.0": "pci0000:00"})
     assert devices[0].attributes[PCIE_ROOT] == "pci0000:00"
     assert PCIE_ROOT not in devices[1].attributes
+
+
+def test_the_numa_node_is_sysfs_s_where_the_shell_read_one_else_nvml_s_and_minus_one_is_none(inventory):
+    inv = inventory({"numa_nodes": 2, "gpus": [a100(count=8)]})
+    assert [g.numa_node for g in inv.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+    bus = [d.attributes[PCI_BUS_ID] for d in dra_devices(inv)]
+    devices = dra_devices(inv, numa_nodes={bus[0]: 1, bus[1]: None})  # sysfs: 1, and -1 (no affinity)
+    assert [d.attributes.get(NUMA_NODE) for d in devices] == [1, None, 0, 0, 1, 1, 1, 1]
+    assert attribute_kind(devices[0].attributes[NUMA_NODE]) == "int"
+    mig = dra_devices(inventory("a100-mig"), numa_nodes={"0000:18:00.0": 3})
+    assert {d.attributes[NUMA_NODE] for d in mig} == {3}  # MIG devices carry their GPU's
+
+
+def test_addressing_mode_is_nvmls_where_it_reports_one(inventory):
+    inv = inventory(node({"model": "GH200-H100-96GB"}, a100()))
+    assert [g.addressing_mode for g in inv.gpus] == ["ATS", None]
+    devices = dra_devices(inv)
+    assert devices[0].attributes["addressingMode"] == "ATS"
+    assert "addressingMode" not in devices[1].attributes
 
 
 def test_what_the_driver_does_not_say_is_left_out(inventory):

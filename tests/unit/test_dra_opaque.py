@@ -17,6 +17,7 @@ from agent.core.dra.opaque import (
     decode,
     parse_quantity,
     pinned_memory_limits,
+    unsupported,
 )
 
 
@@ -132,14 +133,14 @@ def test_the_interval_is_the_number_nvidia_smi_takes():
             id="every unknown field is named",
         ),
         pytest.param(
-            {"apiVersion": API_VERSION, "kind": "VfioDeviceConfig"},
-            "VfioDeviceConfig (resource.nvidia.com/v1beta1) is not supported by Tessera",
-            id="VfioDeviceConfig",
+            {"apiVersion": API_VERSION, "kind": "VfioDeviceConfig", "iommu": {"backendPolicy": "LegacyOnly", "x": 1}},
+            'strict decoding error: unknown field "iommu.x"',
+            id="VfioDeviceConfig is decoded strictly",
         ),
         pytest.param(
-            {"apiVersion": API_VERSION, "kind": "ComputeDomainChannelConfig", "domainID": "x"},
-            "ComputeDomainChannelConfig (resource.nvidia.com/v1beta1) is not supported by Tessera",
-            id="ComputeDomainChannelConfig",
+            {"apiVersion": API_VERSION, "kind": "VfioDeviceConfig", "iommu": {"enableAPIDevice": "yes"}},
+            'iommu.enableAPIDevice: expected true or false, got string "yes"',
+            id="VfioDeviceConfig field of the wrong type",
         ),
         pytest.param(
             {"apiVersion": API_VERSION, "kind": "GPUConfig"},
@@ -247,9 +248,27 @@ def test_invalid_json_is_refused():
         decode(b'{"apiVersion": ')
 
 
-def test_mps_multi_user_from_nvidias_newer_releases_decodes():
+def test_mps_multi_user_from_nvidias_newer_releases_decodes_and_true_is_what_tessera_cannot_apply():
+    config = decode(gpu_config(sharing={"strategy": "MPS", "mpsConfig": {"multiUser": False}}))
+    assert config.sharing is not None and config.sharing.mps == MpsConfig(multi_user=False)
+    assert unsupported(config) is None
     config = decode(gpu_config(sharing={"strategy": "MPS", "mpsConfig": {"multiUser": True}}))
     assert config.sharing is not None and config.sharing.mps == MpsConfig(multi_user=True)
+    assert "multiUser: true is not supported by Tessera" in (unsupported(config) or "")
+
+
+@pytest.mark.parametrize(
+    ("parameters", "device_kind"),
+    [
+        ({"apiVersion": API_VERSION, "kind": "VfioDeviceConfig"}, "vfio"),
+        ({"apiVersion": API_VERSION, "kind": "VfioDeviceConfig", "iommu": {"backendPolicy": "PreferIommuFD"}}, "vfio"),
+        ({"apiVersion": API_VERSION, "kind": "ComputeDomainChannelConfig", "domainID": "x"}, "compute-domain"),
+        ({"apiVersion": API_VERSION, "kind": "ComputeDomainDaemonConfig", "domainID": "x"}, "compute-domain"),
+    ],
+)
+def test_nvidias_other_kinds_decode_as_configs_for_devices_tessera_does_not_publish(parameters, device_kind):
+    config = decode(parameters)
+    assert config.kind == parameters["kind"] and config.device_kind == device_kind and config.sharing is None
 
 
 def test_pinned_memory_limits_resolve_device_indices_and_uuids_like_nvidia():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.dra.pcie import pcie_roots
+from agent.dra.pcie import numa_nodes, pcie_roots
 
 
 def link(sysfs: Path, bus_id: str, target: Path) -> None:
@@ -41,3 +41,19 @@ def test_a_value_that_is_not_a_bus_id_never_becomes_a_path(tmp_path: Path) -> No
     outside.mkdir(parents=True)
     (tmp_path / "bus" / "pci" / "devices").mkdir(parents=True)
     assert pcie_roots(["../../../devices/pci0000:00/secret", "", "0000:18:00.0/.."], tmp_path) == {}
+
+
+def test_the_numa_node_is_read_from_sysfs_and_minus_one_means_none(tmp_path: Path) -> None:
+    for bus_id, text in {
+        "0000:18:00.0": "1\n",
+        "0000:19:00.0": "-1\n",
+        "0000:1a:00.0": "node0",
+        "0000:1b:00.0": "",
+    }.items():
+        device = tmp_path / "devices" / "pci0000:00" / bus_id
+        link(tmp_path, bus_id, device)
+        (device / "numa_node").write_text(text)
+    link(tmp_path, "0000:1c:00.0", tmp_path / "devices" / "pci0000:00" / "0000:1c:00.0")  # no numa_node file
+    found = numa_nodes(["0000:18:00.0", "0000:19:00.0", "0000:1a:00.0", "0000:1b:00.0", "0000:1c:00.0"], tmp_path)
+    assert found == {"0000:18:00.0": 1, "0000:19:00.0": None}  # unreadable or absent: left to NVML
+    assert numa_nodes(["../../etc", "0000:18:00.0/.."], tmp_path) == {}

@@ -1,14 +1,17 @@
-"""The kubelet's DRA protos (plugin registration v1, DRA v1 and v1beta1, DRA health v1alpha1) are wire-identical
+"""The kubelet's DRA protos (plugin registration v1, DRA v1 and v1beta1, DRA health v1alpha1 and v1) are wire-identical
 to the kubelet's, and name the services the kubelet asks for. The stubs' freshness is checked by
 test_proto_wire.py, which regenerates every proto."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from agent.api.deviceplugin.v1beta1 import api_pb2 as deviceplugin
 from agent.api.dra.v1 import api_pb2 as dra_v1
 from agent.api.dra.v1beta1 import api_pb2 as dra_v1beta1
+from agent.api.drahealth.v1 import api_pb2 as health_v1
 from agent.api.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
 from agent.api.pluginregistration.v1 import api_pb2 as registration
 from agent.api.podresources.v1 import api_pb2 as podresources
@@ -21,12 +24,13 @@ PROTOS = [
     (dra_v1beta1, "dra_v1beta1"),
     (health_v1alpha1, "dra_health_v1alpha1"),
 ]
-# The constants' keys for our stubs' services; "health v1" (v1.DRAResourceHealth) is on kubelet master only.
+# The constants' keys for our stubs' services; "health v1" (v1.DRAResourceHealth) is kubelet master's (1.37).
 SERVICES = {
     "registration": registration.DESCRIPTOR.services_by_name["Registration"],
     "dra v1": dra_v1.DESCRIPTOR.services_by_name["DRAPlugin"],
     "dra v1beta1": dra_v1beta1.DESCRIPTOR.services_by_name["DRAPlugin"],
     "health v1alpha1": health_v1alpha1.DESCRIPTOR.services_by_name["DRAResourceHealth"],
+    "health v1": health_v1.DESCRIPTOR.services_by_name["DRAResourceHealth"],
 }
 MASTER_ONLY = "(master only)"
 
@@ -43,8 +47,17 @@ def test_messages_enums_services_and_rpcs_match_the_kubelet(module, facts_name: 
 
 def test_method_paths_are_the_ones_the_kubelet_calls() -> None:
     paths = load_facts(FACTS)["constants"]["method paths"]
-    released = [path for path in paths if MASTER_ONLY not in path]
-    assert sorted(p for module, _ in PROTOS for p in method_paths(module.DESCRIPTOR)) == sorted(released)
+    wanted = [path.removesuffix(f" {MASTER_ONLY}") for path in paths]  # master's v1 health service is served too
+    modules = [module for module, _ in PROTOS] + [health_v1]
+    assert sorted(p for module in modules for p in method_paths(module.DESCRIPTOR)) == sorted(wanted)
+
+
+def test_the_v1_health_proto_is_v1alpha1s_messages_in_package_v1() -> None:
+    """k/k #139477: the same proto as v1alpha1 under a v1 package (facts/dra.md E)."""
+    table = load_facts(FACTS)["protos"]["dra_health_v1alpha1"]
+    assert_wire_matches(health_v1.DESCRIPTOR, json.loads(json.dumps(table).replace("v1alpha1", "v1")))
+    strings = load_facts(FACTS)["constants"]["supported_versions service strings"]
+    assert _supported_version(SERVICES["health v1"]) == strings[f"health v1 {MASTER_ONLY}"]
 
 
 def test_grpc_service_names() -> None:

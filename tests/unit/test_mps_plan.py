@@ -135,9 +135,11 @@ def test_bad_mps_values_are_rejected_before_reaching_a_daemon(entry: str, proble
 
 
 def test_mps_keys_under_time_slicing_are_an_error() -> None:
-    with pytest.raises(ConfigError, match=r"memoryLimit only apply to sharing\.mps"):
+    with pytest.raises(ConfigError, match=r"activeThreadPercentage only apply to sharing\.mps"):
         parse_config(
-            yaml.safe_load("sharing: {timeSlicing: {resources: [{name: gpu, replicas: 2, memoryLimit: 1Gi}]}}")
+            yaml.safe_load(
+                "sharing: {timeSlicing: {resources: [{name: gpu, replicas: 2, activeThreadPercentage: 50}]}}"
+            )
         )
 
 

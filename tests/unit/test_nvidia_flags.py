@@ -52,6 +52,14 @@ plugin_dir: Get = lambda o: o.device_plugin_dir  # noqa: E731
 fail: Get = lambda o: o.fail_on_init_error  # noqa: E731
 
 K0S = "/var/lib/k0s/kubelet/device-plugins"
+RUN_DRIVER = "/run/nvidia/driver"
+HOOK = "/usr/local/nvidia/toolkit/nvidia-cdi-hook"
+DRIVER_ROOT = Path("/driver-root")
+
+
+def driver(name: str) -> Get:
+    return lambda o: getattr(o.driver_root, name)
+
 
 # (the NVIDIA name given, argv, environment, what changes, to what)
 HONOURED: list[tuple[str, list[str], dict[str, str], Get, object]] = [
@@ -79,6 +87,21 @@ HONOURED: list[tuple[str, list[str], dict[str, str], Get, object]] = [
     ("--fail-on-init-error", ["--fail-on-init-error", "0"], {}, fail, False),
     ("FAIL_ON_INIT_ERROR", [], {"FAIL_ON_INIT_ERROR": "TRUE"}, fail, True),
     ("FAIL_ON_INIT_ERROR", [], {"FAIL_ON_INIT_ERROR": "f"}, fail, False),
+    # where the driver is, for the CDI specs Tessera writes (agent.gpu.driver_root)
+    ("--driver-root", ["--driver-root", "/run/nvidia/driver"], {}, driver("root"), Path("/run/nvidia/driver")),
+    ("--nvidia-driver-root", ["--nvidia-driver-root=/run/nvidia/driver"], {}, driver("root"), Path(RUN_DRIVER)),
+    ("NVIDIA_DRIVER_ROOT", [], {"NVIDIA_DRIVER_ROOT": RUN_DRIVER}, driver("root"), Path(RUN_DRIVER)),
+    ("--dev-root", ["--dev-root", "/"], {}, driver("dev_root"), Path("/")),
+    ("--nvidia-dev-root", ["--nvidia-dev-root", RUN_DRIVER], {}, driver("dev_root"), Path(RUN_DRIVER)),
+    ("NVIDIA_DEV_ROOT", [], {"NVIDIA_DEV_ROOT": RUN_DRIVER}, driver("dev_root"), Path(RUN_DRIVER)),
+    ("--nvidia-cdi-hook-path", ["--nvidia-cdi-hook-path", HOOK], {}, driver("hook_path"), HOOK),
+    ("--nvidia-ctk-path", ["--nvidia-ctk-path", "/usr/bin/nvidia-ctk"], {}, driver("hook_path"), "/usr/bin/nvidia-ctk"),
+    ("NVIDIA_CDI_HOOK_PATH", [], {"NVIDIA_CDI_HOOK_PATH": HOOK}, driver("hook_path"), HOOK),
+    ("NVIDIA_CTK_PATH", [], {"NVIDIA_CTK_PATH": HOOK}, driver("hook_path"), HOOK),
+    ("--driver-root-ctr-path", ["--driver-root-ctr-path", "/driver-root"], {}, driver("container_root"), DRIVER_ROOT),
+    ("--container-driver-root", ["--container-driver-root", "/driver-root"], {}, driver("container_root"), DRIVER_ROOT),
+    ("DRIVER_ROOT_CTR_PATH", [], {"DRIVER_ROOT_CTR_PATH": "/driver-root"}, driver("container_root"), DRIVER_ROOT),
+    ("CONTAINER_DRIVER_ROOT", [], {"CONTAINER_DRIVER_ROOT": "/driver-root"}, driver("container_root"), DRIVER_ROOT),
 ]
 
 # Accepted at the value that asks for what Tessera always does: the options are exactly the defaults.
@@ -86,9 +109,6 @@ AT_DEFAULT: list[tuple[str, list[str], dict[str, str]]] = [
     ("--driver-root", ["--driver-root", "/"], {}),
     ("--nvidia-driver-root", ["--nvidia-driver-root=/"], {}),
     ("NVIDIA_DRIVER_ROOT", [], {"NVIDIA_DRIVER_ROOT": "/"}),
-    ("--dev-root", ["--dev-root", "/"], {}),
-    ("--nvidia-dev-root", ["--nvidia-dev-root", "/"], {}),
-    ("NVIDIA_DEV_ROOT", [], {"NVIDIA_DEV_ROOT": "/"}),
     ("--pass-device-specs", ["--pass-device-specs=false"], {}),
     ("PASS_DEVICE_SPECS", [], {"PASS_DEVICE_SPECS": "0"}),
     ("--device-id-strategy", ["--device-id-strategy", "uuid"], {}),
@@ -103,14 +123,6 @@ AT_DEFAULT: list[tuple[str, list[str], dict[str, str]]] = [
     ("DEVICE_DISCOVERY_STRATEGY", [], {"DEVICE_DISCOVERY_STRATEGY": "auto"}),
     ("--cdi-annotation-prefix", ["--cdi-annotation-prefix", "cdi.k8s.io/"], {}),
     ("CDI_ANNOTATION_PREFIX", [], {"CDI_ANNOTATION_PREFIX": "cdi.k8s.io/"}),
-    ("--nvidia-cdi-hook-path", ["--nvidia-cdi-hook-path", "/usr/bin/nvidia-ctk"], {}),
-    ("--nvidia-ctk-path", ["--nvidia-ctk-path", "/usr/bin/nvidia-ctk"], {}),
-    ("NVIDIA_CDI_HOOK_PATH", [], {"NVIDIA_CDI_HOOK_PATH": "/usr/bin/nvidia-ctk"}),
-    ("NVIDIA_CTK_PATH", [], {"NVIDIA_CTK_PATH": "/usr/bin/nvidia-ctk"}),
-    ("--driver-root-ctr-path", ["--driver-root-ctr-path", "/driver-root"], {}),
-    ("--container-driver-root", ["--container-driver-root", "/driver-root"], {}),
-    ("DRIVER_ROOT_CTR_PATH", [], {"DRIVER_ROOT_CTR_PATH": "/driver-root"}),
-    ("CONTAINER_DRIVER_ROOT", [], {"CONTAINER_DRIVER_ROOT": "/driver-root"}),
     ("--cdi-feature-flags", ["--cdi-feature-flags="], {}),
     ("CDI_FEATURE_FLAGS", [], {"CDI_FEATURE_FLAGS": ""}),
     ("--cdi-disable-hooks", ["--cdi-disable-hooks="], {}),
@@ -126,12 +138,6 @@ AT_DEFAULT: list[tuple[str, list[str], dict[str, str]]] = [
 
 # (the NVIDIA name given, argv, environment, a word of what to do instead)
 REFUSED: list[tuple[str, list[str], dict[str, str], str]] = [
-    ("--driver-root", ["--driver-root", "/run/nvidia/driver"], {}, "runtimeClassName"),
-    ("--nvidia-driver-root", ["--nvidia-driver-root", "/run/nvidia/driver"], {}, "runtimeClassName"),
-    ("NVIDIA_DRIVER_ROOT", [], {"NVIDIA_DRIVER_ROOT": "/run/nvidia/driver"}, "runtimeClassName"),
-    ("--dev-root", ["--dev-root", "/run/nvidia/driver"], {}, "remove it"),
-    ("--nvidia-dev-root", ["--nvidia-dev-root", "/run/nvidia/driver"], {}, "remove it"),
-    ("NVIDIA_DEV_ROOT", [], {"NVIDIA_DEV_ROOT": "/run/nvidia/driver"}, "remove it"),
     ("--pass-device-specs", ["--pass-device-specs"], {}, "cdi-cri"),
     ("PASS_DEVICE_SPECS", [], {"PASS_DEVICE_SPECS": "true"}, "cdi-cri"),
     ("--device-id-strategy", ["--device-id-strategy", "index"], {}, "uuid"),
@@ -146,18 +152,10 @@ REFUSED: list[tuple[str, list[str], dict[str, str], str]] = [
     ("DEVICE_DISCOVERY_STRATEGY", [], {"DEVICE_DISCOVERY_STRATEGY": "tegra"}, "nvml"),
     ("--cdi-annotation-prefix", ["--cdi-annotation-prefix", "nvidia.cdi.k8s.io/"], {}, "cdi-cri"),
     ("CDI_ANNOTATION_PREFIX", [], {"CDI_ANNOTATION_PREFIX": "nvidia.cdi.k8s.io/"}, "cdi-cri"),
-    ("--nvidia-cdi-hook-path", ["--nvidia-cdi-hook-path", "/usr/local/bin/nvidia-cdi-hook"], {}, "cdi generate"),
-    ("--nvidia-ctk-path", ["--nvidia-ctk-path", "/usr/local/bin/nvidia-ctk"], {}, "cdi generate"),
-    ("NVIDIA_CDI_HOOK_PATH", [], {"NVIDIA_CDI_HOOK_PATH": "/usr/local/bin/nvidia-cdi-hook"}, "cdi generate"),
-    ("NVIDIA_CTK_PATH", [], {"NVIDIA_CTK_PATH": "/usr/local/bin/nvidia-ctk"}, "cdi generate"),
-    ("--driver-root-ctr-path", ["--driver-root-ctr-path", "/host"], {}, "remove it"),
-    ("--container-driver-root", ["--container-driver-root", "/host"], {}, "remove it"),
-    ("DRIVER_ROOT_CTR_PATH", [], {"DRIVER_ROOT_CTR_PATH": "/host"}, "remove it"),
-    ("CONTAINER_DRIVER_ROOT", [], {"CONTAINER_DRIVER_ROOT": "/host"}, "remove it"),
-    ("--cdi-feature-flags", ["--cdi-feature-flags", "disable-multiple-csv-devices"], {}, "cdi generate"),
-    ("CDI_FEATURE_FLAGS", [], {"CDI_FEATURE_FLAGS": "disable-multiple-csv-devices"}, "cdi generate"),
-    ("--cdi-disable-hooks", ["--cdi-disable-hooks", "all"], {}, "cdi generate"),
-    ("CDI_DISABLE_HOOKS", [], {"CDI_DISABLE_HOOKS": "all"}, "cdi generate"),
+    ("--cdi-feature-flags", ["--cdi-feature-flags", "disable-multiple-csv-devices"], {}, "remove it"),
+    ("CDI_FEATURE_FLAGS", [], {"CDI_FEATURE_FLAGS": "disable-multiple-csv-devices"}, "remove it"),
+    ("--cdi-disable-hooks", ["--cdi-disable-hooks", "all"], {}, "--node-wide-cdi"),
+    ("CDI_DISABLE_HOOKS", [], {"CDI_DISABLE_HOOKS": "all"}, "--node-wide-cdi"),
     ("--imex-channel-ids", ["--imex-channel-ids", "0"], {}, "DRA driver"),
     ("IMEX_CHANNEL_IDS", [], {"IMEX_CHANNEL_IDS": "0"}, "DRA driver"),
     ("--imex-required", ["--imex-required"], {}, "DRA driver"),
@@ -280,11 +278,11 @@ def test_config_is_nvidias_config_file(monkeypatch):
 
 
 def test_nvidias_variables_are_read_in_nvidias_order():
-    default, other = "/usr/bin/nvidia-ctk", "/opt/nvidia-cdi-hook"
-    assert options(NVIDIA_CDI_HOOK_PATH=default, NVIDIA_CTK_PATH=other) == options()  # the first one set counts
-    assert refusal(NVIDIA_CDI_HOOK_PATH=other, NVIDIA_CTK_PATH=default).startswith("NVIDIA_CDI_HOOK_PATH: ")
-    assert options(DRIVER_ROOT_CTR_PATH="/driver-root", CONTAINER_DRIVER_ROOT="/host") == options()
-    assert refusal(DRIVER_ROOT_CTR_PATH="/host", CONTAINER_DRIVER_ROOT="/driver-root").startswith("DRIVER_ROOT_CTR")
+    first, other = "/usr/bin/nvidia-ctk", "/opt/nvidia-cdi-hook"
+    assert options(NVIDIA_CDI_HOOK_PATH=first, NVIDIA_CTK_PATH=other).driver_root.hook_path == first
+    assert options(NVIDIA_CDI_HOOK_PATH="", NVIDIA_CTK_PATH=other).driver_root.hook_path == other
+    given = options(DRIVER_ROOT_CTR_PATH="/driver-root", CONTAINER_DRIVER_ROOT="/host").driver_root
+    assert given.container_root == Path("/driver-root")
 
 
 def test_a_flag_wins_over_nvidias_own_variable():
@@ -396,3 +394,17 @@ def test_a_configs_flags_that_tessera_does_not_honour_are_warnings_that_keep_the
     flagged = sorted(w.split(": ")[1] for w in warnings)
     assert flagged == ["flags.gdsEnabled", "flags.plugin.deviceIDStrategy"]
     assert all(w.startswith("cm/default: ") and w.endswith("the setting is ignored") for w in warnings)
+
+
+def test_a_configs_driver_root_is_a_warning_naming_the_flag_that_sets_it():
+    """Where the driver is comes from the agent's command line (each node's own); a shared config's value is
+    said and ignored, NVIDIA's defaults pass in silence."""
+    from agent.config.source import parse_document
+
+    text = (
+        "version: v1\nflags:\n  nvidiaDriverRoot: /run/nvidia/driver\n  nvidiaDevRoot: /\n"
+        "  plugin:\n    nvidiaCTKPath: /usr/bin/nvidia-ctk\n    containerDriverRoot: /driver-root\n"
+    )
+    _, warnings = parse_document(text, "cm/default")
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("cm/default: flags.nvidiaDriverRoot: ") and "--nvidia-driver-root" in warnings[0]

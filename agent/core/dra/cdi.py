@@ -22,18 +22,17 @@ What goes in the spec, and why:
   legacy mode that would inject every GPU of the node; ``void`` turns that off so the container sees exactly the
   devices CDI gives it. A per-device ``NVIDIA_VISIBLE_DEVICES=<uuid>`` would be wrong twice: CDI applies env edits
   in order, so with two devices the last would win, and it would re-enable the legacy injection CDI replaces.
-- The caller's ``common_edits`` (spec-level ``containerEdits``: driver library mounts, hooks, control nodes), if it
-  has them.
+- The caller's ``common_edits`` (spec-level ``containerEdits``): the driver's control nodes, libraries, binaries,
+  firmware and hooks, as NVIDIA's container toolkit gives them (``agent.core.cdi_edits``, discovered under
+  ``--driver-root`` by ``agent.gpu.driver_root``).
 
-The driver libraries: by default (``node_wide=True``) the IDs returned to the kubelet for each device are the claim
-entry **and** the node-wide ``nvidia.com/gpu=<uuid>`` entry that ``nvidia-ctk cdi generate`` writes (the MIG UUID
-for a MIG device). That spec brings the driver libraries, ``/dev/nvidiactl``, ``/dev/nvidia-uvm`` and the hooks,
-exactly as Tessera's device plugin gets them into containers with its ``cdi-cri`` strategy
-(``agent.core.allocation``: ``cdi_names`` are ``<cdi_kind>=<physical ID>``, ``cdi_kind`` default
-``nvidia.com/gpu``), so both front ends depend on the same node setup and nothing here re-implements nvcdi. The
-claim's own ID comes first, so the kubelet's ``allocatedResourcesStatus[].resourceID`` (the first CDI ID of a
-device) is the claim ID, as with NVIDIA's driver. With ``node_wide=False`` the claim spec must be complete on its
-own: the caller then passes the libraries and control nodes as ``common_edits``.
+The spec stands alone: the IDs returned to the kubelet are the claim's own entries, nothing else, so no container
+depends on a spec Tessera did not write (a node without ``nvidia-ctk cdi generate``'s spec, a MIG device created by
+this Prepare whose UUID no earlier spec can hold). The claim's own ID is the first (and only) one, so the kubelet's
+``allocatedResourcesStatus[].resourceID`` is the claim ID, as with NVIDIA's driver. ``node_wide=True`` (the
+``--node-wide-cdi`` flag) keeps the old behaviour for nodes that rely on ``nvidia-ctk cdi generate``: each device
+also gets the node-wide ``nvidia.com/gpu=<uuid>`` ID (the MIG UUID for a MIG device), and the claim spec holds only
+the GPU's node.
 
 Pure: builds documents and names; the shell writes the file (atomically, mode 0644, under ``--cdi-root``).
 """
@@ -45,8 +44,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent.core.allocation import DEFAULT_CDI_KIND
-
 CDI_VERSION = "0.5.0"
 CDI_VENDOR = "k8s.gpu.nvidia.com"
 CDI_CLASS = "claim"
@@ -55,6 +52,7 @@ SPEC_FILE_PREFIX = f"{CDI_VENDOR}-{CDI_CLASS}_"  # CDI's GenerateTransientSpecNa
 SPEC_FILE_SUFFIX = ".yaml"
 VISIBLE_DEVICES_VOID = "NVIDIA_VISIBLE_DEVICES=void"
 CAPS_DIR = "/dev/nvidia-caps"
+NODE_WIDE_CDI_KIND = "nvidia.com/gpu"  # the kind of the spec nvidia-ctk cdi generate writes
 
 _UID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -129,22 +127,26 @@ def cdi_device_ids(
     device_name: str,
     uuid: str,
     *,
-    node_wide: bool = True,
-    node_cdi_kind: str = DEFAULT_CDI_KIND,
+    node_wide: bool = False,
+    node_cdi_kind: str = NODE_WIDE_CDI_KIND,
 ) -> tuple[str, ...]:
-    """The CDI IDs for one prepared device: the claim entry, then (by default) the node-wide ``<kind>=<uuid>``."""
+    """The CDI IDs for one prepared device: the claim entry, then (``node_wide`` only) the node-wide
+    ``<kind>=<uuid>``."""
     ids = [claim_device_id(claim_uid, device_name)]
     if node_wide:
         ids.append(f"{node_cdi_kind}={uuid}")
     return tuple(ids)
 
 
-def gpu_nodes(minor: int) -> tuple[DeviceNode, ...]:
-    """A full GPU's device node, ``/dev/nvidia<minor>``."""
-    return (DeviceNode(f"/dev/nvidia{minor}"),)
+def gpu_nodes(minor: int, dev_root: str = "/") -> tuple[DeviceNode, ...]:
+    """A full GPU's device node, ``/dev/nvidia<minor>`` (from ``<dev_root>/dev/nvidia<minor>`` on the host)."""
+    path = f"/dev/nvidia{minor}"
+    return (DeviceNode(path, host_path=None if dev_root in ("", "/") else dev_root.rstrip("/") + path),)
 
 
-def mig_nodes(parent_minor: int, caps_major: int, gi_minor: int, ci_minor: int) -> tuple[DeviceNode, ...]:
+def mig_nodes(
+    parent_minor: int, caps_major: int, gi_minor: int, ci_minor: int, dev_root: str = "/"
+) -> tuple[DeviceNode, ...]:
     """A MIG device's nodes: the parent GPU's node and its GI and CI capability nodes (``nvidia-caps`` major).
 
     The capability minors come from ``/proc/driver/nvidia/capabilities/gpu<m>/mig/gi<g>[/ci<c>]/access`` and the
@@ -155,7 +157,7 @@ def mig_nodes(parent_minor: int, caps_major: int, gi_minor: int, ci_minor: int) 
         DeviceNode(f"{CAPS_DIR}/nvidia-cap{minor}", type="c", major=caps_major, minor=minor, permissions="rw")
         for minor in (gi_minor, ci_minor)
     )
-    return (*gpu_nodes(parent_minor), *caps)
+    return (*gpu_nodes(parent_minor, dev_root), *caps)
 
 
 def claim_spec(

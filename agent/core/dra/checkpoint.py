@@ -56,7 +56,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from agent.core.dra.claims import ClaimRef, PlannedDevice, PreparePlan
-from agent.core.dra.mps import MpsRecord
+from agent.core.dra.mps import MpsRecord, ShareLimits
 from agent.core.dra.shares import Share
 
 CHECKPOINT_FILE = "tessera-checkpoint.json"
@@ -408,6 +408,7 @@ def _from_json(document: Mapping[str, Any]) -> Checkpoint:
                 _str(raw_mps.get("key"), f"{where}.mps.key"),
                 _strs(raw_mps.get("devices"), f"{where}.mps.devices"),
                 _strs(raw_mps.get("env", []), f"{where}.mps.env"),
+                share=_limits(raw_mps.get("share"), f"{where}.mps.share"),
             )
         claims[uid] = PreparedClaim(
             state=state,
@@ -440,7 +441,26 @@ def _device_from_json(raw: Any, where: str) -> PreparedDevice:
 
 
 def _mps_to_json(record: MpsRecord) -> dict[str, Any]:
-    return {"key": record.key, "devices": list(record.devices), "env": list(record.env)}
+    raw: dict[str, Any] = {"key": record.key, "devices": list(record.devices), "env": list(record.env)}
+    if record.share is not None:  # a share's limits: the daemon's server defaults are built from them
+        limits = record.share
+        raw["share"] = {"memoryMiB": limits.memory_mib, "threads": limits.threads, "deviceMiB": limits.device_mib}
+    return raw
+
+
+def _limits(raw: Any, where: str) -> ShareLimits | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise TypeError(f"{where} is not an object")
+    memory, threads, device = raw.get("memoryMiB"), raw.get("threads"), raw.get("deviceMiB", 0)
+    if memory is not None and (type(memory) is not int or memory <= 0):
+        raise TypeError(f"{where}.memoryMiB is not a positive number of MiB or null")
+    if threads is not None and (type(threads) is not int or not 0 < threads <= 100):
+        raise TypeError(f"{where}.threads is not a percentage 1-100 or null")
+    if type(device) is not int or device < 0:
+        raise TypeError(f"{where}.deviceMiB is not a number of MiB")
+    return ShareLimits(memory, threads, device)
 
 
 def _timeslice_to_json(timeslice: Timeslice) -> dict[str, Any]:
@@ -457,18 +477,21 @@ def _timeslice(raw: Any, where: str) -> Timeslice:
 
 
 def _share_to_json(share: Share) -> dict[str, Any]:
-    return {"memory": share.memory, "computePercent": share.compute_percent}
+    raw = {"memory": share.memory, "computePercent": share.compute_percent}
+    return raw | ({"shares": share.shares} if share.shares else {})
 
 
 def _share(raw: Any, where: str) -> Share:
     if not isinstance(raw, dict):
         raise TypeError(f"{where} is not an object")
-    memory, compute = raw.get("memory"), raw.get("computePercent", 0)
-    if type(memory) is not int or memory <= 0:
-        raise TypeError(f"{where}.memory is not a positive number of bytes")
+    memory, compute, shares = raw.get("memory"), raw.get("computePercent", 0), raw.get("shares", 0)
+    if type(memory) is not int or memory < 0:
+        raise TypeError(f"{where}.memory is not a number of bytes")
     if type(compute) is not int or not 0 <= compute <= 100:
         raise TypeError(f"{where}.computePercent is not a percentage 0-100")
-    return Share(memory, compute)
+    if type(shares) is not int or shares < 0:
+        raise TypeError(f"{where}.shares is not a number of shares")
+    return Share(memory, compute, shares)
 
 
 def _str(value: Any, where: str) -> str:

@@ -55,6 +55,7 @@ from agent.core.dra.opaque import (
     OpaqueConfigError,
     decode,
     parse_quantity,
+    unsupported,
 )
 from agent.core.dra.shares import Share, over_committed, share_of, whole
 
@@ -248,12 +249,6 @@ def plan_prepare(
                 "or re-partitioned since the claim was allocated"
             )
             continue
-        if info.consumes_counters and info.placement is None:  # the whole of a dynamic-MIG GPU
-            problems.append(
-                f'requested device "{name}" is a whole GPU in dynamic-MIG mode: its MIG mode stays on, so it is '
-                "handed out as its largest partition; request that MIG device instead (it excludes the same others)"
-            )
-            continue
         if not admin and name in unhealthy:
             reason = unhealthy[name]
             problems.append(f'requested device "{name}" ({info.uuid}) is Unhealthy' + (f": {reason}" if reason else ""))
@@ -272,6 +267,9 @@ def plan_prepare(
             problems.append(chosen)
             continue
         config, source = chosen
+        if config is not None and (refusal := unsupported(config)) is not None:
+            problems.append(f"{source}: {refusal}")
+            continue
         if share is not None and not whole(info, share) and config is not None and config.sharing is not None:
             problems.append(
                 f"requested device {name} is a share of a GPU, enforced through MPS with the limits of its "

@@ -19,14 +19,21 @@ unchanged, so names, attributes and capacities follow NVIDIA's driver (facts ``d
   ``0000:18:00.0``). MIG devices add ``parentUUID`` and ``profile`` and carry their GPU's attributes.
 - ``resource.kubernetes.io/pcieRoot`` comes from sysfs, which NVML does not read: the DRA shell passes it in
   ``pcie_roots`` (``agent.dra.pcie``).
-- Left out, and why: ``addressingMode`` (coherent-memory
-  systems only) is not in the inventory. ``brand`` when NVML does not report one. An attribute whose value
+- ``resource.kubernetes.io/numaNode`` (int, a standard attribute since Kubernetes 1.37) is the NUMA node of the
+  GPU's PCI device: what sysfs says (``/sys/bus/pci/devices/<bus ID>/numa_node``, passed in ``numa_nodes`` by the
+  DRA shell), ``-1`` (no NUMA affinity) meaning no attribute; where sysfs has no entry, NVML's
+  ``nvmlDeviceGetNumaNodeId`` from the inventory. A scheduler aligns a claim's GPU and NIC with it.
+- ``addressingMode`` (string ``HMM``, ``ATS`` or ``None``) as NVML's ``nvmlDeviceGetAddressingMode`` reports it;
+  absent where NVML does not (NVIDIA publishes it only then).
+- Left out, and why: ``brand`` when NVML does not report one. An attribute whose value
   cannot be a version (a driver string semver cannot read) is left out rather than failing the GPU.
 - Capacities, in base units: a GPU's ``memory`` in bytes (from the inventory's MiB, which NVML's byte count
   always is a whole multiple of on these products). A MIG device's ``multiprocessors``, ``copyEngines``,
-  ``decoders``, ``encoders``, ``jpegEngines``, ``ofaEngines`` (its GPU instance profile: SM count and memory as
-  NVML reported them for the device, engine counts from the packaged MIG facts; omitted for a model the facts
-  do not know), ``memory`` (bytes) and ``memorySlice<i>`` = 1 for each memory slice its placement covers.
+  ``decoders``, ``encoders``, ``jpegEngines``, ``ofaEngines`` (SM count and memory as NVML reported them for the
+  device; engine counts from NVML's GPU instance profile info, ``nvmlDeviceGetGpuInstanceProfileInfo``, as
+  NVIDIA's driver reads them, so a model the packaged MIG table does not know, Blackwell, gets them too; the
+  table is only the fallback for an inventory without profile info), ``memory`` (bytes) and ``memorySlice<i>``
+  = 1 for each memory slice its placement covers.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ DEFAULT_DRIVER = "gpu.nvidia.com"
 STANDARD_DOMAIN = "resource.kubernetes.io"
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+NUMA_NODE = "resource.kubernetes.io/numaNode"
 GPU = "gpu"
 MIG = "mig"
 
@@ -84,12 +92,14 @@ def attribute_kind(value: AttributeValue) -> AttributeKind:
 @dataclass(frozen=True, slots=True)
 class RequestPolicy:
     """A consumable capacity's ``requestPolicy``: what a claim that does not ask consumes (``default``), and the
-    valid range requests are rounded up into (``minimum + n * step``, at most ``maximum``)."""
+    valid range requests are rounded up into (``minimum + n * step``, at most ``maximum``) — or, when
+    ``valid_values`` is given, those values instead of a range."""
 
     default: int
     minimum: int
     maximum: int
     step: int
+    valid_values: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,38 +143,49 @@ def dra_devices(
     *,
     gpu_uuids: Collection[str] | None = None,
     pcie_roots: Mapping[str, str] | None = None,
+    numa_nodes: Mapping[str, int | None] | None = None,
     dynamic_mig: Collection[str] = (),
     shared: Collection[str] = (),
     default_share: int | None = None,
+    share_mode: str | int = "memory",
 ) -> tuple[DraDevice, ...]:
     """The devices of ``inventory`` (only the GPUs in ``gpu_uuids`` when given), by GPU minor then name.
 
     ``pcie_roots`` maps a PCI bus ID in the attribute's spelling (``0000:18:00.0``) to its PCIe root
-    (``pci0000:00``); GPUs without an entry get no ``pcieRoot`` attribute. GPUs in ``dynamic_mig`` (UUIDs) are
-    listed as partitionable devices (``partitions``): the full GPU and every MIG profile and placement. GPUs in
-    ``shared`` (UUIDs) that are whole GPUs (MIG off) are listed for memory-sized shares (``shares``), a claim that
-    asks for no memory getting ``default_share`` bytes of one (None: all of it).
+    (``pci0000:00``); GPUs without an entry get no ``pcieRoot`` attribute. ``numa_nodes`` maps a bus ID to the
+    NUMA node sysfs gives it (None: ``-1``, no affinity, no attribute); a GPU without an entry gets the inventory's
+    (NVML's) node, if any. GPUs in ``dynamic_mig`` (UUIDs) are
+    listed as partitionable devices (``partitions``): every MIG profile and placement, and the full GPU where it can
+    be prepared whole; one whose MIG mode is off and cannot change without a reset is listed as a plain GPU. GPUs in
+    ``shared`` (UUIDs) are listed for shares (``shares``) in ``share_mode`` (NVIDIA's ``consumableShares``): a
+    whole GPU (MIG off) or each of its MIG devices, a claim that asks for no memory getting ``default_share`` bytes
+    of one in ``memory`` mode (None: all of it).
     """
     devices: list[DraDevice] = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor_number):
         if gpu_uuids is not None and gpu.uuid not in gpu_uuids:
             continue
-        common = _common_attributes(gpu, inventory, pcie_roots or {})
+        common = _common_attributes(gpu, inventory, pcie_roots or {}, numa_nodes or {})
         catalog = mig_catalog(gpu.pci_device_id) if gpu.uuid in dynamic_mig else None
         if catalog is not None:
-            from agent.core.dra.partitions import partitionable_devices  # it builds on this module
+            from agent.core.dra.partitions import partitionable_devices, partitioned  # they build on this module
 
-            devices.extend(partitionable_devices(gpu, catalog, common))
-            continue
+            if partitioned(gpu):  # else (MIG off, not switchable without a reset) a plain GPU, below
+                devices.extend(partitionable_devices(gpu, catalog, common))
+                continue
         if not gpu.mig_enabled:
             device = _gpu_device(gpu, common)
             if gpu.uuid in shared:
                 from agent.core.dra.shares import shareable  # it builds on this module
 
-                device = shareable(device, default_share)
+                device = shareable(device, default_share, share_mode)
             devices.append(device)
             continue
         migs = [_mig_device(gpu, mig, common) for mig in gpu.mig_devices if mig.is_full_instance]
+        if gpu.uuid in shared:
+            from agent.core.dra.shares import shareable
+
+            migs = [shareable(mig, default_share, share_mode) for mig in migs]
         devices.extend(sorted(migs, key=lambda d: d.name))
     return tuple(devices)
 
@@ -239,7 +260,9 @@ def cel_device(device: DraDevice, driver: str = DEFAULT_DRIVER) -> dict[str, obj
 # ----- building -------------------------------------------------------------------------------------
 
 
-def _common_attributes(gpu: Gpu, inventory: Inventory, pcie_roots: Mapping[str, str]) -> dict[str, AttributeValue]:
+def _common_attributes(
+    gpu: Gpu, inventory: Inventory, pcie_roots: Mapping[str, str], numa_nodes: Mapping[str, int | None]
+) -> dict[str, AttributeValue]:
     """What a GPU and its MIG devices share (NVIDIA's ``CommonAttributesMig`` takes the parent's values)."""
     major, minor = gpu.compute_capability
     attributes: dict[str, AttributeValue] = {
@@ -259,6 +282,11 @@ def _common_attributes(gpu: Gpu, inventory: Inventory, pcie_roots: Mapping[str, 
         attributes[PCI_BUS_ID] = bus
         if bus in pcie_roots:
             attributes[PCIE_ROOT] = pcie_roots[bus]
+    numa = numa_nodes[bus] if bus is not None and bus in numa_nodes else gpu.numa_node
+    if numa is not None and numa >= 0:
+        attributes[NUMA_NODE] = numa
+    if gpu.addressing_mode:
+        attributes["addressingMode"] = gpu.addressing_mode
     return attributes
 
 
@@ -277,9 +305,18 @@ def _gpu_device(gpu: Gpu, common: Mapping[str, AttributeValue]) -> DraDevice:
 def _mig_device(gpu: Gpu, mig: MigDevice, common: Mapping[str, AttributeValue]) -> DraDevice:
     attributes = {"type": MIG, "uuid": mig.uuid, "parentUUID": gpu.uuid, "profile": mig.profile, **common}
     capacity = {"multiprocessors": mig.multiprocessor_count}
-    catalog = mig_catalog(gpu.pci_device_id)
+    counts = gpu.gi_profile(mig.gi_profile_id)
+    catalog = mig_catalog(gpu.pci_device_id) if counts is None else None
     profile = catalog.profile_by_id(mig.gi_profile_id) if catalog is not None else None
-    if profile is not None:
+    if counts is not None:  # NVML's GPU instance profile info, as NVIDIA's driver reads it
+        capacity |= {
+            "copyEngines": counts.copy_engines,
+            "decoders": counts.decoders,
+            "encoders": counts.encoders,
+            "jpegEngines": counts.jpeg_engines,
+            "ofaEngines": counts.ofa_engines,
+        }
+    elif profile is not None:  # fallback: an inventory without profile info (built by hand, an old reading)
         capacity |= {
             "copyEngines": profile.copy_engines,
             "decoders": profile.decoders,

@@ -3,9 +3,14 @@
 A ResourceClaim or DeviceClass can carry ``opaque: {driver: gpu.nvidia.com, parameters: {...}}``. NVIDIA's driver
 decodes ``parameters`` with a strict Kubernetes decoder (facts/dra.md C5), and so does this module:
 
-- ``apiVersion`` must be ``resource.nvidia.com/v1beta1``; ``kind`` one of ``GpuConfig`` or ``MigDeviceConfig``.
-  NVIDIA's other kinds (``VfioDeviceConfig``, ``ComputeDomainChannelConfig``, ``ComputeDomainDaemonConfig``,
-  ``ComputeDomain``) are refused as "not supported by Tessera"; any other kind or apiVersion is refused by name.
+- ``apiVersion`` must be ``resource.nvidia.com/v1beta1``; ``kind`` one of ``GpuConfig`` or ``MigDeviceConfig``,
+  or one of NVIDIA's other kinds (``VfioDeviceConfig``, ``ComputeDomainChannelConfig``,
+  ``ComputeDomainDaemonConfig``, ``ComputeDomain``), which decode as NVIDIA's driver decodes them but apply to no
+  device Tessera publishes: as on NVIDIA's driver (facts/dra.md C5), a class-wide one (no ``requests``) is skipped
+  for GPUs and MIG devices, and one naming a request of a GPU or MIG device fails that claim
+  (``cannot apply VfioDeviceConfig to device "gpu-0" of type "gpu"``). ``VfioDeviceConfig`` is decoded strictly
+  (``iommu.backendPolicy``, ``iommu.enableAPIDevice``); the compute-domain kinds, whose fields Tessera does not
+  model, are not (decision). Any other kind or apiVersion is refused by name.
 - Unknown fields are errors (``strict decoding error: unknown field "sharing.stratgy"``), names are
   case-sensitive, a duplicated field is an error, ``null`` means "not set" (as in Go), and values must have the
   JSON type the Go struct has (an int is not a float, a bool is not an int).
@@ -22,7 +27,11 @@ decodes ``parameters`` with a strict Kubernetes decoder (facts/dra.md C5), and s
 Where NVIDIA is silent or would crash, this module decides (each noted where it happens): a
 ``timeSlicingConfig`` without ``interval`` means ``Default`` (NVIDIA dereferences a nil pointer there), limits
 below 1 MiB are refused at decode time (NVIDIA refuses them when it starts the MPS daemon), and ``mpsConfig.
-multiUser`` (added on NVIDIA's main after v0.4.1) is accepted so configs written for newer releases decode.
+multiUser`` (added on NVIDIA's main after v0.4.1) decodes, but ``true`` is refused by name (``unsupported``, for a
+config that applies to a device): an MPS control daemon
+starts one server per user ID and a client of another user waits until that server drains (facts/mig-mps.md d),
+so containers of different users cannot share a claim's daemon and Tessera does not pretend they can; ``false``
+(the default, one user) is what Tessera does.
 
 Applying a decoded sharing setting is not this module's business: ``agent.core.dra.claims`` plans it for each
 device (time-slicing on whole GPUs, MPS on GPUs and MIG devices) and ``agent.dra.prepare`` applies it.
@@ -52,9 +61,19 @@ API_GROUP = "resource.nvidia.com"
 API_VERSION = f"{API_GROUP}/v1beta1"
 GPU_CONFIG = "GpuConfig"
 MIG_DEVICE_CONFIG = "MigDeviceConfig"
+VFIO_DEVICE_CONFIG = "VfioDeviceConfig"
 SUPPORTED_KINDS = (GPU_CONFIG, MIG_DEVICE_CONFIG)
-# NVIDIA's other registered kinds: known, decodable by NVIDIA, not served by Tessera
-NVIDIA_ONLY_KINDS = ("VfioDeviceConfig", "ComputeDomainChannelConfig", "ComputeDomainDaemonConfig", "ComputeDomain")
+# NVIDIA's other registered kinds: decoded as NVIDIA does, applied to no device Tessera publishes
+COMPUTE_DOMAIN_KINDS = ("ComputeDomainChannelConfig", "ComputeDomainDaemonConfig", "ComputeDomain")
+NVIDIA_ONLY_KINDS = (VFIO_DEVICE_CONFIG, *COMPUTE_DOMAIN_KINDS)
+ConfigKind = Literal[
+    "GpuConfig",
+    "MigDeviceConfig",
+    "VfioDeviceConfig",
+    "ComputeDomainChannelConfig",
+    "ComputeDomainDaemonConfig",
+    "ComputeDomain",
+]
 MAX_PARAMETERS_BYTES = 10 * 1024  # resource.k8s.io OpaqueParametersMaxLength
 
 TIME_SLICING = "TimeSlicing"
@@ -96,15 +115,20 @@ class Sharing:
 
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
-    """One decoded ``GpuConfig`` or ``MigDeviceConfig``."""
+    """One decoded config: a ``GpuConfig`` or ``MigDeviceConfig``, or one of NVIDIA's kinds for devices Tessera
+    does not publish (vfio, compute domains), which never applies to a device here."""
 
-    kind: Literal["GpuConfig", "MigDeviceConfig"]
+    kind: ConfigKind
     sharing: Sharing | None = None
 
     @property
-    def device_kind(self) -> Literal["gpu", "mig"]:
+    def device_kind(self) -> Literal["gpu", "mig", "vfio", "compute-domain"]:
         """The kind of device this config may be applied to."""
-        return "gpu" if self.kind == GPU_CONFIG else "mig"
+        if self.kind == GPU_CONFIG:
+            return "gpu"
+        if self.kind == MIG_DEVICE_CONFIG:
+            return "mig"
+        return "vfio" if self.kind == VFIO_DEVICE_CONFIG else "compute-domain"
 
 
 # the fields each object may have, by JSON path ("" is the top level); anything else is an unknown field
@@ -141,10 +165,11 @@ def _decode(parameters: bytes | str | Mapping[str, Any]) -> DeviceConfig:
         group = api_version.split("/", 1)[0]
         hint = "NVIDIA's config API version is" if group == API_GROUP else "Tessera reads NVIDIA's config API,"
         raise OpaqueConfigError(f'unknown apiVersion "{api_version}" (kind {kind}): {hint} {API_VERSION}')
-    if kind in NVIDIA_ONLY_KINDS:
-        raise OpaqueConfigError(
-            f"{kind} ({API_VERSION}) is not supported by Tessera: it serves {GPU_CONFIG} and {MIG_DEVICE_CONFIG}"
-        )
+    if kind == VFIO_DEVICE_CONFIG:
+        _check_vfio(document)
+        return DeviceConfig(kind=kind)
+    if kind in COMPUTE_DOMAIN_KINDS:
+        return DeviceConfig(kind=kind)  # decision: fields not modelled; it applies to no device here anyway
     if kind not in SUPPORTED_KINDS:
         raise OpaqueConfigError(
             f'unknown kind "{kind}" for apiVersion {API_VERSION}: use {GPU_CONFIG} or {MIG_DEVICE_CONFIG}'
@@ -156,6 +181,19 @@ def _decode(parameters: bytes | str | Mapping[str, Any]) -> DeviceConfig:
     if raw_sharing is None:
         return DeviceConfig(kind=kind)
     return DeviceConfig(kind=kind, sharing=_sharing(raw_sharing, kind))
+
+
+def unsupported(config: DeviceConfig) -> str | None:
+    """Why Tessera cannot apply a config NVIDIA's driver accepts, or None. Asked only of a config that applies to
+    a device (NVIDIA validates those alone): a config that applies to none fails no claim."""
+    mps = config.sharing.mps if config.sharing is not None else None
+    if mps is not None and mps.multi_user:
+        return (
+            "sharing.mpsConfig.multiUser: true is not supported by Tessera: an MPS control daemon runs one server per "
+            "user ID and a client of another user waits until that server drains, so the claim's containers must run "
+            "as one user; run them as one user and remove multiUser (or set it to false)"
+        )
+    return None
 
 
 def pinned_memory_limits(mps: MpsConfig, uuids: Sequence[str]) -> dict[str, str]:
@@ -267,6 +305,28 @@ def _check_fields(document: Mapping[str, Any], sharing_fields: tuple[str, ...]) 
             unknown += [_unknown(k, "sharing.mpsConfig.", _MPS_FIELDS) for k in mps if k not in _MPS_FIELDS]
     if unknown:
         raise OpaqueConfigError("strict decoding error: " + ", ".join(unknown))
+
+
+_VFIO_FIELDS = ("apiVersion", "kind", "iommu")
+_IOMMU_FIELDS = ("backendPolicy", "enableAPIDevice")
+
+
+def _check_vfio(document: Mapping[str, Any]) -> None:
+    """NVIDIA's strict decoding of a ``VfioDeviceConfig``: known fields with their JSON types."""
+    unknown = [_unknown(key, "", _VFIO_FIELDS) for key in document if key not in _VFIO_FIELDS]
+    iommu = document.get("iommu")
+    if isinstance(iommu, Mapping):
+        unknown += [_unknown(k, "iommu.", _IOMMU_FIELDS) for k in iommu if k not in _IOMMU_FIELDS]
+    if unknown:
+        raise OpaqueConfigError("strict decoding error: " + ", ".join(unknown))
+    if iommu is None:
+        return
+    if not isinstance(iommu, Mapping):
+        raise OpaqueConfigError(f"iommu: expected an object, got {_json_type(iommu)}")
+    _optional_str(iommu, "backendPolicy", "iommu.backendPolicy")
+    enable = iommu.get("enableAPIDevice")
+    if enable is not None and not isinstance(enable, bool):
+        raise OpaqueConfigError(f"iommu.enableAPIDevice: expected true or false, got {_json_type(enable)}")
 
 
 def _unknown(key: str, path: str, known: Sequence[str]) -> str:

@@ -78,8 +78,8 @@ def shared_gpus(
 ) -> frozenset[str]:
     """The UUIDs of the GPUs the config's ``dra.gpuShares`` shares by memory (``agent.core.dra.shares``): ``all``
     is every GPU DRA serves that is not in dynamic-MIG mode; a GPU named that DRA does not serve, or that
-    ``dra.dynamicMig`` also names, is an error. A GPU in MIG mode is shared through its MIG devices instead: it is
-    left out here (its MIG devices are published as they are)."""
+    ``dra.dynamicMig`` also names, is an error. A GPU in MIG mode is shared through its MIG devices: each of them is
+    published for shares."""
     if shares is None:
         return frozenset()
     if shares == "all":

@@ -17,6 +17,13 @@ carry the parent's attributes with ``type: mig``, ``parentUUID`` and ``profile``
 yet), and the capacities of their profile. The full GPU advertises, per dimension, the largest value over the
 profiles (NVIDIA's ``PartCapacities``), its memory included. Only profiles whose compute instance spans the GPU
 instance are listed (the catalog's profiles are GPU-instance profiles with their full compute instance).
+
+MIG mode follows the claims where the GPU allows it (NVIDIA's dynamic MIG): from Hopper on MIG mode changes without a
+GPU reset, so such a GPU is published partitioned even with MIG mode off; Prepare turns MIG mode on for its first
+partition and Unprepare off after its last, and a claim for the whole GPU gets it with MIG mode off. An Ampere GPU
+(A100, A30) resets itself to change MIG mode (held GPUs stay pending; a VM needs a reboot), so Tessera never changes
+it under claims: with MIG mode off it is published whole, as a plain GPU, and with MIG mode on only its partitions
+(it could never be prepared whole). A GPU that cannot be prepared whole is never published whole.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from agent.core.dra.devices import GPU, MIG, AttributeValue, DraDevice, canonical_profile
-from agent.core.inventory import Gpu, MigDevice
+from agent.core.inventory import GiProfileCounts, Gpu, MigDevice
 from agent.core.mig_catalog import GiProfileInfo, MigCatalog
 
 _MIB = 1 << 20
@@ -42,6 +49,31 @@ DIMENSIONS = {
 }
 
 
+# From Hopper on MIG mode changes without a GPU reset (NVIDIA's MIG user guide); architectures NVML names that this
+# table does not ("Unknown") are taken to need one: Tessera then never changes their MIG mode.
+_RESET_FREE_MIG_MODE = frozenset({"Hopper", "Blackwell"})
+
+
+def reset_free_mig_mode(architecture: str) -> bool:
+    """GPUs of this architecture (NVML's name: ``Hopper``) change MIG mode without a reset."""
+    return architecture in _RESET_FREE_MIG_MODE
+
+
+def mig_mode_switchable(gpu: Gpu) -> bool:
+    """``gpu``'s MIG mode can be changed without a GPU reset, so Prepare and Unprepare may change it."""
+    return gpu.mig_capable and reset_free_mig_mode(gpu.architecture)
+
+
+def partitioned(gpu: Gpu) -> bool:
+    """A GPU in dynamic-MIG mode is published as partitionable devices: MIG mode on, or switchable at Prepare."""
+    return gpu.mig_enabled or mig_mode_switchable(gpu)
+
+
+def whole_preparable(gpu: Gpu) -> bool:
+    """A partitioned GPU can be prepared whole: MIG mode off, or switchable off at Prepare."""
+    return not gpu.mig_enabled or mig_mode_switchable(gpu)
+
+
 def counter_set_name(gpu_minor: int) -> str:
     return f"gpu-{gpu_minor}-counter-set"
 
@@ -54,8 +86,19 @@ def partition_device_name(gpu_minor: int, profile: GiProfileInfo, start: int) ->
     return f"gpu-{gpu_minor}-mig-{canonical_profile(profile.name)}-{profile.id}-{start}"
 
 
-def profile_capacity(profile: GiProfileInfo) -> dict[str, int]:
-    """A profile's MIG capacities, in base units (memory in bytes), by the device's capacity names."""
+def profile_capacity(profile: GiProfileInfo, nvml: GiProfileCounts | None = None) -> dict[str, int]:
+    """A profile's MIG capacities, in base units (memory in bytes), by the device's capacity names: NVML's GPU
+    instance profile info (``nvml``) where discovery read it (MIG mode on), else the packaged table's."""
+    if nvml is not None:
+        return {
+            "multiprocessors": nvml.multiprocessors,
+            "copyEngines": nvml.copy_engines,
+            "decoders": nvml.decoders,
+            "encoders": nvml.encoders,
+            "jpegEngines": nvml.jpeg_engines,
+            "ofaEngines": nvml.ofa_engines,
+            "memory": nvml.memory_mib * _MIB,
+        }
     return {
         "multiprocessors": profile.multiprocessors,
         "copyEngines": profile.copy_engines,
@@ -68,7 +111,8 @@ def profile_capacity(profile: GiProfileInfo) -> dict[str, int]:
 
 
 def partitionable_devices(gpu: Gpu, catalog: MigCatalog, common: Mapping[str, AttributeValue]) -> tuple[DraDevice, ...]:
-    """The full GPU and every profile and placement of ``gpu`` (whose model ``catalog`` describes), by name.
+    """The full GPU (where it can be prepared whole: ``whole_preparable``) and every profile and placement of ``gpu``
+    (whose model ``catalog`` describes), by name.
 
     ``common`` are the attributes the GPU and its MIG devices share (``devices._common_attributes``).
     """
@@ -76,7 +120,7 @@ def partitionable_devices(gpu: Gpu, catalog: MigCatalog, common: Mapping[str, At
     if not profiles:
         return ()
     set_name = counter_set_name(gpu.minor_number)
-    largest = {name: max(profile_capacity(p)[name] for p in profiles) for name in DIMENSIONS}
+    largest = {name: max(profile_capacity(p, gpu.gi_profile(p.id))[name] for p in profiles) for name in DIMENSIONS}
     slices = max(placement.start + placement.size for p in profiles for placement in p.placements)
     whole = {DIMENSIONS[name]: value for name, value in largest.items()}
     whole |= {memory_slice_counter(i): 1 for i in range(slices)}
@@ -92,7 +136,7 @@ def partitionable_devices(gpu: Gpu, catalog: MigCatalog, common: Mapping[str, At
     )
     partitions = []
     for profile in profiles:
-        capacity = profile_capacity(profile)
+        capacity = profile_capacity(profile, gpu.gi_profile(profile.id))
         attributes = {"type": MIG, "parentUUID": gpu.uuid, "profile": profile.name, **common}
         for placement in profile.placements:
             consumed = {DIMENSIONS[name]: value for name, value in capacity.items()}
@@ -111,18 +155,29 @@ def partitionable_devices(gpu: Gpu, catalog: MigCatalog, common: Mapping[str, At
                     placement=(placement.start, placement.size),
                 )
             )
-    return (full, *sorted(partitions, key=lambda d: d.name))
+    ordered = sorted(partitions, key=lambda d: d.name)
+    return (full, *ordered) if whole_preparable(gpu) else tuple(ordered)
 
 
 def counter_sets(devices: Iterable[DraDevice]) -> dict[str, dict[str, int]]:
-    """The counter sets ``devices`` consume: on a dynamic-MIG GPU the full GPU consumes its whole set, so the
-    full GPUs among ``devices`` carry them."""
+    """The counter sets ``devices`` consume: each counter is the most any device takes of it (the full GPU takes the
+    whole set; where it is not published its partitions together name every counter, each at that largest value)."""
     sets: dict[str, dict[str, int]] = {}
     for device in devices:
-        if device.kind == GPU:
-            for name, counters in device.consumes_counters.items():
-                sets[name] = dict(counters)
-    return sets
+        for name, counters in device.consumes_counters.items():
+            counter_set = sets.setdefault(name, {})
+            for counter, amount in counters.items():
+                counter_set[counter] = max(amount, counter_set.get(counter, 0))
+    return {name: _ordered(counters) for name, counters in sets.items()}
+
+
+def _ordered(counters: Mapping[str, int]) -> dict[str, int]:
+    """The dimensions first (in ``DIMENSIONS`` order), then the memory slices by index: the full GPU's own order."""
+    prefix = memory_slice_counter(0)[:-1]
+    dimensions = [DIMENSIONS[name] for name in DIMENSIONS if DIMENSIONS[name] in counters]
+    memory_slices = sorted((c for c in counters if c.startswith(prefix)), key=lambda c: int(c.removeprefix(prefix)))
+    rest = sorted(c for c in counters if c not in dimensions and c not in memory_slices)
+    return {name: counters[name] for name in (*dimensions, *memory_slices, *rest)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -329,6 +329,8 @@ def _device_entry(
 
 
 def _request_policy(policy: RequestPolicy) -> dict[str, Any]:
+    if policy.valid_values is not None:
+        return {"default": quantity(policy.default), "validValues": [quantity(v) for v in policy.valid_values]}
     valid_range = {"min": quantity(policy.minimum), "max": quantity(policy.maximum), "step": quantity(policy.step)}
     return {"default": quantity(policy.default), "validRange": valid_range}
 

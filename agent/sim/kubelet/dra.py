@@ -459,6 +459,11 @@ class DraKubeletEmulator(DraPluginsMixin, DraPodsMixin):
         with self._cond:
             return self._health_streams.get(driver, 0)
 
+    def health_services(self, driver: str) -> list[str | None]:
+        """The health service streamed from each registered endpoint of the driver (None: no stream)."""
+        with self._cond:
+            return [plugin.health_service for plugin in self._plugins.get(driver, [])]
+
     @property
     def starts(self) -> int:
         """How many times the emulator started (1 + restarts)."""

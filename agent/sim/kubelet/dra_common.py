@@ -17,6 +17,7 @@ V1_SERVICE = "v1.DRAPlugin"
 V1BETA1_SERVICE = "v1beta1.DRAPlugin"
 V1ALPHA4_SERVICE = "v1alpha4.Node"  # drapbv1alpha4.NodeService (package v1alpha4, service Node): kubelets <= 1.33
 HEALTH_SERVICE = "v1alpha1.DRAResourceHealth"
+HEALTH_V1_SERVICE = "v1.DRAResourceHealth"  # 1.37+ (k/k #139477): the same messages in package v1
 
 DIAL_TIMEOUT = 10.0  # operation_generator.go dialTimeoutDuration
 GET_INFO_TIMEOUT = 1.0

@@ -21,7 +21,8 @@ whose state it uses.
   cancels it; from 1.33 ``wipe_delay`` seconds after it has no endpoint (1.33) or no connected endpoint (1.34+) —
   a timer cancelled when one registers (connects). Every wipe retries with the kubelet's backoff (1 s, x2, jitter
   0.2, cap 5 min, 100 steps) after reading the Node (absent: retried too).
-* Health (1.34+): per registered endpoint a ``v1alpha1.DRAResourceHealth/NodeWatchResources`` stream; each message
+* Health (1.34+): per registered endpoint a ``NodeWatchResources`` stream (``v1alpha1.DRAResourceHealth``; from 1.37
+  ``v1.DRAResourceHealth`` when the plugin advertises it, see ``dra_versions``); each message
   replaces the devices it names (receive time kept), a device older than its timeout reads Unknown, the end of a stream
   clears the driver's cache, and the stream is opened again ``health_retry_period`` (5 s) after it ended.
 """
@@ -47,6 +48,8 @@ from agent.api.dra.v1 import api_pb2 as dra_v1
 from agent.api.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from agent.api.dra.v1beta1 import api_pb2 as dra_v1beta1
 from agent.api.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
+from agent.api.drahealth.v1 import api_pb2 as health_v1_pb2
+from agent.api.drahealth.v1 import api_pb2_grpc as health_v1_grpc
 from agent.api.drahealth.v1alpha1 import api_pb2 as health_pb2
 from agent.api.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from agent.api.pluginregistration.v1 import api_pb2 as reg_pb2
@@ -67,6 +70,7 @@ from agent.sim.kubelet.dra_common import (
     API_TIMEOUT,
     DEFAULT_HEALTH_TIMEOUT,
     GET_INFO_TIMEOUT,
+    HEALTH_V1_SERVICE,
     HEALTHY,
     NOTIFY_TIMEOUT,
     PLUGIN_TYPE,
@@ -187,6 +191,7 @@ class _Plugin:
     channel: grpc.Channel
     kubelet: DraKubeletEmulator
     version: str = ""  # the semantic version a <= 1.32 kubelet registered it with
+    health_service: str | None = None  # the health service streamed from it (None: no stream)
     connected: bool = False
     closed: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
@@ -351,7 +356,7 @@ class DraPluginsMixin:
                 if self._stopping.is_set():
                     return False
                 self._asw[path] = (info.name, endpoint)  # AddPlugin before RegisterPlugin
-            failure = self._add_plugin(info.name, endpoint, service, version)
+            failure = self._add_plugin(info.name, endpoint, service, version, list(info.supported_versions))
             if failure and self._stopping.is_set():
                 return False  # the kubelet is going away: nobody is told anything
             if failure:
@@ -438,7 +443,14 @@ class DraPluginsMixin:
             self._registration_events.append(RegistrationEvent(kind, socket, at=time.monotonic(), **fields))
             self._changed()
 
-    def _add_plugin(self: DraKubeletEmulator, driver: str, endpoint: str, service: str, version: str = "") -> str:
+    def _add_plugin(
+        self: DraKubeletEmulator,
+        driver: str,
+        endpoint: str,
+        service: str,
+        version: str = "",
+        offered: list[str] | None = None,
+    ) -> str:
         """``DRAPluginManager.add``: refuse an endpoint registered already, else connect and start the health
         stream; "" on success. Up to 1.32 the driver's endpoint is replaced (``draPlugins.add``)."""
         replaced: list[_Plugin] = []
@@ -456,10 +468,16 @@ class DraPluginsMixin:
                         return f"endpoint {endpoint} already registered for {name} {driver}"
             channel = grpc.insecure_channel(f"unix:{endpoint}", options=CHANNEL_OPTIONS)
             plugin = _Plugin(
-                driver=driver, endpoint=endpoint, service=service, channel=channel, kubelet=self, version=version
+                driver=driver,
+                endpoint=endpoint,
+                service=service,
+                channel=channel,
+                kubelet=self,
+                version=version,
+                health_service=self.rules.health_service(offered or []) if self.health else None,
             )
             self._plugins.setdefault(driver, []).append(plugin)
-            if self.health:
+            if plugin.health_service is not None:
                 plugin.health_thread = threading.Thread(
                     target=self._health_loop, args=(plugin,), name=f"kubelet-dra-health-{driver}", daemon=True
                 )
@@ -665,11 +683,13 @@ class DraPluginsMixin:
 
     def _health_loop(self: DraKubeletEmulator, plugin: _Plugin) -> None:
         """``wait.UntilWithContext(streamCtx, ..., 5s)`` around NodeWatchResources + HandleWatchResourcesStream."""
-        stub = health_grpc.DRAResourceHealthStub(plugin.channel)
+        v1 = plugin.health_service == HEALTH_V1_SERVICE
+        stub = (health_v1_grpc if v1 else health_grpc).DRAResourceHealthStub(plugin.channel)
+        request = health_v1_pb2.NodeWatchResourcesRequest() if v1 else health_pb2.NodeWatchResourcesRequest()
         while not plugin.stop.is_set():
             error = "EOF"
             try:
-                call = stub.NodeWatchResources(health_pb2.NodeWatchResourcesRequest())
+                call = stub.NodeWatchResources(request)
                 with self._cond:
                     plugin.health_call = call
                     closed = plugin.closed
@@ -692,7 +712,11 @@ class DraPluginsMixin:
             if plugin.stop.wait(self.health_retry_period):
                 return
 
-    def _on_health(self: DraKubeletEmulator, plugin: _Plugin, message: health_pb2.NodeWatchResourcesResponse) -> None:
+    def _on_health(
+        self: DraKubeletEmulator,
+        plugin: _Plugin,
+        message: health_pb2.NodeWatchResourcesResponse | health_v1_pb2.NodeWatchResourcesResponse,
+    ) -> None:
         now = time.monotonic()
         with self._cond:
             if plugin.closed:

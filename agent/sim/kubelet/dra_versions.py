@@ -20,8 +20,10 @@ From 1.34 (``dra_plugin_manager.go``):
     knows wins; none: the plugin is refused ("none of services supported by the plugin ...").
   * Usable means connected (``monitoredPlugin.HandleConn``): calls prefer the newest connected endpoint, and the
     30 s wipe starts when the driver's last endpoint loses its connection and is cancelled when one connects.
-  * The health stream (``v1alpha1.DRAResourceHealth``), and PodResources ``dynamic_resources``
-    (``KubeletPodResourcesDynamicResources``, alpha and off before 1.34).
+  * The health stream (``v1alpha1.DRAResourceHealth``, opened whether or not the plugin advertised it), and
+    PodResources ``dynamic_resources`` (``KubeletPodResourcesDynamicResources``, alpha and off before 1.34).
+From 1.37 (``pickHealthService``): the stream is ``v1.DRAResourceHealth`` when the plugin advertises it, else
+``v1alpha1.DRAResourceHealth`` when advertised (through 1.39), else none at all.
 
 No release chooses the service again at call time: a plugin that registered a service it does not serve fails
 every call with ``Unimplemented``. The emulator sends the v1alpha4 calls with the v1beta1 messages (the same fields
@@ -41,7 +43,14 @@ import re
 from dataclasses import dataclass
 
 from agent.sim.kubelet.common import go_quote
-from agent.sim.kubelet.dra_common import V1_SERVICE, V1ALPHA4_SERVICE, V1BETA1_SERVICE, go_string_list
+from agent.sim.kubelet.dra_common import (
+    HEALTH_SERVICE,
+    HEALTH_V1_SERVICE,
+    V1_SERVICE,
+    V1ALPHA4_SERVICE,
+    V1BETA1_SERVICE,
+    go_string_list,
+)
 
 _KUBELET_VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.\d+)?")
 # apimachinery util/version: versionMatchRE; ParseGeneric wants at least two numeric components
@@ -85,6 +94,14 @@ class DraRules:
     @property
     def health_stream(self) -> bool:
         return self.minor >= 34
+
+    def health_service(self, offered: list[str] | tuple[str, ...]) -> str | None:
+        """The health service the kubelet streams from a plugin that offered ``offered``; None: no stream."""
+        if not self.health_stream:
+            return None
+        if self.minor <= 36:
+            return HEALTH_SERVICE  # opened for every plugin, advertised or not
+        return next((s for s in (HEALTH_V1_SERVICE, HEALTH_SERVICE) if s in offered), None)
 
     @property
     def pod_resources_dynamic(self) -> bool:

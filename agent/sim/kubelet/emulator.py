@@ -48,6 +48,7 @@ import grpc
 
 from agent.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.api.podresources.v1 import api_pb2_grpc as pr_grpc
+from agent.sim.kubelet.cgroups import ContainerFiles, StartedContainer
 from agent.sim.kubelet.common import (
     CHECKPOINT_FILE,
     HEALTHY,
@@ -104,10 +105,14 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
         checkpoint: bool = True,
         pod_resources_qps: float = 100.0,
         pod_resources_burst: int = 10,
+        cgroup_root: str | Path | None = None,
+        log_root: str | Path | None = None,
     ) -> None:
         """``call_timeout`` bounds GetDevicePluginOptions / GetPreferredAllocation / Allocate (the kubelet uses none).
         ``legacy_reregistration_race`` reproduces kubelet <= 1.36 (clients keyed by resource name: when a replaced
-        stream ends it disconnects the NEW registration); off, a stale stream's end only affects itself."""
+        stream ends it disconnects the NEW registration); off, a stale stream's end only affects itself.
+        ``cgroup_root`` / ``log_root``: where started containers get their cgroup directories and log links
+        (``agent.sim.kubelet.cgroups``); both or neither."""
         self.device_plugin_dir = Path(device_plugin_dir)
         self.kubelet_socket = self.device_plugin_dir / KUBELET_SOCKET
         self.checkpoint_path = self.device_plugin_dir / CHECKPOINT_FILE
@@ -146,6 +151,11 @@ class KubeletEmulator(RegistrationMixin, PodsMixin):
         self._admitting: Pod | None = None
         self._pending: dict[str, set[str]] = {}  # devices taken by the admission in progress, not yet cached
         self._reuse: dict[str, dict[str, list[str]]] = {}  # devicesToReuse, only for the pod being admitted
+        # containers started, with their cgroups and log links, when the emulator makes them
+        if (cgroup_root is None) != (log_root is None):
+            raise ValueError("cgroup_root and log_root go together: give both or neither")
+        self.container_files = ContainerFiles(Path(cgroup_root), Path(log_root)) if cgroup_root and log_root else None
+        self._started: dict[tuple[str, str, str], StartedContainer] = {}  # (namespace, pod, container) -> it
 
     # ------------------------------------------------------------------------------------------ lifecycle
 

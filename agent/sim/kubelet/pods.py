@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 import grpc
 
 from agent.api.deviceplugin.v1beta1 import api_pb2
+from agent.sim.kubelet.cgroups import StartedContainer
 from agent.sim.kubelet.common import (
     CONN_CLOSING,
     AdmissionError,
@@ -48,6 +49,11 @@ class PodsMixin:
             pod = self._pods.pop((namespace, name))
             self._write_checkpoint_locked()
             self._changed()
+        if self.container_files is not None:
+            with self._cond:
+                for key in [key for key in self._started if key[:2] == (namespace, name)]:
+                    del self._started[key]
+            self.container_files.remove_pod(namespace, name, pod.uid)
         log.info("Pod deleted, devices freed: pod=%s/%s uid=%s", namespace, name, pod.uid)
 
     def create_pod(
@@ -336,5 +342,13 @@ class PodsMixin:
                 raise ContainerStartError(prefix + CONN_CLOSING) from None
         with self._cond:
             responses = [a.response for a in record.allocation(container).values()]
+            if self.container_files is not None and (namespace, pod, container) not in self._started:
+                started = self.container_files.start(namespace, pod, record.uid, container)
+                self._started[(namespace, pod, container)] = started
         log.info("Container started: pod=%s/%s container=%s", namespace, pod, container)
         return merge_run_options(responses, log)
+
+    def started_container(self, pod: str, container: str, namespace: str = "default") -> StartedContainer:
+        """The started container's ID, cgroup and /proc line (the emulator was given a cgroup and a log root)."""
+        with self._cond:
+            return self._started[(namespace, pod, container)]

@@ -29,8 +29,19 @@ over a real unix socket between real processes:
 
 MPS servers are records, not processes: ``start_server -uid <uid>`` gives a server a PID that no live process uses,
 and ``get_server_list``/``ps``/the per-server commands report it. One server per UID (``start_server`` for a UID that
-has one is a no-op); servers of different UIDs coexist (the real Legacy daemon would queue the second UID). Servers
-have no clients and nothing is written to server.log. Defaults set with ``set_default_*`` are copied into servers
+has one is a no-op); servers of different UIDs coexist (the real Legacy daemon would queue the second UID). Nothing
+is written to server.log.
+
+Clients are real processes: ``agent.sim.mps.client`` stands in for a CUDA application. It connects with its own
+``CUDA_MPS_PIPE_DIRECTORY``, PID, UID and device, and with whatever ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` and
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` it has; the daemon gives it its UID's server (starting one that copies the
+defaults, as the real control daemon does when a client arrives) and holds it to the **server's** limits, lowered by
+the client's own variables but never raised by them (facts mig-mps.md (d)): a pinned-memory limit per device,
+looked up by the device's UUID or its ordinal among the daemon's ``CUDA_VISIBLE_DEVICES``, and the active thread
+percentage. The limits are fixed when the client connects (a client keeps the limits it started with). Each
+allocation the client asks for succeeds only while its total stays within its memory limit; beyond it the answer is
+CUDA's out-of-memory error. A connected client is in its server's ``get_client_list``; it leaves when it
+disconnects. Defaults set with ``set_default_*`` are copied into servers
 started later; existing servers keep their values; everything is lost on ``quit``, after which the client stops
 reading stdin. SIGHUP is ignored. ``sm_partition``/``lspart``/``device_query`` (CUDA 13.1+) are unrecognized, as
 the emulated binary version is 13000.
@@ -58,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import select
@@ -92,6 +104,10 @@ UI_IDLE_TIMEOUT = 600.0
 START_TIMEOUT = 10.0
 QUIT_REPLY_TIMEOUT = 5.0
 HELLO = b"UI\n"
+CLIENT_HELLO = b"CLIENT\n"  # an emulated CUDA application (agent.sim.mps.client), private to the emulator
+OUT_OF_MEMORY = "cudaErrorMemoryAllocation: out of memory"
+_ALLOC_RE = re.compile(r"ALLOC ([1-9][0-9]{0,9})")
+_SIZE_RE = re.compile(r"([1-9][0-9]{0,11})(G|M|GB|MB)")
 
 NO_DAEMON = "Cannot find MPS control daemon process"
 ALREADY_RUNNING = "An instance of this daemon is already running"
@@ -154,6 +170,44 @@ class Server:
     pinned_mem_limits: dict[str, str]
     client_priority: int
     clients: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Client:
+    """A connected client: its server and what it is held to (memory in MiB, None: unlimited)."""
+
+    pid: int
+    server: Server
+    device: str
+    pinned_limit_mib: int | None
+    active_thread_percentage: float
+    allocated_mib: int = 0
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "server": self.server.pid,
+            "pinned_limit_mib": self.pinned_limit_mib,
+            "active_thread_percentage": self.active_thread_percentage,
+        }
+
+
+def _mib(value: str) -> int | None:
+    """A limit value (``10G``, ``512M``, ``512MB``) in MiB; None when it is not one."""
+    match = _SIZE_RE.fullmatch(value.strip())
+    if match is None:
+        return None
+    return int(match.group(1)) * (1024 if match.group(2).startswith("G") else 1)
+
+
+def _client_limits(text: str | None) -> dict[str, int]:
+    """A client's ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (``0=1G,GPU-...=512MB``): device string -> MiB."""
+    limits: dict[str, int] = {}
+    for entry in (text or "").split(",")[:MAX_LIMIT_KEYS]:
+        dev, _, value = entry.partition("=")
+        mib = _mib(value)
+        if _DEV_RE.fullmatch(dev.strip()) and mib is not None:
+            limits[dev.strip()] = mib
+    return limits
 
 
 @dataclass
@@ -228,6 +282,54 @@ class ControlState:
             return handler(self, args)
         except CommandError as error:
             return Reply(str(error))
+
+    # -- clients (agent.sim.mps.client)
+    def _device_keys(self, device: str) -> list[str]:
+        """The strings a limit may name ``device`` by: itself, and its UUID or ordinal among the visible devices."""
+        visible = [d.strip() for d in (self.visible_devices or "").split(",") if d.strip()]
+        keys = [device]
+        if device in visible:
+            keys.append(str(visible.index(device)))
+        elif device.isdigit() and int(device) < len(visible):
+            keys.append(visible[int(device)])
+        return keys
+
+    def connect_client(
+        self, pid: int, uid: int, device: str, env_limits: str | None, env_threads: str | None
+    ) -> tuple[Client, list[tuple[int, str]]]:
+        """A client arrives: its UID's server (started with the defaults if it has none) and its limits."""
+        log: list[tuple[int, str]] = []
+        server = next((s for s in self.servers.values() if s.uid == uid), None)
+        ident = sum(len(s.clients) for s in self.servers.values())
+        if server is None:
+            log.append((self.daemon_pid, f"NEW CLIENT {ident} from user {uid}: Server is not ready, push client to "
+                        "pending list"))  # fmt: skip
+            started = self.start_server(["-uid", str(uid)])
+            log += started.log
+            server = next(s for s in self.servers.values() if s.uid == uid)
+        else:
+            log.append((self.daemon_pid, f"NEW CLIENT {ident} from user {uid}: Server already exists"))
+        keys = self._device_keys(device)
+        held = [m for m in (_mib(server.pinned_mem_limits.get(k, "")) for k in keys) if m is not None]
+        own = _client_limits(env_limits)
+        held += [own[k] for k in keys if k in own]  # the client's own can only lower the server's
+        threads = server.active_thread_percentage
+        with contextlib.suppress(CommandError):  # a malformed variable is ignored, as CUDA ignores it
+            threads = min(threads, _pct(env_threads)) if env_threads else threads
+        client = Client(pid, server, device, min(held) if held else None, threads)
+        server.clients.append(pid)
+        return client, log
+
+    def allocate(self, client: Client, mib: int) -> str:
+        """``OK`` when the client may pin ``mib`` more MiB on its device, else CUDA's out-of-memory error."""
+        if client.pinned_limit_mib is not None and client.allocated_mib + mib > client.pinned_limit_mib:
+            return OUT_OF_MEMORY
+        client.allocated_mib += mib
+        return "OK"
+
+    def disconnect_client(self, client: Client) -> None:
+        if client.pid in client.server.clients:
+            client.server.clients.remove(client.pid)
 
     def get_server_list(self, args: list[str]) -> Reply:
         return Reply("\n".join(str(pid) for pid in self.servers))
@@ -637,7 +739,11 @@ class ControlDaemon:
         try:
             self.log("Accepting connection...")
             with conn, conn.makefile("rb") as stream:
-                if stream.readline(len(HELLO)) != HELLO:
+                hello = stream.readline(len(CLIENT_HELLO))
+                if hello == CLIENT_HELLO:
+                    self._serve_client(conn, stream)
+                    return
+                if hello != HELLO:
                     return
                 self.log("NEW UI")
                 try:
@@ -692,6 +798,40 @@ class ControlDaemon:
                 with contextlib.suppress(OSError):
                     self._wake_w.send(b"q")
             return
+
+    def _serve_client(self, conn: socket.socket, stream: BinaryIO) -> None:
+        """An emulated CUDA application: one JSON line (pid, uid, device, its CUDA_MPS_* variables), then one
+        ``ALLOC <MiB>`` per line; each answered with a framed reply. It leaves its server when it disconnects."""
+        raw = stream.readline(MAX_COMMAND_BYTES + 1)
+        try:
+            hello = json.loads(raw)
+            pid, uid, device = int(hello["pid"]), int(hello["uid"]), _dev(str(hello["device"]))
+            env_limits, env_threads = hello.get("pinned"), hello.get("threads")
+        except (ValueError, KeyError, TypeError, CommandError):
+            self._send(conn, "ERR malformed client hello")
+            return
+        with self._state_lock:
+            if self._stopping.is_set():
+                return
+            client, log = self.state.connect_client(pid, uid, device, env_limits, env_threads)
+            for where, message in log:
+                self.log(message, pid=where)
+        try:
+            self._send(conn, json.dumps(client.describe()))
+            while not self._stopping.is_set():
+                line = stream.readline(64)
+                if not line:
+                    return
+                match = _ALLOC_RE.fullmatch(line.decode("ascii", "replace").strip())
+                if match is None:
+                    self._send(conn, "ERR expected ALLOC <MiB>")
+                    continue
+                with self._state_lock:
+                    answer = self.state.allocate(client, int(match.group(1)))
+                self._send(conn, answer)
+        finally:
+            with self._state_lock:
+                self.state.disconnect_client(client)
 
     def _reply(self, conn: socket.socket, text: str) -> None:
         for line in text.splitlines():

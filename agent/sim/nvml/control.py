@@ -57,21 +57,12 @@ def _node_operations(driver: SimDriver) -> _Operations:
         "recover_gpu": (lambda gpu: driver.recover_gpu(gpu), {"gpu": int}),
         "reset_gpu": (lambda gpu: driver.reset_gpu(gpu), {"gpu": int}),
         "add_process": (
-            lambda gpu, pid, used_mib, mig_uuid=None, kind="compute", sm=0, memory=0, encoder=0, decoder=0: (
-                driver.add_process(
-                    gpu,
-                    pid,
-                    used_mib,
-                    mig_uuid=mig_uuid,
-                    kind=kind,
-                    sm=sm,
-                    memory=memory,
-                    encoder=encoder,
-                    decoder=decoder,
-                )
-            ),
-            {"gpu": int, "pid": int, "used_mib": int, "mig_uuid": str, "kind": str, **_LOAD},
+            lambda gpu, pid, used_mib, **options: driver.add_process(gpu, pid, used_mib, **options),
+            {"gpu": int, "pid": int, "used_mib": int, "mig_uuid": str, "kind": str, **_LOAD, "cgroup": str},
         ),
+        "allocate": (driver.allocate, {"pid": int, "mib": int}),
+        "set_caller_root": (driver.set_caller_root, {"root": bool}),
+        "memory_limits": (lambda: _memory_limits(driver), {}),
         "remove_process": (driver.remove_process, {"pid": int}),
         "set_process_utilization": (
             lambda pid, sm, memory=0, encoder=0, decoder=0: driver.set_process_utilization(
@@ -152,6 +143,14 @@ def _mig_devices(driver: SimDriver) -> list[dict[str, Any]]:
             for gpu in driver.gpus
             for gi, ci in gpu.mig_devices()
         ]  # fmt: skip
+
+
+def _memory_limits(driver: SimDriver) -> list[dict[str, Any]]:
+    """Read-only: every per-cgroup memory limit set, with its GPU's UUID, in bytes."""
+    return [
+        {"gpu": index, "uuid": driver.gpus[index].uuid, "cgroup": cgroup, "soft": limit.soft, "hard": limit.hard}
+        for (index, cgroup), limit in sorted(driver.memory_limit_table().items())
+    ]
 
 
 def _compute_mode(driver: SimDriver, uuid: str) -> int:

@@ -14,6 +14,7 @@ of the agent blocks exactly as it would in ``nvmlEventSetWait``.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import threading
 import time
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 from agent.sim.nvml.codes import (
     ARCH_AMPERE,
@@ -75,6 +77,9 @@ MPS_LIST_KINDS = frozenset({"mps_client"})  # nvmlDeviceGetMPSComputeRunningProc
 _INIT_SYMBOLS = frozenset({"nvmlInit", "nvmlInit_v2", "nvmlInitWithFlags"})
 _NEVER_FAULTED = frozenset({"nvmlShutdown", "nvmlErrorString"})
 _UINT32_MAX = 0xFFFFFFFF
+_MIB = 1 << 20
+MEMORY_LIMITS_MIN_DRIVER = 615  # nvmlDeviceSet/GetMemoryLimits_v1 came with driver r615 (CUDA 13.4)
+MEMORY_LIMIT_MAX = 0xFFFFFFFFFFFFFFFF  # NVML_DEVICE_MEMORY_LIMIT_MAX: no limit
 
 
 class NvmlFault(Exception):
@@ -83,6 +88,19 @@ class NvmlFault(Exception):
     def __init__(self, code: Return, detail: str = "") -> None:
         super().__init__(f"{code.name}: {detail}" if detail else code.name)
         self.code = code
+
+
+class OutOfMemory(Exception):
+    """A simulated process's allocation the driver refused (``CUDA_ERROR_OUT_OF_MEMORY`` in the process)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLimit:
+    """What ``nvmlDeviceSetMemoryLimits_v1`` set on one cgroup for one GPU (bytes)."""
+
+    soft: int
+    hard: int
+    set_at: float = field(default=0.0, compare=False)  # time.monotonic() of the call that set it
 
 
 @dataclass(eq=False)
@@ -116,6 +134,7 @@ class SimProcess:
     started: float = field(default_factory=time.time)  # wall clock, as NVML's sample timestamps
     loads: list[tuple[float, Load]] = field(default_factory=list)  # (since, load), oldest first; none: idle
     ended: float | None = None  # set when it exits; its samples stay in the driver's buffer a while
+    cgroup: str | None = None  # its cgroup (v2) directory, as a full path; None: not in any container
 
     def load_at(self, when: float) -> Load:
         current = _IDLE
@@ -310,6 +329,9 @@ class SimDriver:
         self._exit_after_listing: dict[int, Callable[[], None] | None] = {}
         self.init_count = 0
         self.random_faults = 0  # calls failed by set_fault_rate so far
+        self.caller_is_root = True  # set_caller_root(False): privileged calls fail with NO_PERMISSION
+        self._memory_limits: dict[tuple[int, str], MemoryLimit] = {}  # (GPU index, cgroup directory) -> limit
+        self.memory_limit_sets = 0  # successful nvmlDeviceSetMemoryLimits_v1 calls so far
 
     @property
     def faults_armed(self) -> bool:
@@ -730,6 +752,124 @@ class SimDriver:
                 return gpu.processes[pid]
         raise ValueError(f"no process {pid} runs on any GPU")
 
+    # ----- per-cgroup memory limits (driver r615+, facts memory-limits) -----------------------------
+
+    @property
+    def has_memory_limits(self) -> bool:
+        """Whether this driver has ``nvmlDeviceSet/GetMemoryLimits_v1`` (r615 and newer)."""
+        return self._driver_major() >= MEMORY_LIMITS_MIN_DRIVER
+
+    def set_memory_limits(
+        self, index: int, mig: tuple[SimGpuInstance, SimComputeInstance] | None, namespace: str, soft: int, hard: int
+    ) -> None:
+        """``nvmlDeviceSetMemoryLimits_v1``: root only, never with MIG (a MIG device, or a GPU in MIG mode: MPS v3
+        memory partitioning needs "a non-MIG device"), on a cgroup directory that exists.
+
+        A cgroup that does not exist is NOT_FOUND, as NVIDIA's MPS v3 page says of a cgroup without the dmem
+        files ("returns not found"); a limit above the GPU's memory or a soft limit above the hard one is
+        INVALID_ARGUMENT. soft 0 with hard MAX clears the limits.
+        """
+        with self.lock:
+            gpu = self.gpu(index)
+            if mig is not None or gpu.mig_current:
+                raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "memory limits are not supported with MIG")
+            if not self.caller_is_root:
+                raise NvmlFault(Return.ERROR_NO_PERMISSION, "setting memory limits needs root")
+            directory = self._cgroup(namespace)
+            total = gpu.model.memory_mib * _MIB
+            if hard != MEMORY_LIMIT_MAX and hard > total:
+                raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"hard limit {hard} is above the GPU's {total} bytes")
+            if soft > total or (hard != MEMORY_LIMIT_MAX and soft > hard):
+                raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, f"soft limit {soft} is above the hard limit or memory")
+            if soft == 0 and hard == MEMORY_LIMIT_MAX:
+                self._memory_limits.pop((index, directory), None)
+            else:
+                self._memory_limits[(index, directory)] = MemoryLimit(soft, hard, time.monotonic())
+            self.memory_limit_sets += 1
+
+    def memory_limits(
+        self, index: int, mig: tuple[SimGpuInstance, SimComputeInstance] | None, namespace: str
+    ) -> tuple[int, int, int]:
+        """``nvmlDeviceGetMemoryLimits_v1``: (soft, hard, current used) in bytes; any caller may read.
+
+        No limit reads soft 0, hard MAX. ``currentUsed`` is what the processes in the cgroup and below use on
+        the GPU."""
+        with self.lock:
+            gpu = self.gpu(index)
+            if mig is not None:
+                raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "memory limits are not supported on MIG device handles")
+            directory = self._cgroup(namespace)
+            limit = self._memory_limits.get((index, directory), MemoryLimit(0, MEMORY_LIMIT_MAX))
+            used = sum(p.used_mib for p in gpu.processes.values() if _within(p.cgroup, directory)) * _MIB
+            return limit.soft, limit.hard, used
+
+    def _cgroup(self, namespace: str) -> str:
+        """The cgroup directory ``namespace`` names; NOT_FOUND when there is none (its limits went with it)."""
+        if not namespace:
+            raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, "no cgroup path")
+        directory = os.path.normpath(namespace)
+        if not Path(directory).is_dir():
+            self._forget_removed_cgroups()
+            raise NvmlFault(Return.ERROR_NOT_FOUND, f"no cgroup {namespace}")
+        return directory
+
+    def _forget_removed_cgroups(self) -> None:
+        """Removing a cgroup clears its limits (NVML's documentation of nvmlSetMemoryLimits_v1_t)."""
+        for key in [key for key in self._memory_limits if not Path(key[1]).is_dir()]:
+            del self._memory_limits[key]
+
+    def _hard_limit_room(self, gpu: SimGpu, cgroup: str | None, exclude_pid: int | None = None) -> int | None:
+        """MiB a process in ``cgroup`` may still allocate on the GPU under the nearest limited cgroup at or above
+        its own (the misc backend's rule: limits do not nest); None when no hard limit applies."""
+        if cgroup is None:
+            return None
+        self._forget_removed_cgroups()
+        directory = os.path.normpath(cgroup)
+        while True:
+            limit = self._memory_limits.get((gpu.index, directory))
+            if limit is not None and limit.hard != MEMORY_LIMIT_MAX:
+                used = sum(
+                    p.used_mib for p in gpu.processes.values() if p.pid != exclude_pid and _within(p.cgroup, directory)
+                )
+                return limit.hard // _MIB - used
+            parent = str(Path(directory).parent)
+            if parent == directory:
+                return None
+            directory = parent
+
+    def set_caller_root(self, root: bool) -> None:
+        """Whether the agent calls NVML as root: not root, the privileged calls fail with NO_PERMISSION."""
+        with self.lock:
+            self.caller_is_root = bool(root)
+
+    def memory_limit_table(self) -> dict[tuple[int, str], MemoryLimit]:
+        """Read-only: every limit set, by (GPU index, cgroup directory)."""
+        with self.lock:
+            self._forget_removed_cgroups()
+            return dict(self._memory_limits)
+
+    def allocate(self, pid: int, mib: int) -> None:
+        """The process allocates ``mib`` more of its GPU's memory; OutOfMemory (nothing allocated) when that would
+        take its cgroup above its hard limit or the GPU above its memory."""
+        if mib < 0:
+            raise ValueError(f"an allocation of {mib} MiB")
+        with self.lock:
+            process = self._running(pid)
+            gpu = next(g for g in self.gpus if g.processes.get(pid) is process)
+            self._check_room(gpu, process.cgroup, process.used_mib + mib, pid)
+            process.used_mib += mib
+
+    def _check_room(self, gpu: SimGpu, cgroup: str | None, wanted_mib: int, pid: int) -> None:
+        room = self._hard_limit_room(gpu, cgroup, exclude_pid=pid)
+        if room is not None and wanted_mib > room:
+            raise OutOfMemory(
+                f"CUDA_ERROR_OUT_OF_MEMORY: process {pid} in {cgroup} asked for {wanted_mib} MiB on GPU {gpu.index}; "
+                f"its cgroup's hard limit leaves {max(room, 0)} MiB"
+            )
+        free = gpu.model.memory_mib - sum(p.used_mib for p in gpu.processes.values() if p.pid != pid)
+        if cgroup is not None and wanted_mib > free:
+            raise OutOfMemory(f"CUDA_ERROR_OUT_OF_MEMORY: GPU {gpu.index} has {free} MiB free, not {wanted_mib}")
+
     # ----- memory health (facts gpu-health §2.1, §2.2) ------------------------------------------------
 
     def field_value(self, index: int, field_id: int) -> tuple[int, int]:
@@ -901,9 +1041,13 @@ class SimDriver:
         memory: int = 0,
         encoder: int = 0,
         decoder: int = 0,
+        cgroup: str | None = None,
     ) -> None:
         """A process starts on a GPU or MIG device: a CUDA process, an MPS server, or an MPS client, keeping
-        the GPU's engines as busy as ``sm``, ``memory``, ``encoder`` and ``decoder`` say (percent)."""
+        the GPU's engines as busy as ``sm``, ``memory``, ``encoder`` and ``decoder`` say (percent).
+
+        ``cgroup``: the container's cgroup directory (full path). Its first ``used_mib`` is an allocation like
+        any other: above the cgroup's hard limit it fails with OutOfMemory and the process does not start."""
         if kind not in PROCESS_KINDS:
             raise ValueError(f"process kind {kind!r} is not one of {', '.join(PROCESS_KINDS)}")
         _check_load((sm, memory, encoder, decoder))
@@ -917,7 +1061,9 @@ class SimDriver:
                 gi_id, ci_id = gi.id, ci.id
             elif gpu.mig_current:
                 raise ValueError(f"GPU {index} is in MIG mode: a process runs on one of its MIG devices")
-            process = SimProcess(pid, used_mib, gi_id, ci_id, kind)
+            if cgroup is not None and mig_uuid is None:
+                self._check_room(gpu, cgroup, used_mib, pid)
+            process = SimProcess(pid, used_mib, gi_id, ci_id, kind, cgroup=cgroup)
             if any((sm, memory, encoder, decoder)):
                 process.loads.append((process.started, (sm, memory, encoder, decoder)))
             gpu.processes[pid] = process
@@ -1109,6 +1255,14 @@ class SimDriver:
 
 
 # ----- memory health --------------------------------------------------------------------------------
+
+
+def _within(cgroup: str | None, directory: str) -> bool:
+    """Whether ``cgroup`` is ``directory`` or below it."""
+    if cgroup is None:
+        return False
+    path = os.path.normpath(cgroup)
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def _check_load(load: Load) -> None:

@@ -71,6 +71,8 @@ class GpuModel:
     sm_count: int
     nvlink_links: int
     brand: int = _BRAND_IDS["NVIDIA"]  # what nvmlDeviceGetBrand answers (nvmlBrandType_t)
+    # what nvmlDeviceGetAddressingMode answers (NVML_DEVICE_ADDRESSING_MODE_*); None: NOT_SUPPORTED
+    addressing_mode: int | None = None
     memory_slices: int = 0
     compute_slices: int = 0
     gi_profiles: tuple[GiProfile, ...] = ()
@@ -107,6 +109,18 @@ def _brand(raw: dict[str, Any]) -> int:
     if name not in _BRAND_IDS:
         raise ValueError(f"models.yaml: unknown brand {name!r}; use one of {', '.join(_BRAND_IDS)}")
     return _BRAND_IDS[name]
+
+
+_ADDRESSING_MODES = {"NONE": 0, "HMM": 1, "ATS": 2}  # NVML_DEVICE_ADDRESSING_MODE_*
+
+
+def _addressing_mode(raw: dict[str, Any]) -> int | None:
+    name = raw.get("addressing_mode")
+    if name is None:
+        return None
+    if name not in _ADDRESSING_MODES:
+        raise ValueError(f"models.yaml: unknown addressing_mode {name!r}; use one of {', '.join(_ADDRESSING_MODES)}")
+    return _ADDRESSING_MODES[name]
 
 
 def _ci_placements(ci: dict[str, Any], gi_slices: int) -> tuple[tuple[int, int], ...]:
@@ -180,6 +194,7 @@ def hardware_table() -> dict[str, GpuModel]:
             sm_count=raw.get("sm_count") or more["sm_count"],
             nvlink_links=more["nvlink_links"],
             brand=_brand(more),
+            addressing_mode=_addressing_mode(more),
             memory_slices=raw["memory_slices"],
             compute_slices=raw["compute_slices"],
             gi_profiles=profiles,
@@ -196,6 +211,7 @@ def hardware_table() -> dict[str, GpuModel]:
             sm_count=raw["sm_count"],
             nvlink_links=raw["nvlink_links"],
             brand=_brand(raw),
+            addressing_mode=_addressing_mode(raw),
         )
     return table
 

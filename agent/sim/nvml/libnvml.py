@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from agent.sim.nvml.codes import (
+    ADDRESSING_MODE_V1,
     COMPUTE_INSTANCE_PROFILE_INFO_V2,
     ERROR_STRINGS,
     GPU_INSTANCE_PROFILE_INFO_V2,
@@ -49,6 +50,7 @@ _Impl = Callable[..., Any]
 _EXPORTS: dict[str, _Impl] = {}
 _CALLABLE_BEFORE_INIT = {"nvmlInitWithFlags", "nvmlInit_v2", "nvmlErrorString"}
 _RETURNS_VALUE = {"nvmlErrorString"}  # returns a char*, not an nvmlReturn_t
+_MEMORY_LIMIT_SYMBOLS = frozenset({"nvmlDeviceSetMemoryLimits_v1", "nvmlDeviceGetMemoryLimits_v1"})
 
 
 def _export(*symbols: str) -> Callable[[_Impl], _Impl]:
@@ -138,6 +140,8 @@ class SimulatedNvmlLibrary:
         self.driver = driver
         self._handles = _HandleTable()
         for symbol, impl in _EXPORTS.items():
+            if symbol in _MEMORY_LIMIT_SYMBOLS and not driver.has_memory_limits:
+                continue  # an older driver has no such symbol: pynvml says FUNCTION_NOT_FOUND
             setattr(self, symbol, self._c_function(symbol, impl))
 
     def _c_function(self, symbol: str, impl: _Impl) -> Callable[..., Any]:
@@ -370,6 +374,16 @@ def _numa_node(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
     _set(out, lib.driver.gpus[lib.gpu_index(handle)].numa_node)
 
 
+@_export("nvmlDeviceGetAddressingMode")
+def _addressing_mode(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
+    mode = lib.driver.gpus[lib.gpu_index(handle)].model.addressing_mode
+    if mode is None:
+        raise NvmlFault(Return.ERROR_NOT_SUPPORTED, "no addressing mode on this GPU")
+    target = _target(out)
+    _check_version(target, ADDRESSING_MODE_V1)
+    target.value = mode
+
+
 # ----- memory, utilization, processes, compute mode --------------------------------------------------
 
 
@@ -394,6 +408,30 @@ def _memory_info_v2(lib: SimulatedNvmlLibrary, handle: Any, out: Any) -> None:
     _check_version(info, MEMORY_V2)
     total, used = _memory(lib, handle)
     info.total, info.used, info.reserved, info.free = total, used, 0, total - used
+
+
+@_export("nvmlDeviceSetMemoryLimits_v1")
+def _set_memory_limits(lib: SimulatedNvmlLibrary, handle: Any, limits: Any) -> None:
+    """``nvmlDeviceSetMemoryLimits_v1(device, nvmlSetMemoryLimits_v1_t*)``: nameSpace, softLimit, hardLimit in."""
+    index, mig = lib.device(handle)
+    request = _struct_in(limits)
+    lib.driver.set_memory_limits(index, mig, _namespace(request), request.softLimit, request.hardLimit)
+
+
+@_export("nvmlDeviceGetMemoryLimits_v1")
+def _get_memory_limits(lib: SimulatedNvmlLibrary, handle: Any, limits: Any) -> None:
+    """``nvmlDeviceGetMemoryLimits_v1(device, nvmlGetMemoryLimits_v1_t*)``: nameSpace in; softLimit, hardLimit and
+    currentUsed out."""
+    index, mig = lib.device(handle)
+    answer = _target(limits)
+    answer.softLimit, answer.hardLimit, answer.currentUsed = lib.driver.memory_limits(index, mig, _namespace(answer))
+
+
+def _namespace(struct: Any) -> str:
+    raw = struct.nameSpace
+    if not raw:
+        raise NvmlFault(Return.ERROR_INVALID_ARGUMENT, "NULL nameSpace")
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
 
 
 @_export("nvmlDeviceGetUtilizationRates")

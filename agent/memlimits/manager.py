@@ -1,0 +1,330 @@
+"""The memory-limits room: holds each container given sized devices to its size through the driver, on its worker.
+
+On every ``ContainersChanged`` (a container started or went, the watcher's safety re-check, the start) and every
+new plan the loop publishes (``plan_published``: a config resized a replica, so running containers get the new
+size at once, not at the next re-check) the worker looks at the node again: the plan's sizes
+(``agent.core.memlimits``), who holds which device (the kubelet's PodResources), which cgroup each holder has
+(``containers``). For each container and GPU it reads the limits back
+from the driver; where they are not the wanted ones it sets them, inside the ledger's critical section, and reads
+them again. So a container is limited when it starts, a limit changed behind the agent's back is restored at the
+next look, and after an agent restart limits already in place are found and kept (read, not set again).
+
+Where the driver cannot (an older driver, no root, a MIG device) the fallback is said once in the log and kept in
+``report()`` for the status, per container and GPU; when that picture changes the worker posts ``LimitsChanged``
+so the loop publishes it (``tessera status``, the Node Event of a fallback). The worker owns all of this state; the
+loop and metrics read only the immutable ``snapshot``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from agent.core.memlimits import (
+    NO_LIMIT,
+    ContainerRef,
+    Enforcement,
+    SizedDevice,
+    Wanted,
+    claim_sizes,
+    enforcement,
+    holds,
+    sized_devices,
+    wanted_limits,
+)
+from agent.core.resources import ResourcePlan
+from agent.gpu.memory_limits import MemoryLimitError, read_memory_limits, set_memory_limits
+from agent.gpu.nvml import nvml_session
+from agent.memlimits.containers import ContainerCgroups
+from agent.memlimits.settings import MemoryLimitSettings
+from agent.memlimits.watch import ContainerLogWatcher, ContainersChanged, LimitsChanged
+from agent.news import NOTHING, STATUS, News
+
+if TYPE_CHECKING:
+    from agent.core.dra.checkpoint import Checkpoint
+    from agent.core.inventory import Inventory
+    from agent.plugin.podresources import PodAllocations
+
+log = logging.getLogger(__name__)
+
+RETRY_SECONDS = (0.2, 30.0)  # backoff of a look that failed (NVML or the kubelet did not answer)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldLimit:
+    """One container on one GPU: what it is held to, how, and where (its cgroups; none until it started)."""
+
+    container: ContainerRef
+    gpu_uuid: str
+    gpu_index: int
+    request: int  # bytes
+    limit: int  # bytes
+    enforcement: Enforcement
+    reason: str
+    cgroups: tuple[str, ...] = ()
+    applied: bool = False  # the driver read back the wanted limits on every cgroup
+    devices: tuple[str, ...] = ()
+    claim: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "namespace": self.container.namespace,
+            "pod": self.container.pod,
+            "container": self.container.container,
+            "claim": self.claim,
+            "gpu": self.gpu_uuid,
+            "gpu_index": self.gpu_index,
+            "request_bytes": self.request,
+            "limit_bytes": self.limit,
+            "enforcement": str(self.enforcement),
+            "reason": self.reason,
+            "applied": self.applied,
+            "cgroups": list(self.cgroups),
+            "devices": list(self.devices),
+        }
+
+
+class MemoryLimits:
+    def __init__(
+        self,
+        settings: MemoryLimitSettings,
+        *,
+        plan: Callable[[], ResourcePlan | None],
+        holders: Callable[[], PodAllocations],
+        section: Callable[[], contextlib.AbstractContextManager[None]],
+        post: Callable[[object], None],
+        claims: Callable[[], Checkpoint | None] = lambda: None,
+        inventory: Callable[[], Inventory | None] = lambda: None,
+    ) -> None:
+        """``plan``: the plan in force; ``holders``: one PodResources List (devices and DRA claims' containers);
+        ``section``: the ledger's critical section; ``post``: the reconcile loop's queue; ``claims``: the DRA front
+        end's checkpoint (its prepared shares); ``inventory``: the node's GPUs (a claim device's GPU)."""
+        self.settings = settings
+        self._plan = plan
+        self._holders = holders
+        self._claims = claims
+        self._inventory = inventory
+        self._section = section
+        self._containers = ContainerCgroups(settings.container_logs, settings.cgroup_root)
+        self._watcher = ContainerLogWatcher(settings.container_logs, post, safety_interval=settings.recheck_seconds)
+        self._dirty = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-limits", daemon=True)
+        self._snapshot: tuple[HeldLimit, ...] = ()
+        self._post = post
+        self._published: ResourcePlan | None = None  # the plan of the last look the loop asked for
+        self._set: dict[tuple[str, str], tuple[int, int]] = {}  # (GPU UUID, cgroup) -> what this agent set there
+        self._refusals: dict[str, str] = {}  # GPU UUID (or "*": every GPU) -> why the driver cannot limit there
+        self._said: set[tuple[str, str]] = set()
+        self._failures = 0
+        self._recheck = False
+        self.applied_total = 0  # limits set (new or repaired)
+        self.repaired_total = 0  # limits found changed behind the agent's back and set again
+
+    # ----- the loop's side ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+        self._watcher.start()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        self._stopping.set()
+        self._dirty.set()
+        self._watcher.stop(timeout=5.0 if timeout is None else timeout)
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+
+    def on_event(self, event: object, now: float) -> News:
+        """``ContainersChanged``: the worker looks again (looks asked for meanwhile are one look)."""
+        if isinstance(event, ContainersChanged):
+            if event.reason == "re-check":
+                self._recheck = True  # a refusal that may pass (NO_PERMISSION) is tried again
+            self._dirty.set()
+        if isinstance(event, LimitsChanged):
+            return STATUS
+        return NOTHING
+
+    def plan_published(self, plan: ResourcePlan | None) -> None:
+        """The loop published ``plan``: a new one (a config applied, the node read again) may size replicas anew,
+        so the worker looks now and running containers are held to the new sizes at once."""
+        if plan is not self._published:
+            self._published = plan
+            self._dirty.set()
+
+    def snapshot(self) -> tuple[HeldLimit, ...]:
+        return self._snapshot
+
+    def report(self) -> dict[str, Any]:
+        """For the status: each container's limits and how they are enforced."""
+        return {"containers": [held.to_json() for held in self._snapshot]}
+
+    # ----- the worker --------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            delay = None if not self._failures else min(RETRY_SECONDS[1], RETRY_SECONDS[0] * 2**self._failures)
+            self._dirty.wait(delay)
+            if self._stopping.is_set():
+                return
+            self._dirty.clear()
+            if self._recheck:
+                self._recheck = False
+                self._refusals = {k: v for k, v in self._refusals.items() if k == "*"}
+            try:
+                retry = self._look()
+            except Exception as error:  # a bug here must not end the worker: logged once, retried with backoff
+                said = ("error", f"{type(error).__name__}: {error}")
+                if said not in self._said:
+                    self._said.add(said)
+                    log.exception("memory limits: look failed; retrying")
+                retry = True
+            self._failures = min(self._failures + 1, 16) if retry else 0
+
+    def _look(self) -> bool:
+        """Look at the node and hold every container to its size; True when something must be tried again."""
+        plan = self._plan()
+        sizes: dict[Hashable, SizedDevice] = dict(sized_devices(plan)) if plan is not None else {}
+        sizes.update(claim_sizes(self._claims(), self._inventory()))
+        if not sizes:
+            self._show(())
+            return False
+        try:
+            answer = self._holders()
+        except Exception as error:  # the kubelet does not answer: keep the last picture, look again later
+            self._say("podresources", f"memory limits wait for PodResources error={error!r}", logging.WARNING)
+            return True
+        holders: list[tuple[Hashable, ContainerRef]] = [
+            (device_id, ContainerRef(holder.namespace, holder.pod, holder.container))
+            for device_id, holder in answer.devices.items()
+            if device_id in sizes
+        ]
+        holders += [
+            (key, ContainerRef(*name))
+            for key, names in answer.claim_containers.items()
+            if key in sizes
+            for name in sorted(names)
+        ]
+        wanted = wanted_limits(sizes, holders)
+        if not wanted:
+            self._show(())
+            return False
+        cgroups = self._containers.scan()
+        live = {c.cgroup for found in cgroups.values() for c in found}
+        self._set = {key: value for key, value in self._set.items() if key[1] in live}
+        rows: list[HeldLimit] = []
+        retry = False
+        with nvml_session():
+            for want in wanted:
+                row, failed = self._hold(want, [c.cgroup for c in cgroups.get(want.container, [])])
+                rows.append(row)
+                retry = retry or failed
+        self._show(tuple(rows))
+        return retry
+
+    def _hold(self, want: Wanted, cgroups: list[str]) -> tuple[HeldLimit, bool]:
+        verdict = enforcement(want, driver_refusal=self._refusal(want))
+        if verdict.enforcement is Enforcement.DRIVER:
+            applied, failed = True, False
+            for cgroup in cgroups:
+                outcome = self._apply(want, cgroup)
+                applied = applied and outcome is True
+                failed = failed or outcome is None
+            verdict = enforcement(want, driver_refusal=self._refusal(want))
+            if verdict.enforcement is Enforcement.DRIVER:
+                return self._row(want, verdict, cgroups, applied and bool(cgroups)), failed
+        self._say(
+            f"fallback/{want.container}/{want.gpu_uuid}/{verdict.enforcement}",
+            f"memory limit not enforced by the driver container={want.container} gpu={want.gpu_uuid} "
+            f"size={want.limit} enforcement={verdict.enforcement} reason={verdict.reason!r}",
+            logging.WARNING,
+        )
+        return self._row(want, verdict, cgroups, False), False
+
+    def _apply(self, want: Wanted, cgroup: str) -> bool | None:
+        """Hold one cgroup to ``want``: True when the driver reads back the wanted limits, False when the driver
+        cannot (a refusal recorded: the fallback holds), None when it failed and must be tried again."""
+        try:
+            read = read_memory_limits(want.gpu_uuid, cgroup)
+            if holds(want, read.soft, read.hard):
+                self._set[(want.gpu_uuid, cgroup)] = (read.soft, read.hard)  # found in place (a restart): kept
+                return True
+            ours = self._set.get((want.gpu_uuid, cgroup))
+            found = (read.soft, read.hard)
+            repaired = found != ours if ours is not None else found != (0, NO_LIMIT)  # else: new, or resized
+            with self._section():
+                set_memory_limits(want.gpu_uuid, cgroup, want.request, want.limit)
+            read = read_memory_limits(want.gpu_uuid, cgroup)
+        except MemoryLimitError as error:
+            return self._refused(want, cgroup, error)
+        self._set[(want.gpu_uuid, cgroup)] = (want.request, want.limit)
+        self.applied_total += 1
+        if repaired:
+            self.repaired_total += 1
+            log.warning(
+                "memory limit was changed behind the agent's back; restored container=%s gpu=%s cgroup=%s "
+                "request=%d limit=%d", want.container, want.gpu_uuid, cgroup, want.request, want.limit,
+            )  # fmt: skip
+        else:
+            log.info(
+                "memory limit applied container=%s gpu=%s cgroup=%s request=%d limit=%d",
+                want.container, want.gpu_uuid, cgroup, want.request, want.limit,
+            )  # fmt: skip
+        return holds(want, read.soft, read.hard)
+
+    def _refusal(self, want: Wanted) -> str | None:
+        """Why the driver cannot hold ``want``: for every GPU, for its GPU, or for this container's size there."""
+        refusals = self._refusals
+        return refusals.get("*") or refusals.get(want.gpu_uuid) or refusals.get(f"{want.container}@{want.gpu_uuid}")
+
+    def _refused(self, want: Wanted, cgroup: str, error: MemoryLimitError) -> bool | None:
+        if error.code == "FUNCTION_NOT_FOUND":
+            self._refusals["*"] = "the driver has no nvmlDeviceSetMemoryLimits_v1 (it needs r615 or newer)"
+            return False
+        if error.code == "NO_PERMISSION":
+            self._refusals[want.gpu_uuid] = "the agent may not set memory limits (NVML_ERROR_NO_PERMISSION: not root)"
+            return False
+        if error.code == "NOT_SUPPORTED":
+            self._refusals[want.gpu_uuid] = "the driver does not support memory limits on this GPU (NOT_SUPPORTED)"
+            return False
+        if error.code == "NOT_FOUND":
+            return False  # the container's cgroup went meanwhile: the link's removal brings the next look
+        if error.code == "INVALID_ARGUMENT":  # the size itself (above the GPU's memory): retrying cannot help
+            self._refusals[f"{want.container}@{want.gpu_uuid}"] = (
+                f"the driver refused {want.limit} bytes on this GPU (NVML_ERROR_INVALID_ARGUMENT)"
+            )
+            return False
+        message = f"memory limit failed cgroup={cgroup} error={error}; trying again"
+        self._say(f"nvml/{want.gpu_uuid}/{error.code}", message, logging.WARNING)
+        return None
+
+    @staticmethod
+    def _row(want: Wanted, verdict: Any, cgroups: list[str], applied: bool) -> HeldLimit:
+        return HeldLimit(
+            container=want.container,
+            gpu_uuid=want.gpu_uuid,
+            gpu_index=want.gpu_index,
+            request=want.request,
+            limit=want.limit,
+            enforcement=verdict.enforcement,
+            reason=verdict.reason,
+            cgroups=tuple(cgroups),
+            applied=applied,
+            devices=want.devices,
+            claim=want.claim,
+        )
+
+    def _show(self, rows: tuple[HeldLimit, ...]) -> None:
+        """The new picture, for metrics and the status; the loop hears of it only when it changed."""
+        if rows != self._snapshot:
+            self._snapshot = rows
+            self._post(LimitsChanged())
+
+    def _say(self, key: str, message: str, level: int) -> None:
+        """Log once per key (a fallback or a failure is said when it starts, not at every look)."""
+        if (key, message) not in self._said:
+            self._said.add((key, message))
+            log.log(level, "%s", message)

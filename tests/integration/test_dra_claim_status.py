@@ -1,0 +1,108 @@
+"""A claim's ``status.devices`` written through the API server stand-in by the driver's real client code
+(``agent.dra.claims_api.KubernetesClaimStatus``): entries of other drivers survive, a claim changed meanwhile is read
+again, a claim gone or re-created is left alone, and what the API server refuses is said."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import pytest
+
+from agent.core.dra.device_status import DeviceStatus
+from agent.dra.claims_api import ClaimStatusNotWritten, KubernetesClaimStatus
+from agent.sim.apiserver import ApiServer
+
+DRIVER, NODE = "gpu.nvidia.com", "node-a"
+NIC = {"driver": "nic.example.com", "pool": NODE, "device": "eth1", "networkData": {"interfaceName": "eth1"}}
+
+
+@pytest.fixture
+def api() -> Iterator[ApiServer]:
+    server = ApiServer(git_version="v1.37.0")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def allocated(api: ApiServer, name: str = "train") -> dict:
+    """A claim allocated gpu-0 of this driver and eth1 of a NIC driver, the NIC's status already written."""
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}},
+            {"name": "nic", "exactly": {"deviceClassName": "nic.example.com"}},
+        ]}},
+    }  # fmt: skip
+    created = api.create("resourceclaims", claim)
+    results = [
+        {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0"},
+        {"request": "nic", "driver": NIC["driver"], "pool": NODE, "device": "eth1"},
+    ]
+    created["status"] = {"allocation": {"devices": {"results": results}}, "devices": [NIC]}
+    return api.update("resourceclaims", created, status=True)
+
+
+def writer(api: ApiServer) -> KubernetesClaimStatus:
+    return KubernetesClaimStatus(api.api_client(), DRIVER, NODE, now=lambda: datetime(2026, 9, 1, 12, tzinfo=UTC))
+
+
+def test_prepared_devices_are_added_beside_other_drivers_entries_and_taken_back(api: ApiServer) -> None:
+    claim = allocated(api)
+    uid = claim["metadata"]["uid"]
+    assert writer(api).prepared("default", "train", uid, [DeviceStatus(NODE, "gpu-0", "GPU-1234")]) is True
+    devices = api.get("resourceclaims", "train", "default")["status"]["devices"]
+    assert devices[0] == NIC
+    assert devices[1] == {
+        "driver": DRIVER,
+        "pool": NODE,
+        "device": "gpu-0",
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "Prepared",
+                "message": f"prepared on node {NODE}",
+                "lastTransitionTime": "2026-09-01T12:00:00Z",
+                "observedGeneration": claim["metadata"]["generation"],
+            }
+        ],
+        "data": {"uuid": "GPU-1234"},
+    }
+    assert writer(api).prepared("default", "train", uid, [DeviceStatus(NODE, "gpu-0", "GPU-1234")]) is False  # said
+    assert writer(api).unprepared("default", "train", uid, NODE, ["gpu-0"]) is True
+    assert api.get("resourceclaims", "train", "default")["status"]["devices"] == [NIC]
+
+
+def test_a_claim_changed_between_read_and_write_is_read_again(api: ApiServer) -> None:
+    """The patch tests the resourceVersion it read; when another writer got there first the claim is read again."""
+    claim = allocated(api)
+    api.faults.fail_next("patch", "*", 422, message="testing value /metadata/resourceVersion failed")
+    assert writer(api).prepared("default", "train", claim["metadata"]["uid"], [DeviceStatus(NODE, "gpu-0", "GPU-1")])
+    devices = api.get("resourceclaims", "train", "default")["status"]["devices"]
+    assert [d["device"] for d in devices] == ["eth1", "gpu-0"]
+    assert api.faults.pending() == 0
+
+
+def test_a_claim_that_keeps_changing_is_given_up_on_and_said(api: ApiServer) -> None:
+    claim = allocated(api)
+    api.faults.fail_next("patch", "*", 409, n=3)
+    with pytest.raises(ClaimStatusNotWritten, match=r"kept changing while its status.devices was written"):
+        writer(api).prepared("default", "train", claim["metadata"]["uid"], [DeviceStatus(NODE, "gpu-0", "GPU-1")])
+
+
+def test_a_claim_gone_or_re_created_is_left_alone(api: ApiServer) -> None:
+    claim = allocated(api)
+    assert writer(api).prepared("default", "train", "not-its-uid", [DeviceStatus(NODE, "gpu-0", "GPU-1")]) is False
+    assert api.get("resourceclaims", "train", "default")["status"]["devices"] == [NIC]
+    assert writer(api).unprepared("default", "gone", claim["metadata"]["uid"], NODE, ["gpu-0"]) is False
+
+
+def test_a_device_the_claim_was_not_allocated_is_refused_by_the_api_server_and_said(api: ApiServer) -> None:
+    claim = allocated(api)
+    with pytest.raises(ClaimStatusNotWritten, match=r"writing status.devices of ResourceClaim default/train: HTTP 422"):
+        writer(api).prepared("default", "train", claim["metadata"]["uid"], [DeviceStatus(NODE, "gpu-7", "GPU-7")])

@@ -1,0 +1,152 @@
+"""Memory sizes from the sharing config, end to end: time-sliced replicas given a size (and a burst ceiling) are held
+to it by the driver, Allocate gives their containers the toolkit hook's variables, a config that resizes them
+reaches running containers at once, a bad size is refused with the old limits kept, and ``tessera status`` says
+which enforcement holds each container.
+
+The same node as ``test_memory_limits``: a simulated r615 driver beneath pynvml, the kubelet emulator making real
+cgroup directories and log links, an in-process agent.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from agent.sim.kubelet import KubeletEmulator, Pod
+from agent.status_report import render_text, status_document
+from tests.fake_events_api import FakeEventsApi
+from tests.fake_kube import FakeKube, serving, write_kubeconfig
+from tests.integration import test_memory_limits as path_b
+from tests.integration.test_memory_limits import GIB, OLD, Node
+from tests.integration.test_telemetry import wait_until
+
+SHARED = "nvidia.com/gpu-shared"
+NODE_NAME = "gpu-node-1"
+TIME_SLICED = """
+version: v1
+sharing:
+  timeSlicing:
+    resources:
+      - {name: nvidia.com/gpu, rename: nvidia.com/gpu-shared, replicas: 4, memoryLimit: @SIZE@, memoryBurstLimit: 20Gi}
+"""
+make_node = path_b.make_node  # the fixture: a node whose agent holds containers to their sizes
+RECHECK = 300.0  # no safety re-check during a test: whatever happens comes from an event
+
+
+def config(size: str) -> str:
+    return TIME_SLICED.replace("@SIZE@", size)
+
+
+def start(node: Node, pod: Pod) -> tuple[str, dict[str, str]]:
+    """Start the pod's container: its cgroup and the environment the kubelet gives it (the Allocate answers)."""
+    options = node.kubelet.start_container(pod.name, "main", pod.namespace)
+    return str(node.kubelet.started_container(pod.name, "main", pod.namespace).cgroup), dict(options.envs)
+
+
+def rewrite(node: Node, text: str) -> None:
+    path = node.base / "config.yaml"
+    path.with_suffix(".new").write_text(text)
+    path.with_suffix(".new").replace(path)  # as a ConfigMap update lands: one rename
+
+
+def test_time_sliced_replicas_are_held_to_their_size_with_a_burst_ceiling(make_node: Callable[..., Node]) -> None:
+    node = make_node(config=config("10Gi"), recheck=RECHECK)
+    node.wait_registered(timeout=30, resources=(SHARED,))
+    pod = node.kubelet.create_pod("burst", {"main": {SHARED: 1}})
+    cgroup, envs = start(node, pod)
+    assert (envs["NVIDIA_GPU_MEMORY_REQUEST"], envs["NVIDIA_GPU_MEMORY_LIMIT"]) == ("10240", "20480")
+    wait_until(lambda: node.limits().get(cgroup) == (10 * GIB, 20 * GIB), 10, "request 10Gi, limit 20Gi")
+    assert [(row["enforcement"], row["applied"]) for row in node.report()] == [("driver", True)]
+
+
+def test_a_config_resize_reaches_running_containers_at_once(make_node: Callable[..., Node]) -> None:
+    node = make_node(config=config("10Gi"), recheck=RECHECK)
+    node.wait_registered(timeout=30, resources=(SHARED,))
+    cgroup, _ = start(node, node.kubelet.create_pod("resized", {"main": {SHARED: 1}}))
+    wait_until(lambda: node.limits().get(cgroup) == (10 * GIB, 20 * GIB), 10, "the first size")
+    rewrite(node, config("15Gi"))
+    wait_until(lambda: node.limits().get(cgroup) == (15 * GIB, 20 * GIB), 10, "the new size, without a re-check")
+
+
+def test_a_bad_size_is_refused_by_name_and_the_old_limits_stay(make_node: Callable[..., Node]) -> None:
+    node = make_node(config=config("10Gi"), recheck=RECHECK)
+    node.wait_registered(timeout=30, resources=(SHARED,))
+    agent = node.agent
+    assert agent is not None
+    cgroup, _ = start(node, node.kubelet.create_pod("steady", {"main": {SHARED: 1}}))
+    wait_until(lambda: node.limits().get(cgroup) == (10 * GIB, 20 * GIB), 10, "the limits")
+    sets = node.driver.memory_limit_sets
+    rewrite(node, config("30Gi"))  # 4 replicas x 30Gi guaranteed do not fit in 80 GiB (and 30Gi > the 20Gi ceiling)
+    wait_until(lambda: agent.status.config_error is not None, 10, "the config rejected")
+    assert "memoryBurstLimit 20Gi (20480 MiB) is below memoryLimit 30Gi" in agent.status.config_error
+    rewrite(node, config("30Gi").replace("memoryBurstLimit: 20Gi", "memoryBurstLimit: 40Gi"))
+    wait_until(lambda: "guaranteed is more than" in (agent.status.config_error or ""), 10, "the second rejection")
+    assert "sharing.timeSlicing.resources[0].memoryLimit: 4 replicas x 30720 MiB" in agent.status.config_error
+    assert agent.responsive()  # the loop turned after the rejections; nothing was applied half-way:
+    assert node.limits() == {cgroup: (10 * GIB, 20 * GIB)} and node.driver.memory_limit_sets == sets
+    assert agent.status.plan is not None
+    assert agent.status.plan.resource(SHARED).memory.request_mib == 10240
+
+
+def test_status_says_which_enforcement_holds_each_container(make_node: Callable[..., Node]) -> None:
+    held = make_node(config=config("10Gi"), recheck=RECHECK)
+    held.wait_registered(timeout=30, resources=(SHARED,))
+    start(held, held.kubelet.create_pod("held", {"main": {SHARED: 1}}, namespace="team-a"))
+    agent = held.agent
+    assert agent is not None
+    wait_until(lambda: [r.applied for r in agent.status.memory_limits] == [True], 10, "the status")
+    text = render_text(status_document(agent.status, version="test"))
+    assert "Memory limits:\n  team-a/held/main on GPU " in text
+    assert ": request 10Gi, limit 20Gi; driver\n" in text
+
+    old = make_node(OLD, config("10Gi"), recheck=RECHECK)  # a driver without the call: said, not pretended
+    old.wait_registered(timeout=30, resources=(SHARED,))
+    start(old, old.kubelet.create_pod("unheld", {"main": {SHARED: 1}}, namespace="team-a"))
+    agent = old.agent
+    assert agent is not None
+    wait_until(lambda: [r.enforcement for r in agent.status.memory_limits] == ["advisory"], 10, "the fallback")
+    document = status_document(agent.status, version="test")
+    (row,) = document["memory_limits"]
+    assert (row["pod"], row["enforcement"], row["applied"]) == ("unheld", "advisory", False)
+    text = render_text(document)
+    assert "team-a/unheld/main on GPU " in text
+    assert "advisory: the driver has no nvmlDeviceSetMemoryLimits_v1 (it needs r615 or newer); nothing holds" in text
+
+
+def test_a_fallback_is_one_warning_event_on_the_node_not_one_per_container(sim_node) -> None:
+    """A driver without the call: the Node gets one MemoryLimitFallback Event, however many containers it holds."""
+    base = Path(tempfile.mkdtemp(prefix="mle", dir="/tmp"))
+    (base / "config.yaml").write_text(config("10Gi"))
+    kubelet = KubeletEmulator(
+        base / "dp", base / "pr" / "kubelet.sock", cgroup_root=base / "cgroup", log_root=base / "log"
+    )
+    node = Node(sim_node(OLD), base, kubelet)
+    events = FakeEventsApi()
+    with serving(FakeKube(NODE_NAME, {"kubernetes.io/hostname": NODE_NAME}), events) as kube:
+        kubelet.start()
+        try:
+            node.start_agent(
+                memory_limits=path_b.settings(node, RECHECK),
+                node_name=NODE_NAME,
+                kubeconfig=str(write_kubeconfig(base / "kubeconfig", kube.port)),
+            )
+            node.wait_registered(timeout=30, resources=(SHARED,))
+            agent = node.agent
+            assert agent is not None
+            start(node, node.kubelet.create_pod("first", {"main": {SHARED: 1}}))
+            events.wait_for(lambda: _fallbacks(events) != [])
+            start(node, node.kubelet.create_pod("second", {"main": {SHARED: 1}}))
+            wait_until(lambda: len(agent.status.memory_limits) == 2, 10, "both containers in the status")
+            rewrite(node, config("30Gi"))  # a rejection: its Event comes after any the second container caused
+            events.wait_for(lambda: any(e.get("reason") == "ConfigRejected" for e in events.events.values()))
+            (said,) = _fallbacks(events)
+            assert said["type"] == "Warning" and said["regarding"]["name"] == NODE_NAME
+            assert "(advisory), not the driver: the driver has no nvmlDeviceSetMemoryLimits_v1" in said["note"]
+            assert said.get("series") is None  # said once: the second container did not repeat it
+        finally:
+            node.stop()
+
+
+def _fallbacks(events: FakeEventsApi) -> list[dict]:
+    return [e for e in events.events.values() if e.get("reason") == "MemoryLimitFallback"]
