@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.config.effective import FlagOverrides, effective
+from agent.config.isolated import Check, stamp
 from agent.config.labels import (
     CONFIG_LABEL,
     CORDON_ANNOTATIONS,
@@ -39,7 +40,7 @@ from agent.config.labels import (
     NodeLabelChanged,
 )
 from agent.config.model import ConfigError, ConfigModel, DraSection
-from agent.config.source import LoadedConfig, load_config, read_config_set
+from agent.config.source import LoadedConfig
 from agent.config.watch import ConfigSourceChanged, ConfigWatcher
 from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
 from agent.core.dra.cdi import NODE_WIDE_CDI_KIND
@@ -97,6 +98,7 @@ class AgentOptions:
     mig_strategy: MigStrategy | None = None  # for embedding: an explicit MIG strategy
     allocation: AllocationOptions | None = None  # for embedding: explicit allocation options
     config_path: Path | None = None  # a config file, or a directory of named configs (a mounted ConfigMap)
+    config_check: Check | None = None  # the config checker already running on config_path (tessera run starts it first)
     config_name: str | None = None  # which named config to use (else node label, match, default)
     node_name: str | None = None  # this node, for its nvidia.com/device-plugin.config label
     mps_control: str | None = None  # the nvidia-cuda-mps-control binary (default: found on PATH)
@@ -167,6 +169,7 @@ class Agent:
         self._config_error: str | None = None
         self._said: set[str] = set()  # warnings already logged, so a reload does not repeat them
         self._config_watcher: ConfigWatcher | None = None
+        self._config_check: Check | None = None  # the config checker's run (a child process) in use
         follow_labels = bool(options.config_path and options.config_path.is_dir())  # labels pick the config
         self._node = NodeMetadata(options.node_name, options.kubeconfig, follow_labels=follow_labels)
         # The features a config may ask for are loaded when it first does (their modules are not even imported
@@ -329,6 +332,9 @@ class Agent:
             self._resync_backoff.reset()
 
     def _start(self) -> None:
+        path, early = self.options.config_path, self.options.config_check
+        if path is not None:  # checked in a child process while the GPUs and the Node are read
+            self._config_check = early if early is not None and early.path == path else Check(path)
         self._plan = ResourcePlan((), MigStrategy.NONE)
         self._inventory = Inventory("", "", None, (), ())
         self._take_lock()
@@ -777,12 +783,15 @@ class Agent:
         path = self.options.config_path
         if path is None:
             return LoadedConfig(None, ConfigModel(), (), "", "no --config given")
-        return load_config(
-            read_config_set(path),
-            requested=self.options.config_name,
-            label=self._node.config_label,
-            gpu_products=[g.name for g in self._gpus()],
-        )
+        check = self._config_check
+        if check is None or check.stamp != stamp(path):  # pydantic and yaml stay out of this process
+            check = self._config_check = Check(path)
+        try:
+            checked = check.result()
+        except ConfigError:
+            self._config_check = None  # not kept: the next try runs the checker again
+            raise
+        return checked.choose(self.options.config_name, self._node.config_label, [g.name for g in self._gpus()])
 
     # ----- health ---------------------------------------------------------------------------------
 

@@ -749,6 +749,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_agent(args: argparse.Namespace, *, collector_paused: bool) -> int:
+    from agent.config.isolated import start_early
+
+    # The config is checked in a child process (no pydantic here), started first: it runs while the agent loads.
+    config_check = start_early(args.config or getattr(args, "config_file", None) or os.environ.get("CONFIG_FILE"))
     from agent.core.resources import PlanError
     from agent.gpu.discovery import DiscoveryError
     from agent.gpu.nvml import NvmlUnavailable
@@ -758,7 +762,9 @@ def _run_agent(args: argparse.Namespace, *, collector_paused: bool) -> int:
     configure(args.log_format, args.log_level)
     try:
         options = build_options(args, dict(os.environ))
-        code = run_agent(options, args.simulate, args.sim_control, collector_paused=collector_paused)
+        code = run_agent(
+            options, args.simulate, args.sim_control, collector_paused=collector_paused, config_check=config_check
+        )
         if args.exit_when_done:
             _exit_now(code)
         return code
@@ -772,6 +778,9 @@ def _run_agent(args: argparse.Namespace, *, collector_paused: bool) -> int:
         hint = _local_hint(args) if isinstance(error, NvmlUnavailable) and not args.simulate else ""
         print(f"tessera: {error}{hint}", file=sys.stderr)
         return EXIT_NVML
+    finally:
+        if config_check is not None:
+            config_check.cancel()  # the agent collected its answer, or never started: no child left behind
 
 
 def _print_inventory(inventory: object, args: argparse.Namespace) -> int:

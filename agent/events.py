@@ -21,8 +21,8 @@ is what the kubelet puts there. So ``regarding.uid`` is the Node's UID when know
 
 The decisions (validation, note truncation, the token buckets, aggregation, how to treat a failure, the
 request bodies) are pure, in :mod:`agent.core.events`, and tested without HTTP; :class:`EventRecorder` only
-queues and sends. The
-Kubernetes client is imported only when there is an API to send to.
+queues and sends, through the API the agent reached the Node with (:mod:`agent.kube_http`, or the official
+client for the kubeconfigs only it speaks): both raise :class:`agent.kube_http.KubeApiError`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sys
 import threading
 import time
 from collections import deque
@@ -58,9 +59,7 @@ from agent.core.events import (
 )
 
 if TYPE_CHECKING:
-    import kubernetes.client
-
-    from agent.kube_api import CoreApi
+    from agent.config.node_label import NodeApi
 
 __all__ = ["EventRecorder"]
 
@@ -122,7 +121,7 @@ class EventRecorder:
 
     def __init__(
         self,
-        api_client: kubernetes.client.ApiClient | None,
+        api: NodeApi | None,
         node_name: str,
         *,
         node_uid: str | None = None,
@@ -141,7 +140,7 @@ class EventRecorder:
             raise ValueError("burst and queue_limit must be >= 1, refill_seconds > 0 and aggregate_seconds >= 0")
         if max_attempts < 1 or retry_delay < 0:
             raise ValueError("max_attempts must be >= 1 and retry_delay >= 0")
-        self._api_client = api_client
+        self._api = api  # its create_event and patch_event; None: events go to the log
         self._uid = node_uid
         self._clock = clock
         self._burst = burst
@@ -289,14 +288,7 @@ class EventRecorder:
     # -- the sending thread
 
     def _run(self) -> None:
-        events_api = None
-        if self._api_client is not None:
-            try:
-                from agent.kube_api import CoreApi
-
-                events_api = CoreApi(self._api_client)
-            except Exception as error:  # no client, no Events: the log says the same
-                log.warning("no Kubernetes Events; events go to the log error=%r", f"{type(error).__name__}: {error}")
+        events_api = self._api
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._stopping)
@@ -319,7 +311,7 @@ class EventRecorder:
                     self._in_flight = False
                     self._cond.notify_all()
 
-    def _deliver(self, events_api: CoreApi | None, item: _Pending) -> None:
+    def _deliver(self, events_api: NodeApi | None, item: _Pending) -> None:
         if events_api is None:
             with self._cond:
                 self._logged += 1
@@ -347,8 +339,8 @@ class EventRecorder:
             self._succeeded()
             return
 
-    def _write(self, events_api: CoreApi, item: _Pending) -> None:
-        from kubernetes.client.exceptions import ApiException
+    def _write(self, events_api: NodeApi, item: _Pending) -> None:
+        from agent.kube_http import KubeApiError
 
         occurrence = item.occurrence
         if item.series:
@@ -357,7 +349,7 @@ class EventRecorder:
                     occurrence.name, item.namespace, series_patch(occurrence), _request_timeout=REQUEST_TIMEOUT
                 )
                 return
-            except ApiException as error:
+            except KubeApiError as error:
                 if error.status != 404:
                     raise
             # the Event to count on is gone (expired, or never written): create it, series and all
@@ -365,7 +357,7 @@ class EventRecorder:
         body = event_body(self._node, self._uid, type_, reason, action, note, occurrence, item.subject)
         try:
             events_api.create_event(item.namespace, body, _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as error:
+        except KubeApiError as error:
             if error.status != 409:  # AlreadyExists: an earlier attempt got through, only its answer was lost
                 raise
 
@@ -429,8 +421,7 @@ class EventRecorder:
 
 def _is_network(error: BaseException) -> bool:
     """No answer from the API server: the connection failed or timed out (urllib3 and socket errors)."""
-    if isinstance(error, OSError):
+    if isinstance(error, OSError):  # the lean client's KubeUnreachable too
         return True
-    import urllib3.exceptions
-
-    return isinstance(error, urllib3.exceptions.HTTPError)
+    urllib3 = sys.modules.get("urllib3.exceptions")  # the official client's, when it is the one in use
+    return urllib3 is not None and isinstance(error, urllib3.HTTPError)

@@ -122,6 +122,22 @@ class CoreApi:
         return self.api_client.response_deserialize(response, {"200": "object", "201": "object"}).data
 
 
+class FallbackCoreApi(CoreApi):
+    """:class:`CoreApi` for the device-plugin callers, which handle one error type: an ``ApiException`` becomes
+    :class:`agent.kube_http.KubeApiError` (status, reason, body), so they read the lean client's and the official
+    client's failures alike. Used for the kubeconfigs only the official client speaks (exec, auth-provider...)."""
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        from agent.kube_http import KubeApiError
+
+        try:
+            return super()._call(*args, **kwargs)
+        except ApiException as error:
+            raise KubeApiError(error.status or 0, str(error.reason or ""), error.body) from error
+
+
 def _query(arguments: Mapping[str, object]) -> list[tuple[str, object]]:
     query = []
     for name, value in arguments.items():

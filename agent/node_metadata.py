@@ -18,7 +18,7 @@ from agent.core.cordon import NO_CORDON, Cordon, parse_cordon
 from agent.core.inventory import Inventory
 
 if TYPE_CHECKING:
-    from agent.kube_api import CoreApi
+    from agent.config.node_label import NodeApi
     from agent.status import AgentStatus
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class NodeMetadata:
         self._node_name = node_name
         self._kubeconfig = kubeconfig
         self._follow_labels = follow_labels
-        self.api: CoreApi | None = None  # when there is a node name and an API
+        self.api: NodeApi | None = None  # when there is a node name and an API
         self.config_label: str | None = None  # nvidia.com/device-plugin.config
         self.mig_label: str | None = None  # nvidia.com/mig.config
         self.cordon: Cordon = NO_CORDON
@@ -81,12 +81,12 @@ class NodeMetadata:
         )
         self._watcher.start()
 
-    def _start_recorder(self, api: CoreApi) -> None:
+    def _start_recorder(self, api: NodeApi) -> None:
         from agent.events import EventRecorder
 
         assert self._node_name is not None
         try:
-            recorder = EventRecorder(api.api_client, self._node_name)
+            recorder = EventRecorder(api, self._node_name)
             recorder.start()
         except Exception as error:  # Events are a courtesy: without them the log says the same
             log.warning("no Kubernetes Events; the log has what they would say error=%r", str(error))

@@ -12,6 +12,7 @@ import functools
 import json
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -57,6 +58,7 @@ class FakeKube:
         self.patch_status: int | None = None  # answer patches with this error status
         self.patches: list[dict] = []  # the metadata of every patch that was applied
         self.open_streams = 0
+        self.authorizations: list[str | None] = []  # the Authorization header of every GET, in order
         self.close_generation = 0  # bumped to end every open watch stream
         self.closing = False
         self.cond = threading.Condition()
@@ -280,6 +282,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         fake: FakeKube = self.server.fake  # type: ignore[attr-defined]
+        with fake.cond:
+            fake.authorizations.append(self.headers.get("Authorization"))
         url = urlsplit(self.path)
         query = parse_qs(url.query)
         if url.path == "/api/v1/nodes" and query.get("watch", [""])[0] in _GO_TRUE:
@@ -315,10 +319,13 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def serving(kube: FakeKube, events: object | None = None) -> Iterator[FakeKube]:
+def serving(kube: FakeKube, events: object | None = None, tls: ssl.SSLContext | None = None) -> Iterator[FakeKube]:
     """Serve ``kube`` on 127.0.0.1 (an ephemeral port, as ``kube.port``) until the block ends; with ``events``
-    (a ``tests.fake_events_api.FakeEventsApi``) the same server takes the agent's Events too."""
+    (a ``tests.fake_events_api.FakeEventsApi``) the same server takes the agent's Events too; with ``tls`` (a
+    server-side context) over HTTPS."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
     server.daemon_threads = True
     server.fake = kube  # type: ignore[attr-defined]
     server.events = events  # type: ignore[attr-defined]

@@ -21,16 +21,13 @@ import logging
 import os
 import random
 import socket
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
-
-import kubernetes.client
-import kubernetes.config
-import kubernetes.watch
-import urllib3.exceptions
-from kubernetes.client.exceptions import ApiException
+from typing import Any, Protocol
 
 from agent.config.labels import (
     CONFIG_LABEL,
@@ -39,7 +36,7 @@ from agent.config.labels import (
     NodeLabelChanged,
     validate_node_name,
 )
-from agent.kube_api import CoreApi
+from agent.kube_http import KubeApiError, KubeConfigError, KubeHttp, Unsupported
 
 __all__ = [
     "CONFIG_LABEL",
@@ -65,6 +62,7 @@ STOP_JOIN_TIMEOUT = 5.0
 HTTP_GONE = 410
 MAX_STATUS_BODY = 64 << 10  # an error body read for its Status message: larger ones are not parsed
 MAX_STATUS_MESSAGE = 1024  # characters of the API server's message kept for one log line
+MAX_WATCH_LINE = 16 << 20  # one watch event (a whole Node) longer than this is a broken stream
 
 _RBAC_RULE = 'ClusterRole rule: apiGroups [""], resources [nodes], verbs [get, list, watch]'
 
@@ -73,38 +71,91 @@ class NodeLabelError(RuntimeError):
     """The node's labels cannot be read; the message names the node, the status and the fix."""
 
 
-def load_kube_api(kubeconfig: str | Path | None = None) -> CoreApi | None:
+class NodeApi(Protocol):
+    """What the node watch and the Events need of an API: the lean client (:class:`agent.kube_http.KubeHttp`) or,
+    for a kubeconfig only the official client speaks, :class:`agent.kube_api.FallbackCoreApi`. Both raise
+    :class:`agent.kube_http.KubeApiError` for an error answer."""
+
+    @property
+    def api_client(self) -> Any: ...  # the official client's, for the DRA front end (made when first asked)
+    def read_node(self, name: str, *, _request_timeout: Any = None) -> dict[str, Any]: ...
+    def patch_node(self, name: str, patch: Mapping[str, Any], *, _request_timeout: Any = None) -> dict[str, Any]: ...
+    def list_node(self, *, _request_timeout: Any = None, _preload_content: bool = True, **query: object) -> Any: ...
+    def create_event(self, namespace: str, body: Mapping[str, Any], *, _request_timeout: Any = None) -> Any: ...
+    def patch_event(
+        self, name: str, namespace: str, patch: Mapping[str, Any], *, _request_timeout: Any = None
+    ) -> Any: ...
+
+
+def load_kube_api(kubeconfig: str | Path | None = None) -> NodeApi | None:
     """In a pod: in-cluster config. With kubeconfig: that file. Else None (not in a cluster; label selection off).
+
+    The lean client (:mod:`agent.kube_http`) speaks both; a kubeconfig with an exec or auth-provider plugin (or
+    anything else only the official client speaks) loads the official client instead.
 
     An explicit kubeconfig that cannot be loaded raises :class:`NodeLabelError`. In a pod whose service
     account credentials cannot be loaded (e.g. ``automountServiceAccountToken: false``) this logs a warning and
     returns None, like outside a cluster.
     """
+    from agent.kube_http import in_cluster_credentials, kubeconfig_credentials
+
     if kubeconfig is not None:
         try:
-            api_client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig), persist_config=False)
-        except Exception as e:  # ConfigException, OSError, YAML errors: all mean the same to the operator
+            api: NodeApi = KubeHttp(
+                kubeconfig_credentials(kubeconfig), official=partial(_official_api_client, kubeconfig)
+            )
+        except Unsupported as why:
+            log.info("kube api: the official client reads this kubeconfig why=%r", str(why))
+            return _official_client(kubeconfig)
+        except Exception as e:  # KubeConfigError, OSError, YAML errors: all mean the same to the operator
             raise NodeLabelError(f"cannot load kubeconfig {kubeconfig}: {type(e).__name__}: {e}") from e
         log.info("kube api loaded source=kubeconfig path=%s", kubeconfig)
-        return CoreApi(api_client)
+        return api
     if not os.environ.get(IN_CLUSTER_ENV):
         log.info("kube api off reason=not-in-cluster")
         return None
-    configuration = kubernetes.client.Configuration()
     try:
-        kubernetes.config.load_incluster_config(client_configuration=configuration)
-    except kubernetes.config.ConfigException as e:
+        credentials = in_cluster_credentials()
+        api = KubeHttp(credentials, official=partial(_official_api_client, None))
+    except (KubeConfigError, OSError) as e:
         log.warning(
             "kube api off reason=in-cluster-config-failed error=%s fix=mount the ServiceAccount token "
             "(automountServiceAccountToken: true)",
             e,
         )
         return None
-    log.info("kube api loaded source=in-cluster host=%s", configuration.host)
-    return CoreApi(kubernetes.client.ApiClient(configuration))
+    log.info("kube api loaded source=in-cluster host=%s", credentials.server)
+    return api
 
 
-def _status_message(e: ApiException) -> str:
+def _official_api_client(kubeconfig: str | Path | None) -> Any:
+    """The official client's ``ApiClient`` from the kubeconfig, or in a pod from its ServiceAccount (the DRA front
+    end's client: it speaks ResourceSlices and ResourceClaims through it)."""
+    import kubernetes.client
+    import kubernetes.config
+
+    if kubeconfig is not None:
+        return kubernetes.config.new_client_from_config(config_file=str(kubeconfig), persist_config=False)
+    configuration = kubernetes.client.Configuration()
+    kubernetes.config.load_incluster_config(client_configuration=configuration)
+    return kubernetes.client.ApiClient(configuration)
+
+
+def _official_client(kubeconfig: str | Path) -> NodeApi:
+    """The official client for a kubeconfig the lean one does not speak (imported only then: ~26 MB)."""
+    try:
+        import kubernetes.config
+
+        from agent.kube_api import FallbackCoreApi
+
+        api_client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig), persist_config=False)
+    except Exception as e:  # ConfigException, OSError, YAML errors, a client that is not installed
+        raise NodeLabelError(f"cannot load kubeconfig {kubeconfig}: {type(e).__name__}: {e}") from e
+    log.info("kube api loaded source=kubeconfig path=%s client=official", kubeconfig)
+    return FallbackCoreApi(api_client)
+
+
+def _status_message(e: KubeApiError) -> str:
     """The API server's own message from a Status body, else the HTTP reason."""
     body = getattr(e, "body", None)
     if body and len(body) <= MAX_STATUS_BODY:  # a Status is a few hundred bytes; anything else is not one
@@ -119,7 +170,7 @@ def _status_message(e: ApiException) -> str:
 
 def describe_api_error(e: BaseException, node_name: str, verb: str) -> str:
     """One line naming the node, what failed, the status and the fix."""
-    if not isinstance(e, ApiException):
+    if not isinstance(e, KubeApiError):
         return f"cannot {verb} node {node_name}: {type(e).__name__}: {e}; check the agent can reach the API server"
     status = e.status
     head = f"cannot {verb} node {node_name}: HTTP {status}: {_status_message(e)}"
@@ -136,11 +187,11 @@ def describe_api_error(e: BaseException, node_name: str, verb: str) -> str:
     return f"{head}; {fix}"
 
 
-def _get_node(api: CoreApi, node_name: str) -> tuple[dict[str, str], dict[str, str], str | None]:
+def _get_node(api: NodeApi, node_name: str) -> tuple[dict[str, str], dict[str, str], str | None]:
     """One GET of the node: its labels, annotations and resourceVersion."""
     try:
         node = api.read_node(node_name, _request_timeout=GET_TIMEOUT)
-    except (ApiException, urllib3.exceptions.HTTPError, OSError) as e:
+    except (KubeApiError, OSError, *_client_errors()) as e:
         raise NodeLabelError(describe_api_error(e, node_name, "get")) from e
     metadata = node.get("metadata") if isinstance(node, Mapping) else None
     if not isinstance(metadata, Mapping):
@@ -152,12 +203,12 @@ def _get_node(api: CoreApi, node_name: str) -> tuple[dict[str, str], dict[str, s
     )
 
 
-def read_node_labels(api: CoreApi, node_name: str) -> dict[str, str]:
+def read_node_labels(api: NodeApi, node_name: str) -> dict[str, str]:
     """The node's labels from one GET; :class:`NodeLabelError` naming the node, status and fix if it fails."""
     return read_node_metadata(api, node_name)[0]
 
 
-def read_node_metadata(api: CoreApi, node_name: str) -> tuple[dict[str, str], dict[str, str]]:
+def read_node_metadata(api: NodeApi, node_name: str) -> tuple[dict[str, str], dict[str, str]]:
     """The node's labels and annotations from one GET (:class:`NodeLabelError` if it fails)."""
     validate_node_name(node_name)
     labels, annotations, _ = _get_node(api, node_name)
@@ -177,7 +228,7 @@ class NodeLabelWatcher:
 
     def __init__(
         self,
-        api: CoreApi,
+        api: NodeApi,
         node_name: str,
         keys: Sequence[str],
         post: Callable[[object], None],
@@ -248,7 +299,7 @@ class NodeLabelWatcher:
                 resource_version = self._watch(resource_version)
             except _Stopped:
                 break
-            except ApiException as e:
+            except KubeApiError as e:
                 if self._stop.is_set():
                     break
                 resource_version = None
@@ -272,27 +323,22 @@ class NodeLabelWatcher:
         """One WATCH from ``resource_version`` until the server ends it; returns the last resourceVersion seen."""
         started = time.monotonic()
         events = 0
-        watch = kubernetes.watch.Watch()
-
-        # A plain function, not the API method: Watch then hands back raw dicts (no model deserialisation of the
-        # whole Node on every status heartbeat), and this thread keeps the response so stop() can cut it.
-        def list_node(**kwargs):
-            response = self._api.list_node(**kwargs)
-            with self._lock:
-                self._response = response
-            if self._stop.is_set():
-                _shutdown(response)
-                raise _Stopped
-            return response
-
-        stream = watch.stream(
-            list_node,
+        response = self._api.list_node(
             field_selector=f"metadata.name={self._node}",
             resource_version=resource_version,
             allow_watch_bookmarks=True,
             timeout_seconds=self._timeout,  # the server ends the watch then; it is resumed from resource_version
+            watch=True,
+            _preload_content=False,  # the open response, read line by line here, and cut by stop()
             _request_timeout=(WATCH_CONNECT_TIMEOUT, self._timeout + WATCH_READ_SLACK),
         )
+        with self._lock:
+            self._response = response
+        if self._stop.is_set():
+            _shutdown(response)
+            _close(response)
+            raise _Stopped
+        stream = watch_events(response)
         try:
             for event in stream:
                 if self._stop.is_set():
@@ -315,8 +361,8 @@ class NodeLabelWatcher:
                     self._apply({}, {})
                 # BOOKMARK: only the resourceVersion moves
         finally:
-            watch.stop()
-            stream.close()  # runs the stream's own cleanup now (closing the response), not at garbage collection
+            stream.close()
+            _close(response)  # now, not at garbage collection
             with self._lock:
                 self._response = None
         if self._stop.is_set():
@@ -388,6 +434,62 @@ class NodeLabelWatcher:
         if self._failures:
             log.info("node label watch recovered node=%s failures=%d", self._node, self._failures)
             self._failures = 0
+
+
+def watch_events(response: Any) -> Iterator[object]:
+    """The events of a watch stream, one JSON object a line (what ``kubernetes.watch.Watch`` reads, without it).
+
+    A line that is not JSON is skipped, as the official client skips it; an ``ERROR`` event (a Status: 410 Gone
+    for an expired resourceVersion) raises :class:`KubeApiError` with its code, reason and message. Each event
+    carries its object twice, as the official client's do: ``object`` and ``raw_object``.
+    """
+    buffer = bytearray()
+    while chunk := response.read1(1 << 16):
+        buffer.extend(chunk)
+        while (end := buffer.find(b"\n")) != -1:
+            line, buffer = bytes(buffer[:end]), buffer[end + 1 :]
+            event = _event(line)
+            if event is not None:
+                yield event
+        if len(buffer) > MAX_WATCH_LINE:
+            raise _WatchFailed(f"a watch event longer than {MAX_WATCH_LINE >> 20} MiB")
+    event = _event(bytes(buffer))
+    if event is not None:
+        yield event
+
+
+def _event(line: bytes) -> object:
+    if not line.strip():
+        return None
+    try:
+        event = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(event, dict):
+        return event
+    event["raw_object"] = event.get("object")
+    if event.get("type") == "ERROR":
+        status = event["raw_object"] if isinstance(event["raw_object"], Mapping) else {}
+        code = status.get("code")
+        raise KubeApiError(
+            code if isinstance(code, int) else 500,
+            f"{status.get('reason')}: {status.get('message')}",
+            json.dumps(status),
+        )
+    return event
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """The official client's network errors (urllib3's), when it is the one in use (it is loaded then)."""
+    urllib3 = sys.modules.get("urllib3.exceptions")
+    return (urllib3.HTTPError,) if urllib3 is not None else ()
+
+
+def _close(response: Any) -> None:
+    with contextlib.suppress(Exception):
+        response.close()
+    with contextlib.suppress(Exception):
+        response.release_conn()
 
 
 def _value(value: object) -> str | None:

@@ -240,6 +240,9 @@ def resolve_name(names: Collection[str], wanted: str) -> str | None:
     return None
 
 
+Matches = dict[str, tuple[tuple[str, ...] | None, str | None]]  # config name -> (its match patterns, a problem)
+
+
 def select_config(
     config_set: ConfigSet,
     requested: str | None,
@@ -247,14 +250,17 @@ def select_config(
     gpu_products: Sequence[str],
     *,
     strict_names: bool = False,
+    matches: Matches | None = None,
 ) -> tuple[str | None, str, list[str]]:
     """(chosen name or None, why, warnings). A config whose ``match`` does not select this node's GPU
     products is chosen only explicitly (``requested`` or ``label``), never by a fallback.
 
     ``strict_names``: a requested name or label value that resolves to nothing raises ``ConfigNameError``
     (naming the configs there are, and what the agent would fall back to) instead of warning.
+
+    ``matches``: each config's :func:`match_of`, when it was read already (by the config checker's process).
     """
-    name, reason, warnings = _select(config_set, requested, label, gpu_products)
+    name, reason, warnings = _select(config_set, requested, label, gpu_products, matches)
     if strict_names:
         _check_names(config_set, requested, label, reason)
     return name, reason, warnings
@@ -285,12 +291,17 @@ def _check_names(config_set: ConfigSet, requested: str | None, label: str | None
 
 
 def _select(
-    config_set: ConfigSet, requested: str | None, label: str | None, gpu_products: Sequence[str]
+    config_set: ConfigSet,
+    requested: str | None,
+    label: str | None,
+    gpu_products: Sequence[str],
+    matches: Matches | None = None,
 ) -> tuple[str | None, str, list[str]]:
     names = config_set.documents
     products = sorted(set(gpu_products))
     warnings: list[str] = []
-    matches = {name: _match_of(text) for name, text in names.items()}
+    if matches is None:
+        matches = {name: match_of(text) for name, text in names.items()}
     for name, (_, problem) in matches.items():
         if problem:
             warnings.append(f"config {name}: {problem}")
@@ -336,9 +347,7 @@ def _select(
     return None, _none_applies(config_set, matches, products), warnings
 
 
-def _none_applies(
-    config_set: ConfigSet, matches: dict[str, tuple[tuple[str, ...] | None, str | None]], products: list[str]
-) -> str:
+def _none_applies(config_set: ConfigSet, matches: Matches, products: list[str]) -> str:
     """Why a node gets the defaults: which configs match other GPUs, which need to be named."""
     if not config_set.documents:
         return f"no config applies: {config_set.origin} holds no config"
@@ -366,7 +375,7 @@ def _selects(patterns: tuple[str, ...], products: Sequence[str]) -> bool:
     return any(glob_matches(pattern, product) for pattern in patterns for product in products)
 
 
-def _match_of(text: str) -> tuple[tuple[str, ...] | None, str | None]:
+def match_of(text: str) -> tuple[tuple[str, ...] | None, str | None]:
     """(the config's match patterns, or None when it has no match; a problem with its match, if any).
 
     Read as parse_config reads it: the key case-insensitively (the last one wins), a text or a list, a

@@ -10,8 +10,8 @@ The same answer names the DRA claims each container uses (``dynamic_resources``,
 where the ``KubeletPodResourcesDynamicResources`` gate is on by default): telemetry reads from it which pods a
 claim's devices serve, as dcgm-exporter does, in the one List call it makes anyway.
 
-The generated stubs (and the protobuf runtime with them, ~2.4 MB) load with the first call, not with this module:
-metrics import ``DeviceHolder`` at start but ask the kubelet only once its checkpoint lists devices of ours.
+The answer is read from protobuf's wire format by :mod:`agent.plugin.podresources_wire`: the protobuf runtime
+(~2.4 MB for the process's life) is never loaded for it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 if TYPE_CHECKING:
-    from agent.api.podresources.v1 import api_pb2
+    from agent.plugin.podresources_wire import ListPodResourcesResponse
 
 TIMEOUT = 5.0
 MAX_RECEIVE_BYTES = 16 << 20  # as the kubelet's own PodResources client (DefaultPodResourcesMaxSize, 16 MiB)
@@ -72,12 +72,11 @@ def list_pod_resources(socket: Path) -> PodAllocations:
     try:
         if not socket.exists():
             raise PodResourcesError(f"the kubelet's PodResources socket {socket} does not exist")
-        from agent.api.podresources.v1 import api_pb2, api_pb2_grpc
+        from agent.plugin.podresources_wire import LIST_METHOD, list_response
 
         with grpc.insecure_channel(f"unix://{socket}", options=CHANNEL_OPTIONS) as channel:
-            response = api_pb2_grpc.PodResourcesListerStub(channel).List(
-                api_pb2.ListPodResourcesRequest(), timeout=TIMEOUT
-            )
+            answer = channel.unary_unary(LIST_METHOD)(b"", timeout=TIMEOUT)  # bytes out and in: no protobuf runtime
+        response = list_response(answer)
         return PodAllocations(_holders(response), _claim_users(response), _claim_containers(response))
     except PodResourcesError:
         raise
@@ -97,7 +96,7 @@ def _rpc_error(error: grpc.RpcError) -> str:
     return str(error) or type(error).__name__
 
 
-def _holders(response: api_pb2.ListPodResourcesResponse) -> dict[str, DeviceHolder]:
+def _holders(response: ListPodResourcesResponse) -> dict[str, DeviceHolder]:
     holders: dict[str, DeviceHolder] = {}
     for pod in response.pod_resources:
         for container in pod.containers:
@@ -123,7 +122,7 @@ def _holders(response: api_pb2.ListPodResourcesResponse) -> dict[str, DeviceHold
     return holders
 
 
-def _claim_users(response: api_pb2.ListPodResourcesResponse) -> dict[ClaimDeviceKey, frozenset[PodName]]:
+def _claim_users(response: ListPodResourcesResponse) -> dict[ClaimDeviceKey, frozenset[PodName]]:
     users: dict[ClaimDeviceKey, set[PodName]] = {}
     count = 0
     for pod in response.pod_resources:
@@ -146,7 +145,7 @@ def _claim_users(response: api_pb2.ListPodResourcesResponse) -> dict[ClaimDevice
     return {key: frozenset(pods) for key, pods in users.items()}
 
 
-def _claim_containers(response: api_pb2.ListPodResourcesResponse) -> dict[ClaimDeviceKey, frozenset[ContainerName]]:
+def _claim_containers(response: ListPodResourcesResponse) -> dict[ClaimDeviceKey, frozenset[ContainerName]]:
     """Each claim device -> the containers using it (the memory limits hold each container); called after
     ``_claim_users``, which refused an answer with names too long or too many claim devices."""
     containers: dict[ClaimDeviceKey, set[ContainerName]] = {}

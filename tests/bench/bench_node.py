@@ -21,6 +21,14 @@ the agent and the floor turn about:
 - RSS after the idle window (default 60 s; target < 45 MB);
 - XID → the kubelet sees the device Unhealthy, p50 / p99 over ``--xids`` per round, from the moment the simulated
   driver queued the XID (the floor: from the moment the pipe was written; target p50 < 1.5 ms).
+
+Beside them, in the same run: the CPU time each process (with the children it waited for: the agent's config
+checker) spent until registered — on a loaded machine the wall time mostly measures the queue for a core — and
+the agent's RSS less the simulator's share. A real node does not load ``agent/sim`` (the simulated driver, its
+YAML node specs, the control socket): the share is the RSS of ``import agent.cli, agent.run`` with the simulated
+dgx-a100 installed and its control socket served, as ``tessera run --simulate --sim-control`` does, less the RSS
+without them, each in a fresh process. (A real node maps NVIDIA's ``libnvidia-ml.so.1`` instead, whose resident
+pages cannot be measured here.)
 """
 
 from __future__ import annotations
@@ -55,6 +63,12 @@ def _rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system time of ``pid`` and of the children it has waited for."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def _percentile(values: list[float], fraction: float) -> float:
@@ -121,6 +135,7 @@ def _floor_plugin(directory: str) -> None:
 @dataclass
 class Figures:
     start: list[float] = field(default_factory=list)
+    start_cpu: list[float] = field(default_factory=list)
     rss: list[float] = field(default_factory=list)
     xid_p50: list[float] = field(default_factory=list)
     xid_p99: list[float] = field(default_factory=list)
@@ -176,6 +191,7 @@ def agent_round(base: Path, args: argparse.Namespace, figures: Figures) -> None:
     try:
         kubelet.wait_for(lambda: _registered(kubelet), timeout=60, what="registered")
         figures.start.append(time.monotonic() - started)
+        figures.start_cpu.append(_cpu_seconds(agent.pid))
         _idle(args.idle_seconds, agent)
         figures.rss.append(_rss_mib(agent.pid))
 
@@ -218,6 +234,7 @@ def floor_round(base: Path, args: argparse.Namespace, figures: Figures) -> None:
     try:
         kubelet.wait_for(lambda: _registered(kubelet), timeout=60, what="registered")
         figures.start.append(time.monotonic() - started)
+        figures.start_cpu.append(_cpu_seconds(floor.pid))
         _idle(args.idle_seconds, floor)
         figures.rss.append(_rss_mib(floor.pid))
         times = []
@@ -241,24 +258,31 @@ def floor_round(base: Path, args: argparse.Namespace, figures: Figures) -> None:
 
 # ----- where the agent's memory goes --------------------------------------------------------------------
 
+RUN_PATH = "import agent.cli, agent.run"
+SIMULATOR = (  # what `tessera run --simulate dgx-a100 --sim-control …` runs of agent/sim (agent.run.run_agent)
+    "import os\nfrom pathlib import Path\nfrom agent.sim.nvml.install import simulated_node\n"
+    "from agent.sim.nvml.control import SimControlServer\ndriver = simulated_node('dgx-a100').__enter__()\n"
+    "SimControlServer(driver, Path(f'ctl-{os.getpid()}.sock')).start()"  # in the package copy, removed with it
+)
+SIM_SHARE = {  # the agent's run path without and with the simulator: the difference is the simulator's share
+    "run path": RUN_PATH,
+    "run path + simulator": f"{RUN_PATH}\n{SIMULATOR}",
+}
 PARTS = {  # what a piece costs on top of `import grpc`, each in a fresh process (RSS, MB)
     "grpc (the base of both)": "",
     "the Kubernetes client (`import kubernetes`)": "import kubernetes",
     "pydantic's model machinery (one model)": "from pydantic import BaseModel\nclass A(BaseModel):\n    x: int",
     "the config's models (agent.config.schema)": "import agent.config.schema",
     "prometheus_client": "import prometheus_client",
-    "the simulator, dgx-a100 (not on a real node)": (
-        "from agent.sim.nvml.install import install\nfrom agent.sim.nvml.spec import build_driver, load_node_spec\n"
-        "install(build_driver(load_node_spec('dgx-a100')))"
-    ),
+    "the simulator, dgx-a100 (not on a real node)": SIMULATOR,
 }
 
 
-def memory_parts(home: Path) -> dict[str, float]:
-    """RSS of ``import grpc`` plus each part, in a process of its own (the parts overlap: not a sum)."""
+def memory_parts(home: Path, parts: dict[str, str] = PARTS, base: str = "import grpc") -> dict[str, float]:
+    """RSS of ``base`` plus each part, in a process of its own (the parts overlap: not a sum)."""
     measured = {}
-    for name, code in PARTS.items():
-        script = f"import grpc\n{code}\nprint(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])"
+    for name, code in parts.items():
+        script = f"{base}\n{code}\nprint(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])"
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=home, check=True)
         measured[name] = int(out.stdout.split()[-1]) / 1024
     return measured
@@ -267,7 +291,9 @@ def memory_parts(home: Path) -> dict[str, float]:
 # ----- report -------------------------------------------------------------------------------------------
 
 
-def report(agent: Figures, floor: Figures, parts: dict[str, list[float]], args: argparse.Namespace) -> None:
+def report(
+    agent: Figures, floor: Figures, parts: dict[str, list[float]], sim_share: list[float], args: argparse.Namespace
+) -> None:
     def row(label: str, ours: list[float], least: list[float], scale: float, unit: str, target: str) -> None:
         a, f = statistics.median(ours) * scale, statistics.median(least) * scale
         spread = f"{min(ours) * scale:.1f}–{max(ours) * scale:.1f}"
@@ -283,7 +309,12 @@ def report(agent: Figures, floor: Figures, parts: dict[str, list[float]], args: 
     print("| measure | Tessera | Python floor | ratio | target |")
     print("|---|---|---|---|---|")
     row("start → registered (gpu ×4, gpu.shared ×32)", agent.start, floor.start, 1000, "ms", "< 200 ms")
+    row("… CPU time until registered (with waited-for children)", agent.start_cpu, floor.start_cpu, 1000, "ms", "-")
     row(f"RSS after {args.idle_seconds:g} s idle", agent.rss, floor.rss, 1, "MB", "< 45 MB")
+    row(
+        f"RSS after {args.idle_seconds:g} s idle, less the simulator's share (a real node loads no agent/sim)",
+        [rss - share for rss, share in zip(agent.rss, sim_share, strict=True)], floor.rss, 1, "MB", "< 45 MB",
+    )  # fmt: skip
     row("XID → kubelet sees Unhealthy, p50", agent.xid_p50, floor.xid_p50, 1000, "ms", "< 1.5 ms")
     row("XID → kubelet sees Unhealthy, p99", agent.xid_p99, floor.xid_p99, 1000, "ms", "-")
     print()
@@ -292,6 +323,12 @@ def report(agent: Figures, floor: Figures, parts: dict[str, list[float]], args: 
     print("|---|---|---|")
     for name, values in parts.items():
         print(f"| {name} | {statistics.median(values):.1f} | {statistics.median(values) - base:+.1f} |")
+    print()
+    print(
+        f"the simulator's share of the agent's RSS (`{RUN_PATH}` with the simulated dgx-a100 installed and its "
+        f"control socket served, less without them; fresh processes, this run): {statistics.median(sim_share):.1f} MB "
+        f"({min(sim_share):.1f}–{max(sim_share):.1f})"
+    )
 
 
 def main() -> None:
@@ -312,6 +349,7 @@ def main() -> None:
     args.agent_home = package_copy(work / "compiled", compiled=True)
     agent, floor = Figures(), Figures()
     parts: dict[str, list[float]] = {}
+    sim_share: list[float] = []
     try:
         for n in range(args.rounds):
             rounds = [(agent_round, agent), (floor_round, floor)]
@@ -323,10 +361,12 @@ def main() -> None:
                     shutil.rmtree(base, ignore_errors=True)
             for name, mib in memory_parts(args.agent_home).items():
                 parts.setdefault(name, []).append(mib)
+            share = memory_parts(args.agent_home, SIM_SHARE, base="")
+            sim_share.append(share["run path + simulator"] - share["run path"])
             print(f"round {n + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report(agent, floor, parts, args)
+    report(agent, floor, parts, sim_share, args)
 
 
 if __name__ == "__main__":

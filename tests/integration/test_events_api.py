@@ -53,8 +53,8 @@ def server(fake: FakeEventsApi) -> Iterator[Serving]:
 
 @pytest.fixture
 def api_client(server: Serving, tmp_path: Path):
-    """The real client, loaded from a kubeconfig the way the agent loads it (``load_kube_api``)."""
-    return load_kube_api(write_kubeconfig(tmp_path / "kubeconfig", server.port)).api_client
+    """The agent's client, loaded from a kubeconfig the way the agent loads it (``load_kube_api``)."""
+    return load_kube_api(write_kubeconfig(tmp_path / "kubeconfig", server.port))
 
 
 @pytest.fixture

@@ -128,7 +128,6 @@ def test_unreachable_api_is_a_node_label_error(tmp_path: Path) -> None:
             "current-context: x\n"
         )
         api = load_kube_api(kubeconfig)
-        api.api_client.configuration.retries = 0
         with pytest.raises(NodeLabelError, match=NODE):
             read_node_labels(api, NODE)
 

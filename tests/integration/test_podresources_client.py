@@ -3,6 +3,8 @@ that is too big, too long, malformed or refused is a PodResourcesError — never
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -97,3 +99,15 @@ def test_a_refusal_and_a_missing_socket_are_pod_resources_errors(kubelet, tmp_pa
         allocated_devices(kubelet(refuse))
     with pytest.raises(PodResourcesError, match="does not exist"):
         allocated_devices(tmp_path / "nowhere.sock")
+
+
+def test_a_list_call_loads_no_protobuf_runtime(kubelet):
+    """The answer is read from the wire format (agent.plugin.podresources_wire): ~2.4 MB the agent never loads."""
+    socket = kubelet(lambda _r, _c: answer([("ml", "train-0", "main", "nvidia.com/gpu", ["GPU-a::0"])]))
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom agent.plugin.podresources import allocated_devices\n"
+        f"print(sorted(allocated_devices(Path({str(socket)!r}))))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('google.protobuf', 'agent.api'))))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.splitlines() == ["['GPU-a::0']", "[]"]

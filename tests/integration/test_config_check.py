@@ -1,0 +1,188 @@
+"""The sharing config checked in a child process (agent.config.check, agent.config.isolated).
+
+What a user would notice: the agent applies exactly the config ``tessera plan`` validates in-process (same model,
+warnings, digest and reason, same errors); a checker that dies, hangs, floods its output or answers garbage is a
+config error naming the config path and what happened, never a crash or a stall, and the next change is checked
+afresh; the agent's own process holds neither pydantic nor PyYAML for it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.config.isolated import Check
+from agent.config.model import ConfigError
+from agent.config.source import load_config, read_config_set
+from tests.integration.test_config_reload import SHARED_GPUS, world  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCTS = [["NVIDIA A100-SXM4-80GB"], ["NVIDIA H100 80GB HBM3"], []]
+BAD = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n      - name: nvidia.com/gpu\n        replicas: '4'\n"
+
+
+def _sets(tmp_path: Path) -> list[Path]:
+    """Every example config directory of the project, a ConfigMap manifest, and a directory with a bad config."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "default.yaml").write_text(BAD)
+    (bad / "typo.yaml").write_text("version: v1\ntimeSlice:\n  resources: []\n")
+    (bad / "match.yaml").write_text('version: v1\nmatch: ["NVIDIA H100*"]\n')
+    return [ROOT / "configs", ROOT / "daemonset" / "base" / "configs", *sorted((ROOT / "configs").glob("*.yaml")), bad]
+
+
+def _outcome(load, *args, **kwargs) -> object:
+    try:
+        return load(*args, **kwargs)
+    except ConfigError as error:
+        return ("error", error.origin, error.problems)
+
+
+def test_the_child_gives_what_parse_config_gives_in_process(tmp_path: Path) -> None:
+    for path in _sets(tmp_path):
+        checked = Check(path).result()
+        for requested in [None, *read_config_set(path).documents]:
+            for products in PRODUCTS:
+                expected = _outcome(load_config, read_config_set(path), requested=requested, gpu_products=products)
+                got = _outcome(checked.choose, requested, None, products)
+                assert got == expected, (path, requested, products)
+
+
+def test_a_label_choice_is_the_same_as_in_process(tmp_path: Path) -> None:
+    path = ROOT / "daemonset" / "base" / "configs"
+    checked = Check(path).result()
+    for label in ("per-gpu-sharing", "mps-10gb.yaml", "no-such-config"):
+        expected = load_config(read_config_set(path), label=label, gpu_products=PRODUCTS[0])
+        assert checked.choose(None, label, PRODUCTS[0]) == expected
+
+
+def test_the_agents_process_loads_neither_pydantic_nor_yaml() -> None:
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom agent.config.isolated import Check\n"
+        f"loaded = Check(Path({str(ROOT / 'daemonset/base/configs')!r})).result().choose(None, 'mps-10gb', [])\n"
+        "print(loaded.name, loaded.model.replicated[0])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'pydantic_core', 'yaml')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.splitlines() == ["mps-10gb.yaml mps", "[]"]
+
+
+# ----- a checker that misbehaves -------------------------------------------------------------------------
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def _rejected(check: Check) -> str:
+    with pytest.raises(ConfigError) as error:
+        check.result()
+    assert error.value.origin == str(check.path)
+    return str(error.value)
+
+
+def test_a_checker_that_dies_is_a_config_error_with_its_last_words(tmp_path: Path) -> None:
+    code = "import sys; print('MemoryError: out of memory', file=sys.stderr); sys.exit(3)"
+    message = _rejected(Check(tmp_path, command=_python(code)))
+    assert "exit code 3" in message and "MemoryError: out of memory" in message
+    assert "last good config stays" in message
+
+
+def test_a_checker_that_hangs_is_stopped_at_its_deadline(tmp_path: Path) -> None:
+    check = Check(tmp_path, command=_python("import time; time.sleep(120)"), timeout=1.0)
+    started = time.monotonic()
+    message = _rejected(check)
+    assert time.monotonic() - started < 30
+    assert "no answer within 1 s" in message
+    assert check._process is not None and check._process.poll() is not None  # killed, not left behind
+
+
+def test_a_checker_that_floods_its_output_is_stopped(tmp_path: Path) -> None:
+    code = "import sys\nwhile True: sys.stdout.write('x' * 65536)"
+    check = Check(tmp_path, command=_python(code), max_output=1 << 20)
+    assert "larger than 1 MiB" in _rejected(check)
+    assert check._process is not None and check._process.poll() is not None
+
+
+def _answer(model: dict) -> str:
+    member = {"digest": "0", "match": None, "match_problem": None, "warnings": [], "model": model}
+    return json.dumps({"origin": "x", "is_directory": True, "manifest": None, "members": {"a": member}})
+
+
+@pytest.mark.parametrize(
+    ("answer", "words"),
+    [
+        ("not json at all", "not a checked config set"),
+        ("[1, 2]", "not a checked config set"),
+        (json.dumps({"origin": "x", "is_directory": True, "manifest": None}), "not a checked config set"),
+        (
+            _answer({"sharing": {"time_slicing": {"resources": [{"name": "g", "replicas": "4"}]}}}),
+            "replicas: expected int, got str",
+        ),
+        (_answer({"no_such_field": 1}), "has no field 'no_such_field'"),
+    ],
+)
+def test_an_answer_that_is_no_checked_set_is_a_config_error(tmp_path: Path, answer: str, words: str) -> None:
+    code = f"import sys; sys.stdout.write({answer!r})"
+    assert words in _rejected(Check(tmp_path, command=_python(code)))
+
+
+def test_an_agent_whose_checker_died_advertises_nothing_then_applies_the_next_change(world) -> None:  # noqa: F811
+    kubelet, configmap, start = world
+    configmap.publish({"default": SHARED_GPUS})
+    dead = Check(configmap.root, command=_python("import sys; sys.exit(9)"))
+    agent = start(config_check=dead)
+    kubelet.wait_for(lambda: agent.status.config_error is not None, 10, "the checker's failure to be noticed")
+    assert "exit code 9" in agent.status.config_error and str(configmap.root) in agent.status.config_error
+    assert "nvidia.com/gpu.shared" not in kubelet.resources()
+    configmap.publish({"default": SHARED_GPUS + "\n"})  # the next change is checked afresh, by the real checker
+    kubelet.wait_for(lambda: kubelet.allocatable("nvidia.com/gpu.shared") == 8, 20, "the config applied")
+    assert agent.status.config_error is None
+
+
+# ----- when the checker runs again -------------------------------------------------------------------------
+
+
+def test_the_stamp_moves_with_a_configmap_swap_and_only_then(tmp_path: Path) -> None:
+    """A checked set is reused while its files stay (a node label choosing another config of it needs no new
+    child); a ConfigMap update (the ``..data`` swap) or an edited file is checked again."""
+    from agent.config.isolated import stamp
+    from tests.integration.test_config_reload import ConfigMapDir
+
+    configmap = ConfigMapDir(tmp_path / "cm")
+    configmap.publish({"default": SHARED_GPUS, "other": SHARED_GPUS})
+    first = stamp(configmap.root)
+    assert stamp(configmap.root) == first
+    configmap.publish({"default": SHARED_GPUS, "other": SHARED_GPUS})  # the same texts, a new ..data
+    assert stamp(configmap.root) != first
+    single = tmp_path / "config.yaml"
+    single.write_text(SHARED_GPUS)
+    before = stamp(single)
+    single.write_text(SHARED_GPUS + "\n")
+    assert stamp(single) != before
+
+
+def test_an_early_checker_for_another_path_is_stopped(tmp_path: Path) -> None:
+    """``tessera run`` starts the checker on the path it was given before the options are read; if the options
+    name another config (NVIDIA's --config-file, say), that checker is stopped, not left running; on the same
+    path the agent takes it over."""
+    from agent.agent import AgentOptions
+    from agent.run import take_over
+
+    options = AgentOptions(device_plugin_dir=tmp_path / "dp", config_path=tmp_path / "other.yaml")
+    early = Check(tmp_path / "given.yaml", command=_python("import time; time.sleep(120)"))
+    assert take_over(options, early).config_check is None
+    assert early._process is not None and early._process.poll() is not None
+    same = Check(tmp_path / "other.yaml", command=_python("import time; time.sleep(120)"))
+    try:
+        assert take_over(options, same).config_check is same
+        assert same._process is not None and same._process.poll() is None
+    finally:
+        same.cancel()
