@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agent.config.check_worker import CheckWorker, ConfigChecked
 from agent.config.effective import FlagOverrides, effective
 from agent.config.isolated import Check, stamp
 from agent.config.labels import (
@@ -170,6 +171,8 @@ class Agent:
         self._said: set[str] = set()  # warnings already logged, so a reload does not repeat them
         self._config_watcher: ConfigWatcher | None = None
         self._config_check: Check | None = None  # the config checker's run (a child process) in use
+        self._check_worker: CheckWorker | None = None  # once started, reloads are checked off the loop
+        self._config_force = False  # a forced apply waits for the check it asked for
         follow_labels = bool(options.config_path and options.config_path.is_dir())  # labels pick the config
         self._node = NodeMetadata(options.node_name, options.kubeconfig, follow_labels=follow_labels)
         # The features a config may ask for are loaded when it first does (their modules are not even imported
@@ -347,6 +350,7 @@ class Agent:
         if self.options.config_path is not None:
             self._config_watcher = ConfigWatcher(self.options.config_path, self.post)
             self._config_watcher.start()
+            self._check_worker = CheckWorker(self.post)
         self._event_watcher = NvmlEventWatcher(
             [g.uuid for g in self._inventory.gpus], self.post, wait_ms=self.options.health_event_wait_ms
         )
@@ -437,6 +441,7 @@ class Agent:
             self._memlimits,
             self._kubelet_watcher,
             self._config_watcher,
+            self._check_worker,  # a running checker child is killed: a hung check does not hold the exit
             *self._node.threads(),
         ):
             if watcher is None:
@@ -497,6 +502,10 @@ class Agent:
                 self._on_registered(event)
             case ConfigSourceChanged():
                 self._apply_config()
+            case ConfigChecked(generation=generation, check=check):
+                if self._check_worker is not None and generation == self._check_worker.generation:
+                    self._config_check, force, self._config_force = check, self._config_force, False
+                    self._apply_config(force=force)  # else a newer change is being checked: this one is stale
             case NodeLabelChanged(key=key, value=value) if key == CONFIG_LABEL:
                 if value != self._node.config_label:
                     log.info("node label changed key=%s value=%s", key, value)
@@ -597,6 +606,9 @@ class Agent:
         assert self._inventory is not None
         try:
             loaded = self._load_config()
+            if loaded is None:  # being checked off the loop: ConfigChecked applies it
+                self._config_force = self._config_force or force
+                return
             same = self._loaded is not None and (loaded.name, loaded.digest) == (self._loaded.name, self._loaded.digest)
             if same and not force:
                 return  # same config: nothing to do
@@ -779,12 +791,18 @@ class Agent:
             self._event_watcher.set_gpus([g.uuid for g in inventory.gpus])
         return True
 
-    def _load_config(self) -> LoadedConfig:
+    def _load_config(self) -> LoadedConfig | None:
+        """This node's config from the last check of its files (pydantic and yaml stay out of this process); None
+        when the files changed since: once the agent runs, their check runs off the loop and ``ConfigChecked``
+        brings it (the start waits for its own, before the first advertise)."""
         path = self.options.config_path
         if path is None:
             return LoadedConfig(None, ConfigModel(), (), "", "no --config given")
-        check = self._config_check
-        if check is None or check.stamp != stamp(path):  # pydantic and yaml stay out of this process
+        check, now = self._config_check, stamp(path)
+        if check is None or check.stamp != now:
+            if self._check_worker is not None:
+                self._check_worker.request(path, now)
+                return None
             check = self._config_check = Check(path)
         try:
             checked = check.result()

@@ -128,7 +128,11 @@ class Check:
         """The checked set; ``ConfigError`` naming the path when the set or the checker failed."""
         if self._result is None:
             waiting = time.monotonic()
-            self._result = self._collect()
+            try:
+                self._result = self._collect()
+            except Exception as error:  # a read nobody foresaw: this check's failure, not its caller's
+                self.cancel()
+                self._result = self._error(f"the config checker could not be read: {type(error).__name__}: {error}")
             log.debug(
                 "config checked path=%s took_ms=%.0f waited_ms=%.0f", self.path,
                 (time.monotonic() - self._started) * 1000, (time.monotonic() - waiting) * 1000,
