@@ -11,8 +11,8 @@ An event only makes the watcher compare ``fingerprint(path)`` with the last one:
 nothing (a file opened and closed, its times set to what they were) posts nothing, and the steps of one
 swap post once. A regular file just created is not read until its writer closes it (``IN_CLOSE_WRITE``
 follows), so a half-written file is not reported. A safety re-check every ``safety_interval`` seconds
-compares the fingerprint too. The reconcile loop then reloads, validates and applies — or keeps the last
-good config.
+compares the fingerprint too. The reconcile loop then has the change checked off the loop
+(:mod:`agent.config.check_worker`) and applies the answer — or keeps the last good config.
 """
 
 from __future__ import annotations
