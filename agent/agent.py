@@ -248,6 +248,9 @@ class Agent:
 
     def stop(self) -> None:
         self.stopping.set()  # before the loop hears it: the start may be waiting for the plugin-directory lock
+        check = self._config_check
+        if check is not None and not self.started.is_set():
+            check.cancel()  # or for its config check: a hung checker does not hold the exit
         self.post(Stop())
 
     def responsive(self, timeout: float = 2.0) -> bool:

@@ -110,6 +110,7 @@ class Check:
         self._timeout = timeout
         self._max_output = max_output
         self._result: CheckedSet | ConfigError | None = None
+        self._cancelled = False
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         try:
@@ -142,6 +143,9 @@ class Check:
         return self._result
 
     def cancel(self) -> None:
+        """Kill the child if it still runs (a newer change supersedes it, or the agent stops); its result is
+        then a ``ConfigError`` saying so."""
+        self._cancelled = True
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
             self._process.wait()
@@ -182,6 +186,8 @@ class Check:
         finally:
             process.stdout.close()
             process.stderr.close()
+        if code != 0 and self._cancelled:
+            return self._error("the config check was stopped before it answered")
         if code != 0:
             said = err.decode(errors="replace").strip().splitlines()
             return self._error(f"the config checker failed (exit code {code}){': ' + said[-1] if said else ''}")

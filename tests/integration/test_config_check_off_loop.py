@@ -169,12 +169,8 @@ def test_a_failing_check_keeps_the_last_good_config_and_names_the_file(world, ho
     assert agent.status.config_error is None
 
 
-def test_sigterm_while_a_check_hangs_stops_tessera_run_at_once(hold: CheckerHold) -> None:
-    base = Path(tempfile.mkdtemp(prefix="cst", dir="/tmp"))  # short: unix socket paths are limited
-    kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock")
-    kubelet.start()
-    config = base / "config.yaml"
-    config.write_text("version: v1\n")
+def _tessera_run(base: Path, config: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """``tessera run`` on a simulated dgx-a100 with ``config``, its device-plugin directory under ``base``."""
     log = base / "agent.log"
     command = [
         sys.executable, "-m", "agent", "run", "--simulate", "dgx-a100", "--metrics-address", "off",
@@ -183,20 +179,66 @@ def test_sigterm_while_a_check_hangs_stops_tessera_run_at_once(hold: CheckerHold
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TESSERA_", "DP_"))}
     with log.open("w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env), log
+
+
+@pytest.fixture
+def run_base() -> Iterator[tuple[Path, KubeletEmulator]]:
+    base = Path(tempfile.mkdtemp(prefix="cst", dir="/tmp"))  # short: unix socket paths are limited
+    kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock")
+    kubelet.start()
+    yield base, kubelet
+    kubelet.stop()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _stops_at_once(process: subprocess.Popen[bytes], log: Path, checker: int) -> None:
+    try:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=PROMPT * 2) == 0, log.read_text(errors="replace")[-2000:]  # not 30 s later
+        assert not running(checker), "the hung checker outlived the agent"
+        assert "stopping signal=SIGTERM" in log.read_text(errors="replace")
+    finally:
+        _kill(process)
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def test_sigterm_while_a_reload_check_hangs_stops_tessera_run_at_once(run_base, hold: CheckerHold) -> None:
+    base, kubelet = run_base
+    config = base / "config.yaml"
+    config.write_text("version: v1\n")
+    process, log = _tessera_run(base, config)
     try:
         kubelet.wait_for(lambda: kubelet.allocatable("nvidia.com/gpu") == 8, timeout=30, what="registered")
         hold.hang()
         config.write_text("version: v1\nsharing:\n  timeSlicing:\n    resources:\n      - name: nvidia.com/gpu\n"
                           "        replicas: 2\n")  # fmt: skip
         checker = hold.taken()
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=PROMPT * 2) == 0, log.read_text(errors="replace")[-2000:]  # not 30 s later
-        assert not running(checker), "the hung checker outlived the agent"
-        assert "stopping signal=SIGTERM" in log.read_text(errors="replace")
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-        kubelet.stop()
-        shutil.rmtree(base, ignore_errors=True)
+    except BaseException:
+        _kill(process)
+        raise
+    _stops_at_once(process, log, checker)
+
+
+def test_sigterm_while_the_first_check_hangs_stops_tessera_run_at_once(run_base, hold: CheckerHold) -> None:
+    """The start waits for its config's check before its first advertise; a SIGTERM cuts that wait short."""
+    base, _ = run_base
+    config = base / "config.yaml"
+    config.write_text("version: v1\n")
+    hold.hang()
+    process, log = _tessera_run(base, config)
+    try:
+        checker = hold.taken()
+        deadline = time.monotonic() + 30
+        while "discovered reason=start" not in log.read_text(errors="replace"):  # the agent is in its start
+            assert time.monotonic() < deadline and process.poll() is None, log.read_text(errors="replace")[-2000:]
+            time.sleep(0.02)
+    except BaseException:
+        _kill(process)
+        raise
+    _stops_at_once(process, log, checker)
