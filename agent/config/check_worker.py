@@ -21,6 +21,7 @@ from pathlib import Path
 
 from agent.config.isolated import TIMEOUT_SECONDS, Check
 from agent.config.model import ConfigError
+from agent.supervise import WorkerCrashed
 
 log = logging.getLogger(__name__)
 
@@ -99,19 +100,28 @@ class CheckWorker:
                 path, generation, self._wanted = self._wanted, self._generation, None
             if path is None:
                 continue
-            check = Check(path, timeout=self._timeout, command=self._command)  # the child starts here
-            with self._lock:
-                current = generation == self._generation and not self._stopping
-                if current:
-                    self._running = check
-            if not current:
-                check.cancel()  # superseded (or stopped) while it started
-                continue
-            with contextlib.suppress(ConfigError):  # the answer, an error included, stays in the check: the loop's
-                check.result()  # bounded by the check's own timeout; a cancel ends it at once
-            with self._lock:
-                current = generation == self._generation and not self._stopping
-                if self._running is check:
+            try:
+                self._check(path, generation)
+            except Exception as error:  # unforeseen: counted by the loop; the next change is checked afresh
+                with self._lock:
                     self._running, self._asked = None, None
+                self._post(WorkerCrashed("config", str(path), f"{type(error).__name__}: {error}"))
+
+    def _check(self, path: Path, generation: int) -> None:
+        """Run one check; post it unless a newer request (or the stop) came meanwhile."""
+        check = Check(path, timeout=self._timeout, command=self._command)  # the child starts here
+        with self._lock:
+            current = generation == self._generation and not self._stopping
             if current:
-                self._post(ConfigChecked(generation, check))
+                self._running = check
+        if not current:
+            check.cancel()  # superseded (or stopped) while it started
+            return
+        with contextlib.suppress(ConfigError):  # the answer, an error included, stays in the check: the loop's
+            check.result()  # bounded by the check's own timeout; a cancel ends it at once
+        with self._lock:
+            current = generation == self._generation and not self._stopping
+            if self._running is check:
+                self._running, self._asked = None, None
+        if current:
+            self._post(ConfigChecked(generation, check))

@@ -85,8 +85,10 @@ def stamp(path: Path) -> object:
         names = sorted(entry.name for entry in path.iterdir())
     except OSError:
         return ("dir", None)
-    data = path / "..data"
-    link = str(data.readlink()) if data.is_symlink() else None
+    try:
+        link: str | None = str((path / "..data").readlink())
+    except OSError:  # no ..data link (a plain directory), or it is being swapped
+        link = None
     return ("dir", link, tuple((name, of(path / name)) for name in names))
 
 
