@@ -270,7 +270,11 @@ BOMBS: list[tuple[str, bytes]] = [
 ]
 
 
-@pytest.mark.parametrize("reloads", [pytest.param(1000, id="1000")])
+@pytest.mark.parametrize(
+    "reloads",
+    # each reload is checked by a child process of its own (agent.config.check: no pydantic in the agent), ~0.1-0.3 s
+    [pytest.param(100, id="ci"), pytest.param(1000, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)])],
+)
 def test_config_bombs_hot_reloaded_never_stop_the_agent(sim_node, figures, reloads: int) -> None:
     good = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n      - {name: nvidia.com/gpu, replicas: 4}\n"
     with running_node(sim_node(TWO_A100), good) as node:
