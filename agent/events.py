@@ -1,7 +1,9 @@
 """Kubernetes Events on the agent's Node, recorded the way the kubelet records its own (``kubectl describe node``).
 
 The reconcile loop calls :meth:`EventRecorder.emit`; a thread of the recorder's own sends ``events.k8s.io/v1``
-Events to the API server, so the loop never waits for it. On the way:
+Events to the API server, so the loop never waits for it, and an idle one waits ``SEND_DELAY`` (20 ms) before it
+writes, so that what caused the Events (a device turned Unhealthy, sent to the kubelet) is not slowed by their
+JSON and HTTP. On the way:
 
 - **Aggregation**, as client-go's ``tools/events`` broadcaster does it: the same (type, reason, action, note)
   again within ``aggregate_seconds`` of its last sighting is no new Event but a PATCH of the first one's
@@ -70,6 +72,7 @@ RETRY_DELAY_MAX = 5.0
 _RBAC_RULE = 'ClusterRole rule: apiGroups ["events.k8s.io"], resources [events], verbs [create, patch]'
 MAX_MESSAGE = 512  # characters of the API server's message kept for one log line
 MAX_STATUS_BODY = 64 << 10  # an error body larger than this is not parsed for its message
+SEND_DELAY = 0.02  # an idle recorder waits this long before it writes: the moment's urgent work goes first
 
 # ----- the shell: a queue and the thread that sends it -------------------------------------------------
 
@@ -132,6 +135,7 @@ class EventRecorder:
         queue_limit: int = 1000,
         max_attempts: int = 4,
         retry_delay: float = 0.5,
+        send_delay: float = SEND_DELAY,
     ) -> None:
         self._node = validate_node_name(node_name)
         if node_uid is not None and (not isinstance(node_uid, str) or not node_uid):
@@ -148,6 +152,7 @@ class EventRecorder:
         self._queue_limit = queue_limit
         self._max_attempts = max_attempts
         self._retry_delay = float(retry_delay)
+        self._send_delay = float(send_delay)
         self._correlator = Correlator(aggregate_seconds, lambda: event_name(self._node))
         self._limiter = RateLimiter(burst, refill_seconds)
         self._queue: deque[_Pending] = deque()
@@ -291,7 +296,11 @@ class EventRecorder:
         events_api = self._api
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._stopping)
+                if not self._queue:
+                    self._cond.wait_for(lambda: self._queue or self._stopping)
+                    # Idle until now: what the moment was about goes first (a device turned Unhealthy reaches
+                    # the kubelet's ListAndWatch), then its Events, whose JSON and HTTP would compete with it.
+                    self._cond.wait_for(lambda: self._stopping, timeout=self._send_delay)
                 if self._stopping:
                     return
                 item = self._queue.popleft()
