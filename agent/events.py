@@ -142,8 +142,8 @@ class EventRecorder:
             raise ValueError(f"node_uid must be a non-empty string or None, got {node_uid!r}")
         if burst < 1 or refill_seconds <= 0 or aggregate_seconds < 0 or queue_limit < 1:
             raise ValueError("burst and queue_limit must be >= 1, refill_seconds > 0 and aggregate_seconds >= 0")
-        if max_attempts < 1 or retry_delay < 0:
-            raise ValueError("max_attempts must be >= 1 and retry_delay >= 0")
+        if max_attempts < 1 or retry_delay < 0 or send_delay < 0:
+            raise ValueError("max_attempts must be >= 1, retry_delay >= 0 and send_delay >= 0")
         self._api = api  # its create_event and patch_event; None: events go to the log
         self._uid = node_uid
         self._clock = clock
@@ -294,12 +294,12 @@ class EventRecorder:
 
     def _run(self) -> None:
         events_api = self._api
+        idle = True  # nothing written since the queue was last empty
         while True:
             with self._cond:
-                if not self._queue:
-                    self._cond.wait_for(lambda: self._queue or self._stopping)
-                    # Idle until now: what the moment was about goes first (a device turned Unhealthy reaches
-                    # the kubelet's ListAndWatch), then its Events, whose JSON and HTTP would compete with it.
+                self._cond.wait_for(lambda: self._queue or self._stopping)
+                if idle:  # what the moment was about goes first (a device turned Unhealthy reaches the kubelet's
+                    # ListAndWatch), then its Events, whose JSON and HTTP would compete with it
                     self._cond.wait_for(lambda: self._stopping, timeout=self._send_delay)
                 if self._stopping:
                     return
@@ -318,6 +318,7 @@ class EventRecorder:
             finally:
                 with self._cond:
                     self._in_flight = False
+                    idle = not self._queue
                     self._cond.notify_all()
 
     def _deliver(self, events_api: NodeApi | None, item: _Pending) -> None:
