@@ -6,9 +6,10 @@ Handlers are read-only: a bad request gets ``INVALID_ARGUMENT`` with a message a
 
 The hot path does only what a request needs. Everything that depends on the snapshot alone (the serialized
 ListAndWatch message, the allocator's per-device answers, the preferred-allocation layout) is worked out
-once, when the snapshot is handed over (``_Served``); a handler reads the current ``_Served`` once and
-answers from it. Constant answers (options, PreStartContainer) are pre-serialized bytes. Requests and answers
-are read and written by ``agent.plugin.wire``, without the protobuf runtime.
+once per snapshot (``_Served``: the message when it is handed over, the allocator once the kubelet has the
+message); a handler reads the current ``_Served`` once and answers from it. Constant answers (options,
+PreStartContainer) are pre-serialized bytes. Requests and answers are read and written by ``agent.plugin.wire``,
+without the protobuf runtime.
 
 Server model: ``grpc.aio``, every resource's server on the agent's one gRPC loop (``agent.grpc_loop``). Allocate
 costs the same as on grpcio's thread-pool server, but an idle thread-pool server wakes five to eight times a
