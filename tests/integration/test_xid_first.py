@@ -2,9 +2,9 @@
 
 The reconcile loop tells the kubelet before anything else (``send_updates`` waits until gRPC has written the new
 listing), then logs the XID, reads the ECC baseline, and the Event recorder writes the Node's Event after a short
-wait. These tests hold the other user-visible effects of an XID to account: the status, the log line, the Event
-on the Node, Allocate answering from the new listing. Real agent, simulated node, kubelet emulator, a fake API
-server spoken to over HTTP.
+wait. These tests hold the other user-visible effects of an XID to account: the status and the metrics, the log
+line, the Event on the Node, Allocate answering from the new listing. Real agent, simulated node, kubelet
+emulator, a fake API server spoken to over HTTP.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 import shutil
 import tempfile
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 
 from agent.agent import Agent, AgentOptions
 from agent.sim.kubelet import AdmissionError, KubeletEmulator
+from agent.telemetry.service import TelemetrySettings
 from tests.fake_events_api import FakeEventsApi
 from tests.fake_kube import FakeKube, serving, write_kubeconfig
 
@@ -53,12 +55,14 @@ def node(sim_node, caplog: pytest.LogCaptureFixture) -> Iterator[Node]:
             pod_resources_socket=base / "pr" / "kubelet.sock",
             node_name=NODE,
             kubeconfig=str(write_kubeconfig(base / "kubeconfig", kube.port)),
+            telemetry=TelemetrySettings(hostname=NODE, metrics_address="127.0.0.1:0", interval=0.5, proc_root=base),
         )
         agent = Agent(options)
         thread = threading.Thread(target=agent.run, name="agent-under-test")
         thread.start()
         try:
             kubelet.wait_for(lambda: kubelet.allocatable(GPU) == 8, timeout=DEADLINE, what="8 GPUs registered")
+            kubelet.wait_for(lambda: agent.metrics_port is not None, timeout=DEADLINE, what="the metrics endpoint")
             yield Node(kubelet, agent, events, driver)
         finally:
             agent.stop()
@@ -66,6 +70,11 @@ def node(sim_node, caplog: pytest.LogCaptureFixture) -> Iterator[Node]:
             kubelet.stop()
     assert not thread.is_alive()
     shutil.rmtree(base, ignore_errors=True)
+
+
+def _metrics(agent: Agent) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5) as answer:
+        return answer.read().decode()
 
 
 def _event(events: FakeEventsApi, reason: str) -> dict | None:
@@ -81,6 +90,9 @@ def test_after_the_kubelet_hears_of_an_xid_the_status_log_and_event_follow(node:
     # The status the kubelet's news came with: `tessera status` never lags what the kubelet hears.
     assert gpu.uuid in node.agent.status.faults
     assert node.agent.status.xid_counts[("3", gpu.uuid, "48")] == 1
+    # The metrics, at the collector's next turn (it reads the status).
+    counted = f'tessera_gpu_xid_errors_total{{Hostname="{NODE}",UUID="{gpu.uuid}",gpu="3",xid="48"}} 1.0'
+    node.kubelet.wait_for(lambda: counted in _metrics(node.agent), timeout=DEADLINE, what="the XID counted")
     # The log line, said once the kubelet was told (not before, not never).
     node.kubelet.wait_for(
         lambda: any("critical XID" in r.getMessage() and gpu.uuid in r.getMessage() for r in caplog.records),
