@@ -838,7 +838,10 @@ class Agent:
         if not units:
             self._refresh_status()  # the count
             return
-        self._publish()  # the kubelet first; then what recovery will be judged against (an NVML read)
+        try:
+            self._publish()  # the kubelet first; then the log, and what recovery will be judged against (an NVML read)
+        finally:
+            self._keeper.say_xid(event, units)
         if self._keeper.take_ecc_baseline(event, units):
             self._refresh_status()
 
@@ -925,9 +928,11 @@ class Agent:
         changed = self._servers.apply(snapshots)
         self._snapshots = snapshots
         before = self._set_status()  # what `tessera status` says never lags what the kubelet hears
-        updated = [server for server, snapshot in changed if server.update(snapshot)]
+        updated = [server for server, snapshot in changed if server.update(snapshot, wake=False)]
         if updated:
             send_updates(updated)  # the kubelet next: the events, logs and NVML reads that follow come after
+        for server in self._servers.servers.values():
+            server.prepare()  # what Allocate answers from, once the kubelet has the listing
         self._node.announce(before, self.status)
         if self._memlimits is not None:
             self._memlimits.plan_published(self._plan)  # a resized replica reaches running containers now

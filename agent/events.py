@@ -1,7 +1,9 @@
 """Kubernetes Events on the agent's Node, recorded the way the kubelet records its own (``kubectl describe node``).
 
 The reconcile loop calls :meth:`EventRecorder.emit`; a thread of the recorder's own sends ``events.k8s.io/v1``
-Events to the API server, so the loop never waits for it. On the way:
+Events to the API server, so the loop never waits for it, and an idle one waits ``SEND_DELAY`` (20 ms) before it
+writes, so that what caused the Events (a device turned Unhealthy, sent to the kubelet) is not slowed by their
+JSON and HTTP. On the way:
 
 - **Aggregation**, as client-go's ``tools/events`` broadcaster does it: the same (type, reason, action, note)
   again within ``aggregate_seconds`` of its last sighting is no new Event but a PATCH of the first one's
@@ -70,6 +72,7 @@ RETRY_DELAY_MAX = 5.0
 _RBAC_RULE = 'ClusterRole rule: apiGroups ["events.k8s.io"], resources [events], verbs [create, patch]'
 MAX_MESSAGE = 512  # characters of the API server's message kept for one log line
 MAX_STATUS_BODY = 64 << 10  # an error body larger than this is not parsed for its message
+SEND_DELAY = 0.02  # an idle recorder waits this long before it writes: the moment's urgent work goes first
 
 # ----- the shell: a queue and the thread that sends it -------------------------------------------------
 
@@ -132,14 +135,15 @@ class EventRecorder:
         queue_limit: int = 1000,
         max_attempts: int = 4,
         retry_delay: float = 0.5,
+        send_delay: float = SEND_DELAY,
     ) -> None:
         self._node = validate_node_name(node_name)
         if node_uid is not None and (not isinstance(node_uid, str) or not node_uid):
             raise ValueError(f"node_uid must be a non-empty string or None, got {node_uid!r}")
         if burst < 1 or refill_seconds <= 0 or aggregate_seconds < 0 or queue_limit < 1:
             raise ValueError("burst and queue_limit must be >= 1, refill_seconds > 0 and aggregate_seconds >= 0")
-        if max_attempts < 1 or retry_delay < 0:
-            raise ValueError("max_attempts must be >= 1 and retry_delay >= 0")
+        if max_attempts < 1 or retry_delay < 0 or send_delay < 0:
+            raise ValueError("max_attempts must be >= 1, retry_delay >= 0 and send_delay >= 0")
         self._api = api  # its create_event and patch_event; None: events go to the log
         self._uid = node_uid
         self._clock = clock
@@ -148,6 +152,7 @@ class EventRecorder:
         self._queue_limit = queue_limit
         self._max_attempts = max_attempts
         self._retry_delay = float(retry_delay)
+        self._send_delay = float(send_delay)
         self._correlator = Correlator(aggregate_seconds, lambda: event_name(self._node))
         self._limiter = RateLimiter(burst, refill_seconds)
         self._queue: deque[_Pending] = deque()
@@ -289,9 +294,13 @@ class EventRecorder:
 
     def _run(self) -> None:
         events_api = self._api
+        idle = True  # nothing written since the queue was last empty
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._stopping)
+                if idle:  # what the moment was about goes first (a device turned Unhealthy reaches the kubelet's
+                    # ListAndWatch), then its Events, whose JSON and HTTP would compete with it
+                    self._cond.wait_for(lambda: self._stopping, timeout=self._send_delay)
                 if self._stopping:
                     return
                 item = self._queue.popleft()
@@ -309,6 +318,7 @@ class EventRecorder:
             finally:
                 with self._cond:
                     self._in_flight = False
+                    idle = not self._queue
                     self._cond.notify_all()
 
     def _deliver(self, events_api: NodeApi | None, item: _Pending) -> None:

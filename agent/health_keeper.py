@@ -87,9 +87,13 @@ class HealthKeeper:
         assert inventory is not None  # the loop reads the node before it starts the watcher
         units = units_for_event(inventory, event.gpu_uuid, event.gi_id, event.ci_id)
         self.state = record_xid(self.state, units, verdict, self._clock(), gpu_uuid=event.gpu_uuid)
+        return units  # said by ``say_xid``, once the kubelet has been told
+
+    def say_xid(self, event: XidEvent, units: Sequence[str]) -> None:
+        """Log a critical XID (after the kubelet hears of it: formatting a log line costs a tenth of a ms)."""
+        verdict = self.policy.verdict(event.xid)
         log.warning("critical XID gpu=%s xid=%d reason=%r effect=%s unhealthy=%s",
                     event.gpu_uuid, event.xid, verdict.reason, verdict.effect, ",".join(units))  # fmt: skip
-        return units
 
     def take_ecc_baseline(self, event: XidEvent, units: Sequence[str]) -> bool:
         """Read what the recovery of an XID's units will be judged against (an NVML read, so the loop does it

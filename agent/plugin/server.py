@@ -6,9 +6,10 @@ Handlers are read-only: a bad request gets ``INVALID_ARGUMENT`` with a message a
 
 The hot path does only what a request needs. Everything that depends on the snapshot alone (the serialized
 ListAndWatch message, the allocator's per-device answers, the preferred-allocation layout) is worked out
-once, when the snapshot is handed over (``_Served``); a handler reads the current ``_Served`` once and
-answers from it. Constant answers (options, PreStartContainer) are pre-serialized bytes. Requests and answers
-are read and written by ``agent.plugin.wire``, without the protobuf runtime.
+once per snapshot (``_Served``: the message when it is handed over, the allocator once the kubelet has the
+message); a handler reads the current ``_Served`` once and answers from it. Constant answers (options,
+PreStartContainer) are pre-serialized bytes. Requests and answers are read and written by ``agent.plugin.wire``,
+without the protobuf runtime.
 
 Server model: ``grpc.aio``, every resource's server on the agent's one gRPC loop (``agent.grpc_loop``). Allocate
 costs the same as on grpcio's thread-pool server, but an idle thread-pool server wakes five to eight times a
@@ -26,7 +27,6 @@ import os
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +59,20 @@ Entry = tuple[str, bool, int | None]  # a device as ListAndWatch lists it: ID, h
 _EMPTY = b""  # PreStartContainerResponse has no fields
 
 
-@dataclass(frozen=True, slots=True)
 class _Served:
-    """A snapshot and what the handlers derive from it, worked out once when it is handed over."""
+    """A snapshot and what the handlers derive from it, worked out once when it is handed over.
 
-    snapshot: ResourceSnapshot
-    list_and_watch: bytes  # the serialized ListAndWatchResponse; the same object while the listing is unchanged
-    entries: Mapping[Entry, bytes]  # each device's part of it, kept for the next snapshot
-    allocator: Allocator
+    The serialized listing is built at once (the kubelet is about to be sent it); the allocator's per-device
+    answers only when first asked for (``prepare`` after the listing went out, or the first Allocate), so a
+    device turning Unhealthy reaches the kubelet without waiting for them."""
+
+    __slots__ = ("_allocator", "entries", "list_and_watch", "snapshot")
+
+    def __init__(self, snapshot: ResourceSnapshot, list_and_watch: bytes, entries: Mapping[Entry, bytes]) -> None:
+        self.snapshot = snapshot
+        self.list_and_watch = list_and_watch  # the serialized ListAndWatchResponse; the same object while the
+        self.entries = entries  # listing is unchanged; each device's part of it, kept for the next snapshot
+        self._allocator: Allocator | None = None
 
     @classmethod
     def of(cls, snapshot: ResourceSnapshot, previous: _Served | None = None) -> _Served:
@@ -77,22 +83,34 @@ class _Served:
             known = previous.entries if previous is not None else {}
             entries = {entry: known.get(entry) or _device_entry(*entry) for entry in listing}
             message = b"".join(entries.values())
-        options = snapshot.options
-        mps = MpsClient(options.mps_root, snapshot.mps, snapshot.replicas) if snapshot.mps is not None else None
-        allocator = Allocator.of(
-            snapshot.name,
-            snapshot.devices,
-            snapshot.health,
-            options.strategies,
-            cdi_kind=options.cdi_kind,
-            mps=mps,
-            fail_requests_greater_than_one=snapshot.fail_requests_greater_than_one,
-            memory=snapshot.memory,
-            replicas=snapshot.replicas,
-            memory_envs=options.memory_envs,
-            cdi_unavailable=options.cdi_unavailable,
-        )
-        return cls(snapshot, message, entries, allocator)
+        return cls(snapshot, message, entries)
+
+    @property
+    def allocator(self) -> Allocator:
+        """Built from this snapshot alone, so two threads building it at once build the same (one attribute
+        write each): the reconcile thread in ``prepare``, the gRPC loop in a handler."""
+        allocator = self._allocator
+        if allocator is None:
+            allocator = self._allocator = _allocator_of(self.snapshot)
+        return allocator
+
+
+def _allocator_of(snapshot: ResourceSnapshot) -> Allocator:
+    options = snapshot.options
+    mps = MpsClient(options.mps_root, snapshot.mps, snapshot.replicas) if snapshot.mps is not None else None
+    return Allocator.of(
+        snapshot.name,
+        snapshot.devices,
+        snapshot.health,
+        options.strategies,
+        cdi_kind=options.cdi_kind,
+        mps=mps,
+        fail_requests_greater_than_one=snapshot.fail_requests_greater_than_one,
+        memory=snapshot.memory,
+        replicas=snapshot.replicas,
+        memory_envs=options.memory_envs,
+        cdi_unavailable=options.cdi_unavailable,
+    )
 
 
 def _device_entry(device_id: str, healthy: bool, numa_node: int | None) -> bytes:
@@ -128,6 +146,8 @@ class ResourceServer:
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._open_streams = 0
+        self._written: dict[object, bytes | None] = {}  # per open stream: the last listing gRPC has written
+        self._progress = asyncio.Event()  # set (and replaced) when a stream has written or ended
         self._on_stream_closed = on_stream_closed
         self._on_stream_opened = on_stream_opened
         self._server: grpc.aio.Server | None = None
@@ -218,20 +238,25 @@ class ResourceServer:
             return
         self._standby_linked = True
 
-    def update(self, snapshot: ResourceSnapshot) -> bool:
+    def update(self, snapshot: ResourceSnapshot, *, wake: bool = True) -> bool:
         """Serve ``snapshot`` from now on; ListAndWatch streams send it only if the listing changed (True).
 
-        Called by the one reconcile thread. The derived answers are built before the swap (one attribute
-        write), so a handler sees either the old snapshot or the new one with everything belonging to it.
-        The streams send on the gRPC loop; ``send_updates`` waits until they have.
+        Called by the one reconcile thread. The listing is built before the swap (one attribute write), so a
+        handler sees either the old snapshot or the new one with everything belonging to it. The streams send
+        on the gRPC loop; with ``wake=False`` they are woken by ``send_updates``, which waits until they have.
         """
         served = _Served.of(snapshot, self._served)
         changed = served.list_and_watch is not self._served.list_and_watch
         self._served = served
         if changed and self._server is not None:
-            self._loop.call_soon(self._wake)
+            if wake:
+                self._loop.call_soon(self._wake)
             return True
         return False
+
+    def prepare(self) -> None:
+        """Work out what Allocate answers from (the reconcile thread, once the kubelet has the listing)."""
+        self._served.allocator  # noqa: B018 (built on first read)
 
     def stop(self, grace: float = STOP_GRACE) -> None:
         """Stop at once: every ListAndWatch stream sends nothing more and ends (the kubelet sees a clean end
@@ -267,7 +292,9 @@ class ResourceServer:
         cancels it where it waits.
         """
         sent: bytes | None = None
+        stream = object()  # this stream's key in ``_written``
         self._open_streams += 1
+        self._written[stream] = None
         try:
             while not self._stopping:
                 message = self._served.list_and_watch
@@ -276,10 +303,14 @@ class ResourceServer:
                     continue
                 first, sent = sent is None, message
                 yield message  # resumed once gRPC has written it and wants the next
+                self._written[stream] = message
+                self._wrote()
                 if first:
                     self._on_stream_opened(self.resource)
         finally:
             self._open_streams -= 1
+            del self._written[stream]
+            self._wrote()  # a stream that ended has nothing more to write
             if self._stopping:
                 self._wake()  # a stop waiting for the streams to close
             else:
@@ -296,25 +327,42 @@ class ResourceServer:
         wakeup, self._wakeup = self._wakeup, asyncio.Event()
         wakeup.set()
 
+    def _wrote(self) -> None:
+        """On the loop: a stream has handed a listing to gRPC, or ended (``_written_all`` may be true now)."""
+        progress, self._progress = self._progress, asyncio.Event()
+        progress.set()
+
+    async def _written_all(self) -> None:
+        """On the loop: until every open stream has written the listing served now (or ended)."""
+        while any(message is not self._served.list_and_watch for message in self._written.values()):
+            await self._progress.wait()
+
 
 def send_updates(servers: Iterable[ResourceServer], timeout: float = SEND_WAIT) -> None:
-    """Wait until the streams woken by ``update`` have handed their new listing to gRPC (at most ``timeout``).
+    """Wake the streams of servers ``update``d with ``wake=False`` and wait until each has handed its new listing
+    to gRPC and gRPC has written it (at most ``timeout``: the streams are woken all the same).
 
-    The reconcile thread calls it after a change the kubelet must see (a device turned Unhealthy): rather than
-    go on with what follows (logs, NVML reads, the status) while the gRPC loop waits for the GIL, it lets the
-    loop send first. Handlers on the loop never block, so this takes as long as the sending itself.
+    The reconcile thread calls it after a change the kubelet must see (a device turned Unhealthy): one hand-over
+    to the gRPC loop, after which the reconcile thread waits, off the GIL, rather than go on with what follows
+    (logs, NVML reads, the status, the allocator's answers) while the loop waits for the GIL to send. Handlers
+    on the loop never block, so this takes as long as the sending itself.
     """
-    loops = {server._loop for server in servers if server._server is not None}
-    for loop in loops:
+    by_loop: dict[GrpcLoop, list[ResourceServer]] = {}
+    for server in servers:
+        if server._server is not None:
+            by_loop.setdefault(server._loop, []).append(server)
+    for loop, running in by_loop.items():
         with contextlib.suppress(TimeoutError):
-            loop.run(_next_turns(), timeout)
+            loop.run(_send(running, timeout), timeout)
 
 
-async def _next_turns() -> None:
-    """Done once the loop ran what was queued before it, and the tasks that woke up from that their next step
-    (a stream woken by ``update`` has then yielded its message to gRPC)."""
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+async def _send(servers: list[ResourceServer], timeout: float) -> None:
+    for server in servers:
+        server._wake()
+    with contextlib.suppress(TimeoutError):  # a kubelet that does not read leaves nothing waiting here
+        async with asyncio.timeout(timeout):
+            for server in servers:
+                await server._written_all()
 
 
 def stop_servers(servers: Iterable[ResourceServer], grace: float = STOP_GRACE) -> None:

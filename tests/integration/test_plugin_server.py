@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from agent.api.deviceplugin.v1beta1 import api_pb2
-from agent.core.allocation import DeviceListStrategy, container_allocation
+from agent.core.allocation import AllocationError, DeviceListStrategy, container_allocation
 from agent.core.preferred import preferred
 from agent.core.resources import Device
 from agent.core.snapshot import AllocationOptions, ResourceSnapshot
@@ -359,6 +359,28 @@ def test_register_soon_answers_every_resource_when_the_attempt_itself_fails(plug
     assert done.wait(10)
     assert set(answered[0]) == {GPU, "nvidia.com/gpu.shared"}
     assert all(text and text.startswith("registration failed: AttributeError") for text in answered[0].values())
+
+
+def test_send_updates_hands_every_stream_what_update_held_back(serve):
+    """The reconcile loop updates without waking (``wake=False``) and hands the change over once, with
+    ``send_updates``: every open stream (two: a kubelet that restarted keeps its old one a moment) sends it, and
+    the allocator built after that answers from the new snapshot."""
+    server = serve(snapshot())
+    readers = [Reader(server.socket_path), Reader(server.socket_path)]
+    try:
+        for reader in readers:
+            assert len(reader.wait_for(1)) == 1
+        assert server.update(snapshot(unhealthy=(1,)), wake=False)
+        send_updates([server])
+        for reader in readers:
+            assert len(reader.wait_for(2)) == 2
+            assert reader.health()[uuid(1)] == "Unhealthy"
+        server.prepare()
+        with pytest.raises(AllocationError, match="Unhealthy"):
+            server._served.allocator.allocate([uuid(1)])
+    finally:
+        for reader in readers:
+            reader.close()
 
 
 def test_send_updates_has_nothing_to_wait_for_without_a_running_server(plugin_dir):

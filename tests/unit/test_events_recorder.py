@@ -165,6 +165,24 @@ def test_stop_drops_what_is_unsent_and_returns_at_once(recorders, clock, logs) -
     assert any("unsent events dropped count=3" in line for line in lines(logs, logging.DEBUG))
 
 
+def test_an_idle_recorder_lets_the_moment_pass_before_it_writes(recorders, clock, logs) -> None:
+    """What caused an Event (a device turned Unhealthy, on its way to the kubelet) goes before the Event's own
+    JSON and HTTP: an idle recorder waits ``send_delay``, then writes everything the moment queued."""
+    recorder = make(recorders, clock, send_delay=60.0)
+    recorder.emit("Warning", "GPUUnhealthy", "MarkUnhealthy", "GPU 1: XID 79")
+    recorder.emit("Normal", "GPUHealthy", "MarkHealthy", "GPU 2")
+    assert not recorder.flush(0.3)  # a deadline, not a sleep: still waiting out the moment
+    assert recorder.logged == 0
+    quick = make(recorders, clock, send_delay=0.01)
+    quick.emit("Warning", "GPUUnhealthy", "MarkUnhealthy", "GPU 1: XID 79")
+    quick.emit("Normal", "GPUHealthy", "MarkHealthy", "GPU 2")
+    assert flushed(quick).logged == 2
+    started = time.monotonic()
+    recorder.stop(timeout=1.0)  # the wait ends with the recorder
+    assert time.monotonic() - started < 1.0
+    assert recorder.dropped == 2
+
+
 def test_an_event_after_stop_goes_to_the_log(recorders, clock, logs) -> None:
     recorder = make(recorders, clock)
     recorder.stop()
@@ -209,7 +227,7 @@ def test_emit_from_many_threads_loses_nothing_it_does_not_count(recorders, clock
 @pytest.mark.parametrize(
     "options",
     [{"burst": 0}, {"refill_seconds": 0}, {"aggregate_seconds": -1}, {"queue_limit": 0}, {"max_attempts": 0},
-     {"node_uid": ""}],
+     {"node_uid": ""}, {"send_delay": -1}],
 )  # fmt: skip
 def test_nonsense_settings_are_refused(options: dict) -> None:
     with pytest.raises(ValueError):
