@@ -212,7 +212,7 @@ def test_random_mig_layout_changes_never_destroy_under_a_held_device(sim_node, f
 
 @pytest.mark.parametrize(
     "changes",
-    [pytest.param(20, id="ci"), pytest.param(200, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)])],
+    [pytest.param(8, id="ci"), pytest.param(200, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)])],
 )
 def test_random_mps_spec_changes_never_quit_a_daemon_under_a_client(sim_node, mps_bin: Path, figures, changes) -> None:
     driver = sim_node(TWO_A100)
@@ -273,7 +273,7 @@ BOMBS: list[tuple[str, bytes]] = [
 @pytest.mark.parametrize(
     "reloads",
     # each reload is checked by a child process of its own (agent.config.check: no pydantic in the agent), ~0.1-0.3 s
-    [pytest.param(100, id="ci"), pytest.param(1000, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)])],
+    [pytest.param(40, id="ci"), pytest.param(1000, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)])],
 )
 def test_config_bombs_hot_reloaded_never_stop_the_agent(sim_node, figures, reloads: int) -> None:
     good = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n      - {name: nvidia.com/gpu, replicas: 4}\n"
