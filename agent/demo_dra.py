@@ -536,8 +536,8 @@ class _DraDemo:
         print("  - an XID tainted its device (gpu.nvidia.com/xid) and the taint went when the GPU recovered")
         print("  - the slices a kubelet restart wiped came back without the agent restarting")
         print(
-            f"  - two claims shared GPU {SHARED_GPU} by 10Gi and 20Gi, each held to its share by the GPU's MPS daemon;"
-            " a third did not fit"
+            f"  - two claims shared GPU {SHARED_GPU} by 10Gi and 20Gi, each held to its own share by the driver"
+            " (nvmlDeviceSetMemoryLimits_v1 on each container's cgroup); a third did not fit"
         )
         print("  - an unchanged nvidia.com/gpu pod ran on GPUs served by DRA, once the whole node was DRA's")
         print("Done. Next: `tessera plan --dra --node dgx-a100` to see the slices of another node, or `tessera demo`.")
