@@ -132,21 +132,23 @@ def claim_sizes(checkpoint: Checkpoint | None, inventory: Inventory | None) -> d
         return {}
     from agent.core.dra.checkpoint import PREPARE_COMPLETED
     from agent.core.dra.devices import gpu_minor_of
-    from agent.core.dra.mps import pinned_mib
+    from agent.core.dra.mps import memory_sizes
 
     by_minor = {gpu.minor_number: gpu for gpu in inventory.gpus}
     sized: dict[ClaimKey, SizedDevice] = {}
     for claim in checkpoint.claims.values():
         if claim.state != PREPARE_COMPLETED:
             continue
-        pinned = pinned_mib(claim.mps) if claim.mps is not None and claim.mps.share is None else {}
+        sizes = memory_sizes(claim.mps)  # MiB per GPU UUID: what its CDI edits give the claim's containers too
         for device in claim.devices:
             minor = gpu_minor_of(device.device)
             gpu = by_minor.get(minor) if minor is not None else None
             whole = gpu is not None and device.device == f"gpu-{minor}" and device.mig is None
             if device.admin_access or gpu is None or not whole:
                 continue
-            size = device.share.memory if device.share is not None else pinned.get(gpu.uuid, 0) * MIB
+            # the MPS record's size first: a share counted in `shares` consumes no memory capacity, yet its
+            # containers get their part of the GPU's memory (agent.core.dra.shares.limits)
+            size = sizes.get(gpu.uuid, 0) * MIB or (device.share.memory if device.share is not None else 0)
             if not size:
                 continue
             name = f"{claim.namespace}/{claim.name}"

@@ -82,3 +82,16 @@ def test_the_driver_holds_a_claim_only_where_it_can_and_every_container_is_held(
     assert not refused.holds("default/a", GPU0)
     assert not DriverReport(capable=frozenset({GPU0}), refusals=MappingProxyType({"*": "r580"})).holds("x/y", GPU0)
     assert not DriverReport().holds("default/a", GPU0)
+
+
+def test_a_share_counted_in_shares_is_held_to_its_part_of_the_memory() -> None:
+    """consumableShares: N — the claim consumes no memory capacity (Share.memory 0), yet its MPS record gives its
+    containers their part of the GPU's memory, as its CDI edits do: the driver must hold them to that too."""
+    from agent.core.dra.mps import ShareLimits
+
+    record = MpsRecord("dra/gpu-0", (GPU0,), share=ShareLimits(memory_mib=20480, threads=None, device_mib=81920))
+    checkpoint = Checkpoint("boot", MappingProxyType({
+        "u1": claim("quarter", device("gpu-0", Share(0, shares=1)), mps=record),
+    }))  # fmt: skip
+    sizes = claim_sizes(checkpoint, INVENTORY)
+    assert {key[1]: (s.gpu_uuid, s.size) for key, s in sizes.items()} == {"quarter": (GPU0, 20480 * MIB)}
