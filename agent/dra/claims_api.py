@@ -15,6 +15,7 @@ claim) and words the error.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -94,7 +95,7 @@ class ClaimStatus(Protocol):
 
 
 JSON_PATCH = "application/json-patch+json"
-STATUS_READ_TIMEOUT = 5.0  # a report: a hung API server holds the claim worker (the next claim) this long at most
+STATUS_READ_TIMEOUT = 5.0  # a report, all its reads and writes: a slow API server holds the claim worker this long
 STATUS_ATTEMPTS = 3  # a claim another writer changed meanwhile (the scheduler, another driver) is read again
 
 
@@ -124,7 +125,7 @@ class KubernetesClaimStatus:
 
         self._custom = kubernetes.client.CustomObjectsApi(api_client)
         self._api_exception = kubernetes.client.exceptions.ApiException
-        self._timeout = (connect_timeout, read_timeout)
+        self._connect_timeout, self._read_timeout = connect_timeout, read_timeout
         self._driver, self._node = driver, node
         self._now = lambda: rfc3339(now())
 
@@ -139,11 +140,21 @@ class KubernetesClaimStatus:
 
     def _update(self, namespace: str, name: str, uid: str, change: Callable[[dict[str, Any]], list | None]) -> bool:
         where = f"ResourceClaim {namespace}/{name}"
+        deadline = time.monotonic() + self._read_timeout  # one budget for every read and write of this report
+
+        def timeout() -> tuple[float, float]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ClaimStatusNotWritten(f"{where}: no answer within {self._read_timeout:g} s in all")
+            return (min(self._connect_timeout, left), left)
+
         for _ in range(STATUS_ATTEMPTS):
             try:
                 claim = self._custom.get_namespaced_custom_object(
-                    GROUP, VERSION, namespace, PLURAL, name, _request_timeout=self._timeout
+                    GROUP, VERSION, namespace, PLURAL, name, _request_timeout=timeout()
                 )
+            except ClaimStatusNotWritten:
+                raise
             except self._api_exception as error:
                 if error.status == 404:
                     return False
@@ -167,9 +178,11 @@ class KubernetesClaimStatus:
             try:
                 self._custom.patch_namespaced_custom_object_status(
                     GROUP, VERSION, namespace, PLURAL, name, patch,
-                    _content_type=JSON_PATCH, _request_timeout=self._timeout,
+                    _content_type=JSON_PATCH, _request_timeout=timeout(),
                 )  # fmt: skip
                 return True
+            except ClaimStatusNotWritten:
+                raise
             except self._api_exception as error:
                 if error.status in (409, 422) and _test_failed(error):
                     continue  # changed since it was read: read it again

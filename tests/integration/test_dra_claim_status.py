@@ -106,3 +106,15 @@ def test_a_device_the_claim_was_not_allocated_is_refused_by_the_api_server_and_s
     claim = allocated(api)
     with pytest.raises(ClaimStatusNotWritten, match=r"writing status.devices of ResourceClaim default/train: HTTP 422"):
         writer(api).prepared("default", "train", claim["metadata"]["uid"], [DeviceStatus(NODE, "gpu-7", "GPU-7")])
+
+
+def test_a_slow_api_server_holds_a_report_no_longer_than_its_one_budget(api: ApiServer) -> None:
+    """The report runs on the claim worker (the next Prepare waits behind it): its read and its write share one
+    time budget, so an API server that answers each request just in time cannot stretch it to several budgets."""
+    claim = allocated(api)
+    api.set_latency(0.4)  # each request answers within a 0.6 s budget, a read and a write together do not
+    slow = KubernetesClaimStatus(api.api_client(), DRIVER, NODE, read_timeout=0.6)
+    with pytest.raises(ClaimStatusNotWritten, match=r"no answer within 0\.6 s in all|timed out|Timeout"):
+        slow.prepared("default", "train", claim["metadata"]["uid"], [DeviceStatus(NODE, "gpu-0", "GPU-1234")])
+    api.set_latency(0)
+    assert api.get("resourceclaims", "train", "default")["status"]["devices"] == [NIC]  # nothing written
