@@ -410,6 +410,11 @@ class ClaimWorker:
             if busy:
                 held = "; ".join(busy)
                 raise MigModeBusy(f"GPU {gpu_uuid}: MIG mode cannot be turned {mode} while it is held: {held}")
+            state = self._partitions.mig_mode(gpu_uuid)  # read again where it is acted on: no drift since the check
+            if state.enabled == enabled:
+                return
+            if not enabled and state.mig_devices:
+                raise MigModeBusy(f"GPU {gpu_uuid}: {state.mig_devices} MIG device(s) appeared on it meanwhile")
             self._partitions.set_mig_mode(gpu_uuid, enabled)
             self.mig_mode_changes += 1
         if enabled:
@@ -429,6 +434,8 @@ class ClaimWorker:
                 with self._acting_on_gpu(claim_uid, gpu_uuid) as busy:
                     if busy:
                         log.info("MIG mode stays on gpu=%s held_by=%r", gpu_uuid, "; ".join(busy))
+                        continue
+                    if self._partitions.mig_mode(gpu_uuid).mig_devices:  # read again where it is acted on
                         continue
                     self._partitions.set_mig_mode(gpu_uuid, False)
                     self.mig_mode_changes += 1
