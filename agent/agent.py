@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.config.check_worker import CheckWorker, ConfigChecked
 from agent.config.effective import FlagOverrides, effective
-from agent.config.isolated import Check, stamp
+from agent.config.isolated import Check, CheckerFailed, stamp
 from agent.config.labels import (
     CONFIG_LABEL,
     CORDON_ANNOTATIONS,
@@ -226,6 +226,8 @@ class Agent:
         self._resync_backoff = Backoff(0.5, MAX_BACKOFF)
         self._rediscover_at: float | None = None  # the inventory is read again at this time
         self._rediscover_backoff = Backoff(0.5, 60.0)
+        self._recheck_config_at: float | None = None  # the config checker failed: its files are checked again then
+        self._recheck_config_backoff = Backoff(1.0, 60.0)
         self._stale_gpus: frozenset[str] = frozenset()  # their devices are withdrawn until a good re-read
         self._discovery_error: str | None = None
         self.status = AgentStatus()
@@ -289,7 +291,7 @@ class Agent:
         """How long the loop may sleep: until the nearest real deadline (a retry, a backoff, a health quiet
         period, a MIG or MPS drain re-check), at most ``SAFETY_SECONDS``. Nothing else wakes it but events."""
         now = self._clock()
-        deadlines = [self._keeper.next_deadline(), self._resync_at, self._rediscover_at]
+        deadlines = [self._keeper.next_deadline(), self._resync_at, self._rediscover_at, self._recheck_config_at]
         deadlines += [feature.next_deadline() for feature in (self._mps, self._mig, self._dra) if feature is not None]
         if self._settling:
             deadlines.append(self._settle_by)
@@ -535,6 +537,9 @@ class Agent:
             self._resync()
         if self._rediscover_at is not None and now >= self._rediscover_at:
             self._rediscover("retry")
+        if self._recheck_config_at is not None and now >= self._recheck_config_at:
+            self._recheck_config_at = None
+            self._apply_config(force=True)
         self._probe_faults(now)
         if self._mps is not None and self._mps.tick(now):
             self._publish()
@@ -621,6 +626,8 @@ class Agent:
         except Exception as error:
             if not isinstance(error, ConfigError | PlanError):
                 self._internal_error("config", error)
+            if isinstance(error, CheckerFailed):  # not the config's fault: check its files again later
+                self._recheck_config_at = self._clock() + self._recheck_config_backoff.next_delay()
             message = str(error) or type(error).__name__
             if message != self._config_error:
                 self._config_errors += 1
@@ -640,6 +647,7 @@ class Agent:
             ",".join(r.name for r in new_plan.resources) or "none",
         )
         self._loaded, self._effective, self._plan, self._config_error = loaded, chosen, new_plan, None
+        self._recheck_config_backoff.reset()
         self._policy = self.options.health.with_config_overrides(chosen.health_overrides)
         self._reconcile_mps(new_plan, Path(chosen.allocation.mps_root))
         self._update_mig(publish=False)

@@ -92,6 +92,11 @@ def stamp(path: Path) -> object:
     return ("dir", link, tuple((name, of(path / name)) for name in names))
 
 
+class CheckerFailed(ConfigError):
+    """The checker itself failed (could not start, died, hung, answered garbage): nothing is known about the config,
+    so the agent tries again with backoff rather than wait for the files to change."""
+
+
 class Check:
     """One run of the checker on ``path``, started at once; :meth:`result` waits for it (bounded)."""
 
@@ -154,8 +159,8 @@ class Check:
 
     # ----- reading the child ----------------------------------------------------------------------
 
-    def _error(self, what: str) -> ConfigError:
-        return ConfigError(str(self.path), [f"{what}; the last good config stays in force"])
+    def _error(self, what: str) -> CheckerFailed:
+        return CheckerFailed(str(self.path), [f"{what}; the last good config stays in force"])
 
     def _collect(self) -> CheckedSet | ConfigError:
         process = self._process

@@ -147,6 +147,18 @@ def test_an_agent_whose_checker_died_advertises_nothing_then_applies_the_next_ch
     assert agent.status.config_error is None
 
 
+def test_an_agent_whose_checker_died_tries_again_on_its_own(world) -> None:  # noqa: F811
+    """The checker failing (it died, hung, could not start) says nothing about the config: the agent checks the
+    same files again after a backoff, without waiting for them to change (a config error would wait)."""
+    kubelet, configmap, start = world
+    configmap.publish({"default": SHARED_GPUS})
+    dead = Check(configmap.root, command=_python("import sys; sys.exit(9)"))
+    agent = start(config_check=dead)
+    kubelet.wait_for(lambda: agent.status.config_error is not None, 10, "the checker's failure to be noticed")
+    kubelet.wait_for(lambda: kubelet.allocatable("nvidia.com/gpu.shared") == 8, 20, "the config applied unchanged")
+    assert agent.status.config_error is None
+
+
 # ----- when the checker runs again -------------------------------------------------------------------------
 
 
