@@ -177,7 +177,12 @@ def memory_limit_lines(held: Sequence[Mapping[str, Any]]) -> list[str]:
         who = f"{row['namespace']}/{row['pod']}/{row['container']}"
         sizes = f"request {_gib(row['request_bytes'])}, limit {_gib(row['limit_bytes'])}"
         if row["enforcement"] == "driver":
-            how = "driver" + ("" if row["applied"] else " (not applied yet: the container has not started)")
+            how = "driver" + (
+                ""
+                if row["applied"]
+                else " (not applied yet: the container has not started, or the driver's call "
+                "failed and is tried again; the log says which)"
+            )
         else:
             how = f"{row['enforcement']}: {row['reason']}"
         lines.append(f"  {who} on GPU {row['gpu_index']}: {sizes}; {how}")
