@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 from agent import __version__
 
 if TYPE_CHECKING:
+    from agent.config.isolated import Check
     from agent.config.model import ConfigModel
     from agent.core.inventory import Inventory
     from agent.core.resources import ResourcePlan
@@ -541,9 +542,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. Bad input is one line on stderr and a documented exit status; an exception nobody
     expected is one line too ("internal error", exit 70), with the traceback only when debugging
     (``--log-level debug``, ``TESSERA_LOG_LEVEL=debug`` or ``TESSERA_DEBUG=1``)."""
+    from agent.config.isolated import config_on_command_line, start_early
+
+    words = sys.argv[1:] if argv is None else list(argv)
+    # `tessera run`: the config checker (the longest step of a start) first, before the parser is even built
+    early_check = start_early(config_on_command_line(words, os.environ))
+    try:
+        return _main(words, early_check, exit_when_done=argv is None)
+    finally:
+        if early_check is not None:  # a usage error, --help, a run that ended: no checker is left running
+            early_check.cancel()  # (nothing to do once it has answered)
+
+
+def _main(words: list[str], early_check: Check | None, *, exit_when_done: bool) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
-    args.exit_when_done = argv is None  # the process's own command line: `tessera run` may end the process
+    args = parser.parse_args(words)
+    args.early_check = early_check
+    args.exit_when_done = exit_when_done  # the process's own command line: `tessera run` may end the process
     _check_env_choices(parser, args)
     _check_plan_flags(parser, args)
     try:
@@ -752,7 +767,10 @@ def _run_agent(args: argparse.Namespace, *, collector_paused: bool) -> int:
     from agent.config.isolated import start_early
 
     # The config is checked in a child process (no pydantic here), started first: it runs while the agent loads.
-    config_check = start_early(args.config or getattr(args, "config_file", None) or os.environ.get("CONFIG_FILE"))
+    # `main` started it from the command line, unparsed; if that guessed another path, the agent starts its own.
+    config_check = args.early_check or start_early(
+        args.config or getattr(args, "config_file", None) or os.environ.get("CONFIG_FILE")
+    )
     from agent.core.resources import PlanError
     from agent.gpu.discovery import DiscoveryError
     from agent.gpu.nvml import NvmlUnavailable

@@ -11,7 +11,6 @@ from types import MappingProxyType
 
 from agent.config.model import ConfigModel, ReplicatedResources, quantity_mib
 from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
-from agent.core.health import XidEffect
 from agent.core.resources import (
     AllocationPolicy,
     DeviceSelector,
@@ -25,6 +24,7 @@ from agent.core.resources import (
     SharingConfig,
 )
 from agent.core.snapshot import AllocationOptions
+from agent.core.xid_effect import XidEffect
 
 DEFAULT_MPS_ROOT = "/run/nvidia/mps"
 

@@ -1,5 +1,7 @@
 """The agent's side of the config checker: run :mod:`agent.config.check` in a child process, read its answer
-within bounds, and choose this node's config from it — without importing pydantic or PyYAML here.
+within bounds — without importing pydantic or PyYAML here. What the answer means (the checked set and the choice of
+this node's config) is :mod:`agent.config.checked`, loaded once the child has answered: this module imports
+nothing of the agent's config, so ``tessera run`` starts the child before it loads anything else.
 
 The child is started with the same interpreter and no shell, as early as the agent knows its config path, and
 runs while the agent discovers its GPUs and reads its Node. It is bounded: ``timeout`` seconds and
@@ -20,13 +22,14 @@ import selectors
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from agent.config.model import ConfigError, ConfigModel
-from agent.config.plain_json import PlainJsonError, from_plain
-from agent.config.source import ConfigSet, LoadedConfig, Matches, _digest, select_config
+from agent.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from agent.config.checked import CheckedSet
 
 log = logging.getLogger(__name__)
 
@@ -34,38 +37,6 @@ TIMEOUT_SECONDS = 30.0  # pydantic builds its models in ~0.1 s; a loaded node ma
 MAX_OUTPUT = 32 << 20  # configs are at most 1 MiB each; their models as JSON are a fraction more
 MAX_STDERR = 4096  # of what the child said on stderr, the tail kept for the message
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # where this `agent` package is imported from
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    digest: str
-    match: tuple[str, ...] | None
-    match_problem: str | None
-    model: ConfigModel | None  # None: invalid, see error
-    error: ConfigError | None
-    warnings: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CheckedSet:
-    """Every config of one path, validated by the checker; :meth:`choose` picks this node's."""
-
-    config_set: ConfigSet  # its names and where they come from (the texts stay with the checker: empty here)
-    members: dict[str, Member]
-    stamp: object  # :func:`stamp` of the path before it was read
-
-    def choose(self, requested: str | None, label: str | None, gpu_products: Sequence[str]) -> LoadedConfig:
-        """What :func:`agent.config.source.load_config` gives for the same set; ``ConfigError`` if the chosen
-        config is invalid."""
-        matches: Matches = {name: (m.match, m.match_problem) for name, m in self.members.items()}
-        name, reason, warnings = select_config(self.config_set, requested, label, gpu_products, matches=matches)
-        if name is None:
-            return LoadedConfig(None, ConfigModel(), tuple(warnings), _digest(""), reason)
-        member = self.members[name]
-        if member.error is not None:
-            raise member.error
-        assert member.model is not None
-        return LoadedConfig(name, member.model, tuple(warnings) + member.warnings, member.digest, reason)
 
 
 def stamp(path: Path) -> object:
@@ -119,6 +90,9 @@ class Check:
         self._result: CheckedSet | ConfigError | None = None
         self._cancelled = False
         env = dict(os.environ)
+        # pydantic looks for plugins among every installed package's entry points when it builds its first model
+        # (tens of milliseconds, and third-party code run on the node's configs): the checker uses none
+        env.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         try:
             self._process: subprocess.Popen[bytes] | None = subprocess.Popen(  # our interpreter, no shell
@@ -198,35 +172,13 @@ class Check:
         if code != 0:
             said = err.decode(errors="replace").strip().splitlines()
             return self._error(f"the config checker failed (exit code {code}){': ' + said[-1] if said else ''}")
+        from agent.config.checked import decode  # what the answer means: loaded once the child has answered
+        from agent.config.plain_json import PlainJsonError
+
         try:
-            return self._decode(json.loads(out))
+            return decode(json.loads(out), self.stamp)
         except (ValueError, RecursionError, PlainJsonError, KeyError, TypeError, AttributeError) as error:
             return self._error(f"the config checker's answer is not a checked config set: {str(error)[:200]}")
-
-    def _decode(self, answer: object) -> CheckedSet | ConfigError:
-        if not isinstance(answer, dict):
-            raise ValueError("not an object")
-        if "error" in answer:
-            return _config_error(answer["error"])
-        origin = Path(from_plain(str, answer["origin"], "origin"))
-        members = {}
-        for name, member in from_plain(dict[str, dict], answer["members"], "members").items():
-            error = _config_error(member["error"]) if member.get("error") is not None else None
-            members[name] = Member(
-                digest=from_plain(str, member["digest"], "digest"),
-                match=from_plain(tuple[str, ...] | None, member["match"], "match"),
-                match_problem=from_plain(str | None, member["match_problem"], "match_problem"),
-                model=None if error is not None else from_plain(ConfigModel, member["model"], f"{name}"),
-                error=error,
-                warnings=tuple(from_plain(list[str], member["warnings"], "warnings")),
-            )
-        config_set = ConfigSet(
-            origin,
-            dict.fromkeys(members, ""),
-            is_directory=from_plain(bool, answer["is_directory"], "is_directory"),
-            manifest=from_plain(str | None, answer["manifest"], "manifest"),
-        )
-        return CheckedSet(config_set, members, self.stamp)
 
 
 def start_early(path: str | None) -> Check | None:
@@ -235,6 +187,27 @@ def start_early(path: str | None) -> Check | None:
     return Check(Path(path)) if path else None
 
 
-def _config_error(value: object) -> ConfigError:
-    origin = from_plain(str, value["origin"], "error.origin")  # type: ignore[index]
-    return ConfigError(origin, from_plain(list[str], value["problems"], "error.problems"))  # type: ignore[index]
+CONFIG_FLAGS = (("--config", "TESSERA_CONFIG"), ("--config-file", "CONFIG_FILE"))  # Tessera's first, then NVIDIA's
+
+
+def config_on_command_line(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """The config a ``tessera run`` command line names, read before its parser is even built, so that the checker
+    (the longest step of a start) starts first: ``--config`` (or ``TESSERA_CONFIG``), else NVIDIA's
+    ``--config-file`` (or ``CONFIG_FILE``), spelled in full, the last one given winning, as argparse reads them.
+    A guess that cannot be wrong in effect: the agent takes the check only for the path its parsed options name
+    (:func:`agent.run.take_over` stops it otherwise), so an abbreviated flag only costs the early start."""
+    if not argv or argv[0] != "run":
+        return None
+    given: dict[str, str] = {}
+    words = iter(argv[1:])
+    for word in words:
+        if word == "--":
+            break
+        flag, equals, value = word.partition("=")
+        if any(flag == name for name, _ in CONFIG_FLAGS):
+            given[flag] = value if equals else next(words, "")
+    for flag, env in CONFIG_FLAGS:
+        path = given.get(flag) or environ.get(env)
+        if path:
+            return path
+    return None

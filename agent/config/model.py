@@ -25,22 +25,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from agent.core.health import XidEffect, parse_xid_key
+from agent.config.errors import ConfigError as ConfigError  # where every caller finds it
+from agent.core.xid_effect import XidEffect, parse_xid_key
 from agent.plugin.names import resource_name_problem
 
 RESOURCE_PREFIX = "nvidia.com/"
 MAX_REPLICAS = 1024  # per device; more would flood the kubelet's device list (NVIDIA sets no limit)
 # Patterns as text, compiled (and cached by re) when first used: a start without a config uses none of them.
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-
-
-class ConfigError(ValueError):
-    """The config cannot be used. ``problems`` are ``path: what is wrong; how to fix it`` lines."""
-
-    def __init__(self, origin: str, problems: list[str]) -> None:
-        super().__init__(f"{origin}: " + "; ".join(problems))
-        self.origin = origin
-        self.problems = problems
 
 
 def parse_config(data: object, origin: str = "config") -> tuple[ConfigModel, list[str]]:

@@ -34,7 +34,7 @@ from agent.config.model import (
     quantity_mib,
     safe_host_path,
 )
-from agent.core.health import XidEffect, parse_effect, parse_xid_key
+from agent.core.xid_effect import XidEffect, parse_effect, parse_xid_key
 
 _UUID = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
 _GPU_UUID = re.compile(rf"^GPU-{_UUID}$")

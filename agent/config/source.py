@@ -29,7 +29,7 @@ from pathlib import Path
 
 from agent.config.labels import CONFIG_LABEL
 from agent.config.model import ConfigError, ConfigModel, parse_config
-from agent.core.plan import glob_matches
+from agent.core.glob import glob_matches
 
 # A ConfigMap holds at most 1 MiB; anything bigger is not a config. (yaml_limits.MAX_BYTES: that module,
 # and yaml with it, is imported only when a config is read, so an agent without --config never loads yaml.)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import replace
-from fnmatch import translate
 
+from agent.core.glob import glob_matches as glob_matches  # NVIDIA's glob, for configs too
 from agent.core.inventory import Gpu, Inventory, MigDevice
 from agent.core.mig_naming import mig_resource_suffix
 from agent.core.resources import (
@@ -81,12 +81,6 @@ def _base_resources(config: PlanConfig, inventory: Inventory, warnings: list[str
 def _named(rules: tuple[NamingRule, ...], subject: str, default: str) -> str:
     """The first rule whose glob matches the whole subject names the resource; else the default name."""
     return next((rule.name for rule in rules if glob_matches(rule.pattern, subject)), default)
-
-
-def glob_matches(pattern: str, subject: str) -> bool:
-    """NVIDIA's anchored glob: only ``*`` is special and the pattern must match the whole string."""
-    regex = translate(pattern.replace("[", "[[]").replace("?", "[?]"))
-    return re.fullmatch(regex, subject) is not None
 
 
 def _check_single(inventory: Inventory) -> None:

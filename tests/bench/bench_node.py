@@ -7,7 +7,7 @@ kubelet's ``..data`` symlink layout, the four configs of ``daemonset/base/config
 ``nvidia.com/device-plugin.config`` label followed through the Kubernetes API (the API server stand-in, reached by
 the real client over HTTP; the label names ``per-gpu-sharing``), metrics served, the status socket, PodResources —
 on a simulated dgx-a100: ``nvidia.com/gpu`` (4) and ``nvidia.com/gpu.shared`` (32) from one process, from a copy
-of this tree's ``agent`` with its bytecode compiled, as the image has it.
+of this tree's ``agent`` with its bytecode compiled and a Python set up as the image's (``image_python``), as the image has it.
 
 The floor is the least a Python device plugin does for the same job, in a process of its own started the same way
 (this file, whose top level imports nothing but the standard library and grpc):
@@ -43,6 +43,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -56,6 +57,21 @@ CONFIG_NAME = "per-gpu-sharing"
 NODE = "gpu-node-1"
 WHOLE, SHARED = "nvidia.com/gpu", "nvidia.com/gpu.shared"
 EXPECTED = {WHOLE: 4, SHARED: 32}  # per-gpu-sharing on dgx-a100: GPUs 0-3 whole, 4-7 time-sliced 8 ways
+
+
+def image_python(directory: Path) -> str:
+    """A Python set up as the image's: a virtual environment without pip whose site-packages reach this one's
+    (the agent's dependencies) through a path file, so that a development install's hooks (an editable
+    install's import finder, loaded by every process at start) are not loaded, as the image has none."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(directory)], check=True)
+    python = directory / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    ours = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
+    Path(purelib, "dependencies.pth").write_text("".join(f"{path}\n" for path in ours))
+    return str(python)
 
 
 def _rss_mib(pid: int) -> float:
@@ -177,7 +193,7 @@ def agent_round(base: Path, args: argparse.Namespace, figures: Figures) -> None:
     apiserver = ApiServer().start()
     apiserver.add_node(NODE, labels={"nvidia.com/device-plugin.config": CONFIG_NAME})
     command = [
-        sys.executable, "-m", "agent", "run", "--simulate", "dgx-a100", "--sim-control", str(base / "ctl.sock"),
+        args.python, "-m", "agent", "run", "--simulate", "dgx-a100", "--sim-control", str(base / "ctl.sock"),
         "--config", str(_configmap_dir(base)), "--node-name", NODE,
         "--kubeconfig", str(apiserver.write_kubeconfig(base / "kubeconfig")),
         "--device-plugin-dir", str(plugin_dir), "--pod-resources-socket", str(base / "pr" / "kubelet.sock"),
@@ -224,7 +240,7 @@ def floor_round(base: Path, args: argparse.Namespace, figures: Figures) -> None:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     started = time.monotonic()
     floor = subprocess.Popen(
-        [sys.executable, __file__, "--floor-plugin", str(plugin_dir)],
+        [args.python, __file__, "--floor-plugin", str(plugin_dir)],
         env=env,
         cwd=args.agent_home,
         stdin=subprocess.PIPE,
@@ -278,12 +294,14 @@ PARTS = {  # what a piece costs on top of `import grpc`, each in a fresh process
 }
 
 
-def memory_parts(home: Path, parts: dict[str, str] = PARTS, base: str = "import grpc") -> dict[str, float]:
+def memory_parts(
+    python: str, home: Path, parts: dict[str, str] = PARTS, base: str = "import grpc"
+) -> dict[str, float]:
     """RSS of ``base`` plus each part, in a process of its own (the parts overlap: not a sum)."""
     measured = {}
     for name, code in parts.items():
         script = f"{base}\n{code}\nprint(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])"
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=home, check=True)
+        out = subprocess.run([python, "-c", script], capture_output=True, text=True, cwd=home, check=True)
         measured[name] = int(out.stdout.split()[-1]) / 1024
     return measured
 
@@ -347,6 +365,7 @@ def main() -> None:
     logging.disable(logging.ERROR)  # the emulators' notes on streams closed at exit are not the report
     work = Path(tempfile.mkdtemp(prefix="bench-node", dir="/tmp"))
     args.agent_home = package_copy(work / "compiled", compiled=True)
+    args.python = image_python(work / "venv")
     agent, floor = Figures(), Figures()
     parts: dict[str, list[float]] = {}
     sim_share: list[float] = []
@@ -359,9 +378,9 @@ def main() -> None:
                     body(base, args, figures)
                 finally:
                     shutil.rmtree(base, ignore_errors=True)
-            for name, mib in memory_parts(args.agent_home).items():
+            for name, mib in memory_parts(args.python, args.agent_home).items():
                 parts.setdefault(name, []).append(mib)
-            share = memory_parts(args.agent_home, SIM_SHARE, base="")
+            share = memory_parts(args.python, args.agent_home, SIM_SHARE, base="")
             sim_share.append(share["run path + simulator"] - share["run path"])
             print(f"round {n + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     finally:

@@ -9,6 +9,7 @@ afresh; the agent's own process holds neither pydantic nor PyYAML for it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -198,3 +199,67 @@ def test_an_early_checker_for_another_path_is_stopped(tmp_path: Path) -> None:
         assert same._process is not None and same._process.poll() is None
     finally:
         same.cancel()
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "expected"),
+    [
+        (["run", "--config", "/etc/tessera/config"], {}, "/etc/tessera/config"),
+        (["run", "--simulate", "dgx-a100", "--config=/c.yaml"], {}, "/c.yaml"),
+        (["run", "--config", "/a.yaml", "--config", "/b.yaml"], {}, "/b.yaml"),  # argparse: the last one wins
+        (["run"], {"TESSERA_CONFIG": "/env.yaml"}, "/env.yaml"),
+        (["run", "--config", "/flag.yaml"], {"TESSERA_CONFIG": "/env.yaml"}, "/flag.yaml"),
+        (["run", "--config-file", "/nvidia.yaml"], {}, "/nvidia.yaml"),  # NVIDIA's flag, after Tessera's
+        (["run"], {"CONFIG_FILE": "/nvidia.yaml", "TESSERA_CONFIG": "/env.yaml"}, "/env.yaml"),
+        (["run", "--config-file", "/nvidia.yaml"], {"TESSERA_CONFIG": "/env.yaml"}, "/env.yaml"),
+        (["run"], {"CONFIG_FILE": "/nvidia.yaml"}, "/nvidia.yaml"),
+        (["run"], {}, None),
+        (["run", "--config"], {}, None),  # argparse's error to give, not a path
+        (["plan", "--config", "/c.yaml"], {}, None),  # only `run` starts a checker before its parser
+        (["run", "--", "--config", "/c.yaml"], {}, None),
+        (["run", "--conf", "/c.yaml"], {}, None),  # abbreviated: argparse reads it; the agent checks it itself
+        ([], {"TESSERA_CONFIG": "/env.yaml"}, None),
+    ],
+)
+def test_the_config_is_read_from_the_command_line_before_the_parser(argv, environ, expected) -> None:
+    from agent.config.isolated import config_on_command_line
+
+    assert config_on_command_line(argv, environ) == expected
+
+
+def _checkers_of(path: Path) -> list[int]:
+    """Live config checker processes on ``path`` (their command line names it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            words = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"agent.config.check" in words and str(path).encode() in words and state != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.parametrize("words", [["--no-such-flag"], ["--help"], ["--health-recovery-seconds", "-5"]])
+def test_a_run_that_never_starts_leaves_no_early_checker_behind(tmp_path: Path, words: list[str]) -> None:
+    """``tessera run`` starts the config checker before it parses its flags; a usage error or ``--help`` ends the
+    command at once, and the checker with it (a held checker would otherwise run on for two minutes)."""
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "default.yaml").write_text(SHARED_GPUS)
+    hook = tmp_path / "hold"
+    hook.write_text("hang 120")
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")},
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "checker_hook"), str(ROOT)]),
+        "CHECKER_HOOK": str(hook),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "run", "--config", str(config), *words],
+        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == (0 if words == ["--help"] else 2), result.stderr
+    assert _checkers_of(config) == []
