@@ -78,6 +78,7 @@ class Check:
         timeout: float = TIMEOUT_SECONDS,
         max_output: int = MAX_OUTPUT,
         command: Sequence[str] | None = None,
+        fork: bool = False,
     ) -> None:
         """``command``: the checker's command line without the path (default: this interpreter running
         :mod:`agent.config.check`); tests give others, to see what a broken checker does to the agent."""
@@ -94,8 +95,17 @@ class Check:
         # (tens of milliseconds, and third-party code run on the node's configs): the checker uses none
         env.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        if fork and command is None:  # the first check of `tessera run`, in a process with no other thread yet
+            from agent.config.forked import ForkedChecker
+
+            try:
+                self._process: subprocess.Popen[bytes] | ForkedChecker | None = ForkedChecker(str(path))
+            except OSError as error:
+                self._process = None
+                self._result = self._error(f"the config checker could not start: {error.strerror or error}")
+            return
         try:
-            self._process: subprocess.Popen[bytes] | None = subprocess.Popen(  # our interpreter, no shell
+            self._process = subprocess.Popen(  # our interpreter, no shell
                 [*(command or (sys.executable, "-m", "agent.config.check")), str(path)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -181,10 +191,17 @@ class Check:
             return self._error(f"the config checker's answer is not a checked config set: {str(error)[:200]}")
 
 
-def start_early(path: str | None) -> Check | None:
+def start_early(path: str | None, *, fork: bool = False) -> Check | None:
     """The checker on the config ``tessera run`` was given, started before the agent is even imported (it runs
-    while the agent loads); None without a config. The agent uses it only if its options name the same path."""
-    return Check(Path(path)) if path else None
+    while the agent loads); None without a config. The agent uses it only if its options name the same path.
+    ``fork``: this is the process's own command line; the checker is forked if no other thread runs yet."""
+    if not path:
+        return None
+    if fork:
+        from agent.config.forked import can_fork
+
+        fork = can_fork()
+    return Check(Path(path), fork=fork)
 
 
 CONFIG_FLAGS = (("--config", "TESSERA_CONFIG"), ("--config-file", "CONFIG_FILE"))  # Tessera's first, then NVIDIA's

@@ -1,10 +1,12 @@
 """A test's hold on the config checker child (``python -m agent.config.check``), outside the project's code.
 
 A test puts this directory on ``PYTHONPATH`` (the agent's checker children inherit it) and names a file in
-``CHECKER_HOOK``. Python imports this module at the start of each child; in a config checker, and only while that
+``CHECKER_HOOK``. Python imports this module at the start of each process; in a config checker, and only while that
 file exists, the first child to take it (an atomic rename to ``<file>.<pid>``: the test learns the pid) does what
-it says: ``hang SECONDS`` (a checker that hangs) or ``exit CODE`` (a checker that dies). Every other Python
-process, and every checker once the file is taken, runs untouched.
+it says: ``hang SECONDS`` (a checker that hangs) or ``exit CODE`` (a checker that dies). A checker is a new
+interpreter running ``-m agent.config.check``, or the child ``tessera run`` forks for its first check
+(``agent.config.forked``: the only ``os.fork`` of the agent, so any child forked from a ``-m agent`` process).
+Every other Python process, and every checker once the file is taken, runs untouched.
 """
 
 import os
@@ -12,17 +14,24 @@ import sys
 import time
 
 _flag = os.environ.get("CHECKER_HOOK")
-if _flag and sys.orig_argv[1:3] == ["-m", "agent.config.check"]:
-    _taken = f"{_flag}.{os.getpid()}"
+
+
+def _take() -> None:
+    taken = f"{_flag}.{os.getpid()}"
     try:
-        os.rename(_flag, _taken)
+        os.rename(_flag, taken)
     except OSError:
-        pass  # no hold asked, or another child took it
-    else:
-        with open(_taken) as _file:
-            _action, _, _value = _file.read().strip().partition(" ")
-        if _action == "hang":
-            time.sleep(float(_value))
-        elif _action == "exit":
-            print("checker hook: told to fail", file=sys.stderr, flush=True)
-            os._exit(int(_value))  # site would catch a SystemExit raised here
+        return  # no hold asked, or another child took it
+    with open(taken) as file:
+        action, _, value = file.read().strip().partition(" ")
+    if action == "hang":
+        time.sleep(float(value))
+    elif action == "exit":
+        print("checker hook: told to fail", file=sys.stderr, flush=True)
+        os._exit(int(value))  # site would catch a SystemExit raised here
+
+
+if _flag and sys.orig_argv[1:3] == ["-m", "agent.config.check"]:
+    _take()
+elif _flag and sys.orig_argv[1:3] == ["-m", "agent"]:
+    os.register_at_fork(after_in_child=_take)

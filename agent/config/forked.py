@@ -1,0 +1,113 @@
+"""The config checker forked from ``tessera run`` at its very start, instead of a new interpreter.
+
+The check is the longest step of a start (pydantic and PyYAML load in the child: ~0.15 s), and the agent waits for
+it before its first advertisement. Forked before the agent has started a single thread, the child already holds
+the interpreter and what the command line has loaded (logging, pathlib, re, argparse: ~25 ms of a fresh
+interpreter's start), and it does only what ``python -m agent.config.check`` does: check, answer on its stdout,
+end. A process with threads must not fork (a lock another thread held stays held in the child), so only the early
+check forks, and only in a process that has no other thread; every later check (a reload) starts a new
+interpreter (:class:`agent.config.isolated.Check`).
+
+:class:`ForkedChecker` is the part of :class:`subprocess.Popen` that :class:`~agent.config.isolated.Check` uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, NoReturn
+
+MAX_WAIT_STEP = 0.05  # wait() polls the exited child at most this far apart, as subprocess does
+
+
+def can_fork() -> bool:
+    """Is forking safe here: a POSIX process with no thread but this one."""
+    return hasattr(os, "fork") and threading.active_count() == 1
+
+
+class ForkedChecker:
+    """A checker child forked from this process (see the module's docstring)."""
+
+    def __init__(self, path: str) -> None:
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (out_read, out_write, err_read, err_write):
+                os.close(fd)
+            raise
+        if pid == 0:
+            _check_in_child(path, (out_read, err_read), out_write, err_write)
+        os.close(out_write)
+        os.close(err_write)
+        self.pid = pid
+        self.args = [sys.executable, "(forked)", "-m", "agent.config.check", path]
+        self.returncode: int | None = None
+        self.stdout: IO[bytes] = os.fdopen(out_read, "rb", buffering=0)
+        self.stderr: IO[bytes] = os.fdopen(err_read, "rb", buffering=0)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: it has ended, how is not known
+                self.returncode = -1
+                return self.returncode
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; :class:`subprocess.TimeoutExpired` after ``timeout`` seconds (it is asked once the
+        child has closed its output, so at its very end)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        step = 0.0005
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            left = MAX_WAIT_STEP if deadline is None else max(0.0, deadline - time.monotonic())
+            time.sleep(min(step, left))
+            step = min(step * 2, MAX_WAIT_STEP)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def _check_in_child(path: str, parent_ends: tuple[int, int], out: int, err: int) -> NoReturn:
+    """The child's whole life: ``python -m agent.config.check <path>`` on the inherited interpreter."""
+    code = 1
+    try:
+        for fd in parent_ends:
+            os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for fd in (null, out, err):
+            os.close(fd)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the agent's own ^C handling is not the child's
+        os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")  # as Check gives a new interpreter
+        from agent.config.check import main
+
+        code = main([path])
+    except BaseException:
+        with contextlib.suppress(BaseException):  # its last words, on the stderr the agent reads
+            import traceback
+
+            traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
