@@ -174,7 +174,12 @@ class Agent:
         self._check_worker: CheckWorker | None = None  # once started, reloads are checked off the loop
         self._config_force = False  # a forced apply waits for the check it asked for
         follow_labels = bool(options.config_path and options.config_path.is_dir())  # labels pick the config
-        self._node = NodeMetadata(options.node_name, options.kubeconfig, follow_labels=follow_labels)
+        self._node = NodeMetadata(
+            options.node_name,
+            options.kubeconfig,
+            follow_labels=follow_labels,
+            hold_events_seconds=TELEMETRY_WAIT_SECONDS,  # the start's Events wait for _settle, as metrics do
+        )
         # The features a config may ask for are loaded when it first does (their modules are not even imported
         # before): the MPS manager with the first MPS daemon (of a resource or a DRA claim), the MIG manager
         # with the first MIG layout, the DRA front end with a config that gives it GPUs. Each one's events are
@@ -235,8 +240,8 @@ class Agent:
         self.started = threading.Event()
         self.served = threading.Event()
         """Set once the start is over for the kubelet: every resource it was offered is watched (or failed to
-        register), or ``TELEMETRY_WAIT_SECONDS`` passed. What comes second waits for it: metrics, and the
-        process's clean-up of what only the start needed (``agent.run``)."""
+        register), or ``TELEMETRY_WAIT_SECONDS`` passed. What comes second waits for it: metrics, the start's
+        Events, and the process's clean-up of what only the start needed (``agent.run``)."""
 
     @property
     def metrics_port(self) -> int | None:
@@ -392,7 +397,8 @@ class Agent:
     def _settle(self) -> None:
         """The kubelet is served (or waited for long enough): what comes second starts."""
         self._settling = False
-        self.served.set()  # what waits for the kubelet to be served (the collector, metrics) goes on
+        self.served.set()  # what waits for the kubelet to be served (the collector, metrics, Events) goes on
+        self._node.release_events()
         if self.options.telemetry is not None:
             threading.Thread(target=self._start_telemetry, name="metrics-start", daemon=True).start()
 

@@ -3,7 +3,8 @@
 The reconcile loop calls :meth:`EventRecorder.emit`; a thread of the recorder's own sends ``events.k8s.io/v1``
 Events to the API server, so the loop never waits for it, and an idle one waits ``SEND_DELAY`` (20 ms) before it
 writes, so that what caused the Events (a device turned Unhealthy, sent to the kubelet) is not slowed by their
-JSON and HTTP. On the way:
+JSON and HTTP. For the same reason the agent's start holds its Events (``hold_seconds``) until the kubelet is
+served (:meth:`EventRecorder.release`). On the way:
 
 - **Aggregation**, as client-go's ``tools/events`` broadcaster does it: the same (type, reason, action, note)
   again within ``aggregate_seconds`` of its last sighting is no new Event but a PATCH of the first one's
@@ -136,14 +137,15 @@ class EventRecorder:
         max_attempts: int = 4,
         retry_delay: float = 0.5,
         send_delay: float = SEND_DELAY,
+        hold_seconds: float = 0.0,
     ) -> None:
         self._node = validate_node_name(node_name)
         if node_uid is not None and (not isinstance(node_uid, str) or not node_uid):
             raise ValueError(f"node_uid must be a non-empty string or None, got {node_uid!r}")
         if burst < 1 or refill_seconds <= 0 or aggregate_seconds < 0 or queue_limit < 1:
             raise ValueError("burst and queue_limit must be >= 1, refill_seconds > 0 and aggregate_seconds >= 0")
-        if max_attempts < 1 or retry_delay < 0 or send_delay < 0:
-            raise ValueError("max_attempts must be >= 1, retry_delay >= 0 and send_delay >= 0")
+        if max_attempts < 1 or retry_delay < 0 or send_delay < 0 or hold_seconds < 0:
+            raise ValueError("max_attempts must be >= 1, retry_delay, send_delay and hold_seconds >= 0")
         self._api = api  # its create_event and patch_event; None: events go to the log
         self._uid = node_uid
         self._clock = clock
@@ -153,6 +155,8 @@ class EventRecorder:
         self._max_attempts = max_attempts
         self._retry_delay = float(retry_delay)
         self._send_delay = float(send_delay)
+        self._hold_seconds = float(hold_seconds)  # > 0: nothing is written until release(), or this long
+        self._held = self._hold_seconds > 0
         self._correlator = Correlator(aggregate_seconds, lambda: event_name(self._node))
         self._limiter = RateLimiter(burst, refill_seconds)
         self._queue: deque[_Pending] = deque()
@@ -166,6 +170,12 @@ class EventRecorder:
         self._trouble: str | None = None  # the API failure streak we are in (warned once): refused, failing, ...
         self._internal_warned = False
         self._sent = self._dropped = self._failures = self._logged = 0
+
+    def release(self) -> None:
+        """Events held since the start (``hold_seconds``) may be written now."""
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
 
     # -- counters
 
@@ -294,6 +304,8 @@ class EventRecorder:
 
     def _run(self) -> None:
         events_api = self._api
+        with self._cond:  # the start's Events wait until what they are about is done (release), at most that long
+            self._cond.wait_for(lambda: self._stopping or not self._held, timeout=self._hold_seconds)
         idle = True  # nothing written since the queue was last empty
         while True:
             with self._cond:

@@ -33,10 +33,16 @@ class Recorder(Stoppable, Protocol):
         self, type_: str, reason: str, action: str, note: str, *, regarding: Mapping[str, str] | None = None
     ) -> None: ...
 
+    def release(self) -> None: ...
+
 
 class NodeMetadata:
-    def __init__(self, node_name: str | None, kubeconfig: str | None, *, follow_labels: bool) -> None:
-        """``follow_labels``: the configs come from a directory, so the node's labels pick one (and the MIG layout)."""
+    def __init__(
+        self, node_name: str | None, kubeconfig: str | None, *, follow_labels: bool, hold_events_seconds: float = 0.0
+    ) -> None:
+        """``follow_labels``: the configs come from a directory, so the node's labels pick one (and the MIG layout).
+        ``hold_events_seconds``: Events are written once :meth:`release_events` is called (or that long after the
+        start): the start's Events (ConfigApplied) then do not compete with the start itself for the CPU."""
         self._node_name = node_name
         self._kubeconfig = kubeconfig
         self._follow_labels = follow_labels
@@ -47,6 +53,7 @@ class NodeMetadata:
         self._cordon_values: dict[str, str | None] = {}  # cordon annotation key -> value (None: absent)
         self._watcher: Stoppable | None = None
         self._recorder: Recorder | None = None
+        self._hold_events_seconds = hold_events_seconds
 
     def start(self, post: Callable[[object], None], inventory: Inventory | None) -> None:
         """Read the labels and annotations once, then follow them (changes are posted as events)."""
@@ -86,12 +93,17 @@ class NodeMetadata:
 
         assert self._node_name is not None
         try:
-            recorder = EventRecorder(api, self._node_name)
+            recorder = EventRecorder(api, self._node_name, hold_seconds=self._hold_events_seconds)
             recorder.start()
         except Exception as error:  # Events are a courtesy: without them the log says the same
             log.warning("no Kubernetes Events; the log has what they would say error=%r", str(error))
             return
         self._recorder = recorder
+
+    def release_events(self) -> None:
+        """The start is over: its held Events are written."""
+        if self._recorder is not None:
+            self._recorder.release()
 
     def on_annotation(self, key: str, value: str | None, inventory: Inventory | None) -> bool:
         """A cordon annotation changed; True when what is cordoned changed (publish again)."""

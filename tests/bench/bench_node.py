@@ -97,6 +97,7 @@ def _percentile(values: list[float], fraction: float) -> float:
 
 def _floor_plugin(directory: str) -> None:
     """Serve both resources' devices, register them, and mark ``health <resource> <n>`` devices Unhealthy."""
+    sys.path.insert(0, os.getcwd())  # the stubs from the agent's copy, as `python -m agent` finds it there
     from agent.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
     plugin_dir = Path(directory)

@@ -353,3 +353,35 @@ def test_an_event_about_a_claim_arrives_in_its_namespace_regarding_it_and_repeat
 def test_an_event_about_a_malformed_subject_is_refused_naming_it(recorder, subject: dict) -> None:
     with pytest.raises(ValueError, match="subject"):
         recorder().emit(*ADVISORY, regarding=subject)
+
+
+# ----- the start's Events wait until the start is over ------------------------------------------------------
+
+
+def test_events_held_for_the_start_are_written_only_once_released(fake, recorder) -> None:
+    """The agent holds the Events it makes while it starts (ConfigApplied) until the kubelet is served: their JSON
+    and HTTP do not compete with the registration. Nothing is written before; everything, in order, after."""
+    events = recorder(hold_seconds=60)
+    events.emit(*XID)
+    events.emit("Normal", "ConfigApplied", "ApplyConfig", "sharing config default.yaml")
+    assert not events.flush(0.3)  # held: still queued
+    assert fake.stored() == []
+    events.release()
+    flushed(events)
+    assert [e["reason"] for e in sorted(fake.stored(), key=lambda e: e["eventTime"])] == [XID[1], "ConfigApplied"]
+
+
+def test_events_held_for_a_start_that_never_ends_are_written_after_the_hold(fake, recorder) -> None:
+    events = recorder(hold_seconds=0.2)  # nobody releases them: the kubelet never watched
+    events.emit(*XID)
+    flushed(events)
+    assert [e["reason"] for e in fake.stored()] == [XID[1]]
+
+
+def test_a_recorder_stopped_while_it_holds_events_stops_at_once(fake, recorder) -> None:
+    events = recorder(hold_seconds=60)
+    events.emit(*XID)
+    started = time.monotonic()
+    events.stop(timeout=DEADLINE)
+    assert time.monotonic() - started < DEADLINE / 2
+    assert fake.stored() == [] and events.dropped == 1
