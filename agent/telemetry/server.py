@@ -40,11 +40,9 @@ class TelemetryServer:
         status_socket: str | None = None,
     ) -> None:
         """``status_socket``: where ``/status`` is served instead (None: nowhere), for the 404 that says so."""
-        from http.server import ThreadingHTTPServer  # not for parse_address's callers
+        from agent.telemetry.serving import BoundedThreadingMixIn, GetHandler, ServingThread  # not for parse_address
 
-        from agent.telemetry.serving import QuietHandler, ServingThread
-
-        class Handler(QuietHandler):
+        class Handler(GetHandler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
@@ -66,15 +64,10 @@ class TelemetryServer:
             "(--status-socket), which this agent has off\n"
         ).encode()
 
-        class Server(ThreadingHTTPServer):
-            def server_bind(self) -> None:
-                """HTTPServer's own asks the resolver for the host's FQDN (a reverse DNS lookup of the node's
-                hostname for 0.0.0.0), which nothing here uses and which can hang for as long as DNS does."""
-                socketserver.TCPServer.server_bind(self)
-                self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+        class Server(BoundedThreadingMixIn, socketserver.TCPServer):
+            allow_reuse_address = True  # a restarted agent binds its port again at once
 
         server = Server(parse_address(address), Handler)
-        server.daemon_threads = True
         self.port = server.server_address[1]
         self._serving = ServingThread(server, "metrics-http")
 

@@ -35,21 +35,16 @@ class StatusSocketServer:
     """Serves ``GET /status`` (the document ``status()`` returns) over HTTP/1.0 on a unix socket; nothing else."""
 
     def __init__(self, path: Path, status: Callable[[], bytes]) -> None:
-        from agent.telemetry.serving import QuietHandler, ServingThread  # loaded with metrics only, as the port
+        from agent.telemetry.serving import BoundedThreadingMixIn, GetHandler, ServingThread  # loaded with metrics
 
-        class Handler(QuietHandler):
+        class Handler(GetHandler):
             def do_GET(self) -> None:
                 if self.path.split("?", 1)[0] == "/status":
                     self.reply(200, status(), "application/json")
                 else:
                     self.reply(404, b"not found: this socket serves /status only\n", "text/plain; charset=utf-8")
 
-            def address_string(self) -> str:
-                return "unix"  # a unix peer has no address (BaseHTTPRequestHandler would index an empty string)
-
-        class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-            daemon_threads = True
-
+        class Server(BoundedThreadingMixIn, socketserver.UnixStreamServer):
             def server_bind(self) -> None:
                 os.fchmod(self.socket.fileno(), SOCKET_MODE)  # the file bind creates has this mode from the start
                 super().server_bind()
