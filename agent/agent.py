@@ -353,8 +353,6 @@ class Agent:
         self._take_lock()
         self._read_inventory("start")
         self._node.start(self.post, self._inventory)
-        if self.options.memory_limits is not None:  # before the first status: what holds DRA shares is known
-            self._memlimits = self._memory_limits(self.options.memory_limits)
         self._guarded("config", self._apply_config)
         self._publish()
         if self.options.config_path is not None:
@@ -367,10 +365,23 @@ class Agent:
         self._event_watcher.start()
         self._kubelet_watcher = PluginDirWatcher(self.options.device_plugin_dir, self.post)
         self._kubelet_watcher.start()
-        if self._memlimits is not None:
-            self._routes["agent.memlimits.watch"] = self._routes["agent.memlimits.manager"] = self._memlimits.on_event
-            self._memlimits.start()
         self._settling, self._settle_by = True, self._clock() + TELEMETRY_WAIT_SECONDS
+
+    def _load_memory_limits(self) -> None:
+        """Load the memory-limits room once something asks the driver to hold memory: a sized replica of the plan,
+        or the DRA front end (its shares). Until then — whole GPUs, MIG devices, plain time-slicing, most nodes —
+        nothing of it is loaded (its modules, its worker and its watcher: ~0.5 MB, a thread, inotify watches).
+        Called before a status is made, so the status says what holds the shares from the first one on."""
+        if self.options.memory_limits is None or self._memlimits is not None or self._plan is None:
+            return
+        if self._dra is None:
+            from agent.core.memlimits import sized_devices
+
+            if not sized_devices(self._plan):
+                return
+        self._memlimits = self._memory_limits(self.options.memory_limits)
+        self._routes["agent.memlimits.watch"] = self._routes["agent.memlimits.manager"] = self._memlimits.on_event
+        self._memlimits.start()
 
     def _memory_limits(self, settings: MemoryLimitSettings) -> MemoryLimits:
         """The memory-limits room (its worker calls NVML and the kubelet; the loop only routes its events and hands
@@ -418,7 +429,7 @@ class Agent:
                 node_api=self._node.api,
                 latency=self._latency,
                 claims=lambda: self._dra.prepared_claim_devices() if self._dra is not None else (),  # type: ignore[misc]
-                memory_limits=self._memlimits.snapshot if self._memlimits is not None else None,
+                memory_limits=lambda: self._memlimits.snapshot() if self._memlimits is not None else (),
             )
         except (OSError, ValueError) as error:  # metrics are not worth failing the node's GPUs for
             log.error("no metrics endpoint address=%s error=%r", settings.metrics_address, str(error))
@@ -909,6 +920,7 @@ class Agent:
     def _publish(self) -> None:
         """Recompute every resource's snapshot and apply the difference to the running servers."""
         assert self._plan is not None and self._inventory is not None
+        self._guarded("memory limits", self._load_memory_limits)  # a plan that sizes replicas loads the room, first
         # Withdrawn devices leave ListAndWatch first: those a MIG change or an MPS daemon's retirement will
         # disturb, and every device of a GPU whose inventory could not be read again.
         stale = {d.physical_id for r in self._plan.resources for d in r.devices if d.gpu_uuid in self._stale_gpus}

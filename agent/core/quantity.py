@@ -32,7 +32,10 @@ Pure: no I/O. Every refusal is a ``QuantityError`` (a ``ValueError``) whose mess
 from __future__ import annotations
 
 import math
-from fractions import Fraction
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fractions import Fraction  # imported where a quantity is parsed: with decimal, ~0.3 MB a flag does not need
 
 MAX_INT64 = (1 << 63) - 1
 MAX_DIGITS = 100  # significant digits of a mantissa; a real quantity has a handful
@@ -66,6 +69,8 @@ def parse_quantity(
     ``text`` may be a JSON number as well (an int is taken as is, a float as Python writes it). Raises
     ``QuantityError`` (``'ten' is not a <what>: ...; <hint>``); takes microseconds, whatever the text.
     """
+    from fractions import Fraction
+
     if not 0 <= limit <= MAX_INT64:
         raise ValueError(f"limit {limit} is outside 0..{MAX_INT64}")  # a bug of the caller, not the user's text
     if isinstance(text, bool):

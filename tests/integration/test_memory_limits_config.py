@@ -150,3 +150,16 @@ def test_a_fallback_is_one_warning_event_on_the_node_not_one_per_container(sim_n
 
 def _fallbacks(events: FakeEventsApi) -> list[dict]:
     return [e for e in events.events.values() if e.get("reason") == "MemoryLimitFallback"]
+
+
+def test_the_room_is_loaded_with_the_first_sized_replica_and_not_before(make_node: Callable[..., Node]) -> None:
+    """A node whose config sizes nothing (whole GPUs, most nodes) runs no memory-limits room: no worker, no watcher,
+    none of its modules; the config that first gives replicas a size loads it, and its containers are held."""
+    node = make_node(config="version: v1\n", recheck=RECHECK)
+    node.wait_registered(timeout=30, resources=("nvidia.com/gpu",))
+    assert node.agent is not None and node.agent._memlimits is None
+    rewrite(node, config("10Gi"))
+    node.wait_registered(timeout=30, resources=(SHARED,))
+    pod = node.kubelet.create_pod("sized", {"main": {SHARED: 1}})
+    cgroup, _ = start(node, pod)
+    wait_until(lambda: node.limits().get(cgroup) == (10 * GIB, 20 * GIB), 10, "held once a size is given")
