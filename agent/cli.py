@@ -561,6 +561,7 @@ def _main(words: list[str], early_check: Check | None, *, exit_when_done: bool) 
     args.exit_when_done = exit_when_done  # the process's own command line: `tessera run` may end the process
     _check_env_choices(parser, args)
     _check_plan_flags(parser, args)
+    del parser  # every command's flags and help: not kept for the life of `tessera run`
     try:
         return _command(args)
     except KeyboardInterrupt:
