@@ -25,9 +25,9 @@ the agent and the floor turn about:
 Beside them, in the same run: the CPU time each process (with the children it waited for: the agent's config
 checker) spent until registered — on a loaded machine the wall time mostly measures the queue for a core — and
 the agent's RSS less the simulator's share. A real node does not load ``agent/sim`` (the simulated driver, its
-YAML node specs, the control socket): the share is the RSS of ``import agent.cli, agent.run`` with the simulated
-dgx-a100 installed and its control socket served, as ``tessera run --simulate --sim-control`` does, less the RSS
-without them, each in a fresh process. (A real node maps NVIDIA's ``libnvidia-ml.so.1`` instead, whose resident
+YAML node specs, the control socket, the stand-in driver files): the share is the RSS of ``import agent.cli,
+agent.run`` with the simulated dgx-a100 installed, its control socket served and its driver files laid out, as
+``tessera run --simulate --sim-control`` does, less the RSS without them, each in a fresh process. (A real node maps NVIDIA's ``libnvidia-ml.so.1`` instead, whose resident
 pages cannot be measured here.)
 """
 
@@ -276,10 +276,14 @@ def floor_round(base: Path, args: argparse.Namespace, figures: Figures) -> None:
 # ----- where the agent's memory goes --------------------------------------------------------------------
 
 RUN_PATH = "import agent.cli, agent.run"
-SIMULATOR = (  # what `tessera run --simulate dgx-a100 --sim-control …` runs of agent/sim (agent.run.run_agent)
-    "import os\nfrom pathlib import Path\nfrom agent.sim.nvml.install import simulated_node\n"
-    "from agent.sim.nvml.control import SimControlServer\ndriver = simulated_node('dgx-a100').__enter__()\n"
-    "SimControlServer(driver, Path(f'ctl-{os.getpid()}.sock')).start()"  # in the package copy, removed with it
+SIMULATOR = (  # what `tessera run --simulate dgx-a100 --sim-control …` runs of agent/sim (agent.run.run_agent): the
+    # simulated driver beneath pynvml, its control socket, and the stand-in driver files its CDI specs name
+    "import os, shutil, tempfile\nfrom pathlib import Path\nfrom agent.sim.nvml.install import simulated_node\n"
+    "from agent.sim.nvml.control import SimControlServer\nfrom agent.sim.driver_root import sim_driver_root\n"
+    "driver = simulated_node('dgx-a100').__enter__()\n"
+    "SimControlServer(driver, Path(f'ctl-{os.getpid()}.sock')).start()\n"  # in the package copy, removed with it
+    "files = Path(tempfile.mkdtemp(prefix='bench-sim-driver-'))\n"
+    "sim_driver_root(files, [gpu.minor_number for gpu in driver.gpus])\nshutil.rmtree(files)"
 )
 SIM_SHARE = {  # the agent's run path without and with the simulator: the difference is the simulator's share
     "run path": RUN_PATH,
@@ -344,8 +348,8 @@ def report(
         print(f"| {name} | {statistics.median(values):.1f} | {statistics.median(values) - base:+.1f} |")
     print()
     print(
-        f"the simulator's share of the agent's RSS (`{RUN_PATH}` with the simulated dgx-a100 installed and its "
-        f"control socket served, less without them; fresh processes, this run): {statistics.median(sim_share):.1f} MB "
+        f"the simulator's share of the agent's RSS (`{RUN_PATH}` with the simulated dgx-a100 installed, its "
+        f"control socket served and its driver files laid out, less without them; fresh processes, this run): {statistics.median(sim_share):.1f} MB "
         f"({min(sim_share):.1f}–{max(sim_share):.1f})"
     )
 
