@@ -7,7 +7,7 @@ kubelet's ``..data`` symlink layout, the four configs of ``daemonset/base/config
 ``nvidia.com/device-plugin.config`` label followed through the Kubernetes API (the API server stand-in, reached by
 the real client over HTTP; the label names ``per-gpu-sharing``), metrics served, the status socket, PodResources —
 on a simulated dgx-a100: ``nvidia.com/gpu`` (4) and ``nvidia.com/gpu.shared`` (32) from one process, from a copy
-of this tree's ``agent`` with its bytecode compiled and a Python set up as the image's (``image_python``), as the image has it.
+of this tree's ``agent`` with its bytecode compiled, run by a Python set up as the image's (``image_python``).
 
 The floor is the least a Python device plugin does for the same job, in a process of its own started the same way
 (this file, whose top level imports nothing but the standard library and grpc):
@@ -27,8 +27,8 @@ checker) spent until registered — on a loaded machine the wall time mostly mea
 the agent's RSS less the simulator's share. A real node does not load ``agent/sim`` (the simulated driver, its
 YAML node specs, the control socket, the stand-in driver files): the share is the RSS of ``import agent.cli,
 agent.run`` with the simulated dgx-a100 installed, its control socket served and its driver files laid out, as
-``tessera run --simulate --sim-control`` does, less the RSS without them, each in a fresh process. (A real node maps NVIDIA's ``libnvidia-ml.so.1`` instead, whose resident
-pages cannot be measured here.)
+``tessera run --simulate --sim-control`` does, less the RSS without them, each in a fresh process. (A real node
+maps NVIDIA's ``libnvidia-ml.so.1`` instead, whose resident pages cannot be measured here.)
 """
 
 from __future__ import annotations
@@ -299,9 +299,7 @@ PARTS = {  # what a piece costs on top of `import grpc`, each in a fresh process
 }
 
 
-def memory_parts(
-    python: str, home: Path, parts: dict[str, str] = PARTS, base: str = "import grpc"
-) -> dict[str, float]:
+def memory_parts(python: str, home: Path, parts: dict[str, str] = PARTS, base: str = "import grpc") -> dict[str, float]:
     """RSS of ``base`` plus each part, in a process of its own (the parts overlap: not a sum)."""
     measured = {}
     for name, code in parts.items():
@@ -349,8 +347,8 @@ def report(
     print()
     print(
         f"the simulator's share of the agent's RSS (`{RUN_PATH}` with the simulated dgx-a100 installed, its "
-        f"control socket served and its driver files laid out, less without them; fresh processes, this run): {statistics.median(sim_share):.1f} MB "
-        f"({min(sim_share):.1f}–{max(sim_share):.1f})"
+        f"control socket served and its driver files laid out, less without them; fresh processes, this run): "
+        f"{statistics.median(sim_share):.1f} MB ({min(sim_share):.1f}–{max(sim_share):.1f})"
     )
 
 
