@@ -30,6 +30,7 @@ from agent.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from agent.config.checked import CheckedSet
+    from agent.config.forked import ForkedChecker
 
 log = logging.getLogger(__name__)
 
@@ -90,28 +91,8 @@ class Check:
         self._max_output = max_output
         self._result: CheckedSet | ConfigError | None = None
         self._cancelled = False
-        env = dict(os.environ)
-        # pydantic looks for plugins among every installed package's entry points when it builds its first model
-        # (tens of milliseconds, and third-party code run on the node's configs): the checker uses none
-        env.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        if fork and command is None:  # the first check of `tessera run`, in a process with no other thread yet
-            from agent.config.forked import ForkedChecker
-
-            try:
-                self._process: subprocess.Popen[bytes] | ForkedChecker | None = ForkedChecker(str(path))
-            except OSError as error:
-                self._process = None
-                self._result = self._error(f"the config checker could not start: {error.strerror or error}")
-            return
         try:
-            self._process = subprocess.Popen(  # our interpreter, no shell
-                [*(command or (sys.executable, "-m", "agent.config.check")), str(path)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-            )
+            self._process: subprocess.Popen[bytes] | ForkedChecker | None = _start_child(path, command, fork=fork)
         except OSError as error:
             self._process = None
             self._result = self._error(f"the config checker could not start: {error.strerror or error}")
@@ -189,6 +170,27 @@ class Check:
             return decode(json.loads(out), self.stamp)
         except (ValueError, RecursionError, PlainJsonError, KeyError, TypeError, AttributeError) as error:
             return self._error(f"the config checker's answer is not a checked config set: {str(error)[:200]}")
+
+
+def _start_child(path: Path, command: Sequence[str] | None, *, fork: bool) -> subprocess.Popen[bytes] | ForkedChecker:
+    """The checker's child: forked (the first check of `tessera run`, in a process with no other thread yet), else
+    this interpreter (or ``command``) running :mod:`agent.config.check`, with no shell."""
+    if fork and command is None:
+        from agent.config.forked import ForkedChecker
+
+        return ForkedChecker(str(path))
+    env = dict(os.environ)
+    # pydantic looks for plugins among every installed package's entry points when it builds its first model
+    # (tens of milliseconds, and third-party code run on the node's configs): the checker uses none
+    env.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [*(command or (sys.executable, "-m", "agent.config.check")), str(path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
 
 
 def start_early(path: str | None, *, fork: bool = False) -> Check | None:
