@@ -342,6 +342,8 @@ class KubeHttp:
             return Stream(connection, response)  # a watch: read line by line by the caller, who closes it
         try:
             answer = response.read(MAX_ANSWER_BYTES + 1)
+            if response.length and len(answer) <= MAX_ANSWER_BYTES:  # read(n) ends short, silently, at a close
+                raise http.client.IncompleteRead(answer, response.length)
         except (OSError, http.client.HTTPException) as error:
             connection.close()
             raise KubeUnreachable(f"the answer was cut: {type(error).__name__}: {error}") from error

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.config import node_label
 from agent.config.node_label import (
     CONFIG_LABEL,
     MIG_CONFIG_LABEL,
@@ -335,3 +336,47 @@ def test_stop_is_prompt_and_leaves_no_thread(fake: FakeKube, watch, state: str) 
     if state == "watching":
         fake.wait_for(lambda: fake.open_streams == 0)  # the stream was cut, not left open
         assert fake.count("watch") == 1
+
+
+# ----- a watch line without end ----------------------------------------------------------------------------
+
+
+def test_a_watch_line_longer_than_the_bound_is_a_failed_watch_that_is_re_established(
+    fake: FakeKube, watch, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One watch event longer than MAX_WATCH_LINE (here 1 MiB; a 3 MiB annotation) is not buffered whole: the
+    watch fails, once, said in one warning, the node is read again (the change is not lost) and followed on."""
+    monkeypatch.setattr(node_label, "MAX_WATCH_LINE", 1 << 20)
+    _, events = watch()
+    expect_initial(events)
+    fake.wait_for(lambda: fake.open_streams == 1)
+
+    fake.update({CONFIG_LABEL: "big"}, annotate={"example.com/blob": "x" * (3 << 20)})
+    assert next_event(events) == NodeLabelChanged(CONFIG_LABEL, "big")  # from the re-read node
+    fake.wait_for_requests("watch", 2)
+    failures = warnings(caplog)
+    assert len(failures) == 1 and "a watch event longer than 1 MiB" in failures[0], failures
+    assert fake.count("get") == 2
+
+    fake.update({CONFIG_LABEL: "after"}, annotate={"example.com/blob": None})  # and it follows the label on
+    assert next_event(events) == NodeLabelChanged(CONFIG_LABEL, "after")
+    assert len(warnings(caplog)) == 1
+
+
+def test_a_watch_line_that_never_ends_is_cut_at_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream that sends bytes and never a newline ends the watch after about MAX_WATCH_LINE bytes, not when
+    memory runs out (the stream stands in for the open answer: it gives 64 KiB at each read, for ever)."""
+    monkeypatch.setattr(node_label, "MAX_WATCH_LINE", 1 << 20)
+
+    class Endless:
+        reads = 0
+
+        def read1(self, amount: int) -> bytes:
+            self.reads += 1
+            assert self.reads < 1000, "the watch buffered 64 MiB of one line"
+            return b"x" * amount
+
+    stream = Endless()
+    with pytest.raises(Exception, match="a watch event longer than 1 MiB"):
+        next(iter(node_label.watch_events(stream)))
+    assert stream.reads <= 17  # 1 MiB and one read past it
