@@ -344,6 +344,22 @@ def test_a_mig_device_gets_its_gpus_node_and_its_capability_nodes_from_the_drive
     ]  # fmt: skip
 
 
+def test_a_mig_minors_table_without_the_devices_minors_refuses_its_claim_naming_it_and_prepares_nothing(
+    node: Node,
+):
+    mig = node.devices[MIG]
+    table = node.driver_root.proc / "driver/nvidia-caps/mig-minors"
+    ci_key = f"gpu{mig.gpu_minor}/gi{mig.gi_id}/ci{mig.ci_id}/access"
+    table.write_text("".join(line for line in table.read_text().splitlines(True) if not line.startswith(ci_key)))
+    node.claims.add(claim(1, MIG, request="mig"), claim(2, "gpu-0"))
+    response = node.kubelet.prepare(ref(1), ref(2))
+    error = entry_error(response, 1)
+    assert f"{table} lists no minor for {ci_key}; is it the NVIDIA driver's?" in error, error
+    assert device_names(response, 1) == [] and not node.spec_file(1).exists()
+    assert uid(1) not in node.recorded() and uid(1) not in node.service.prepared()
+    assert entry_error(response, 2) == "" and device_names(response, 2) == ["gpu-0"]  # the rest of the batch
+
+
 def test_with_node_wide_cdi_the_ids_name_nvidia_ctks_spec_as_before(node: Node):
     node.restart(node_wide_cdi=True, cdi_common_edits=None)
     node.claims.add(claim(1, "gpu-0"), claim(2, MIG, request="mig"))
