@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from agent.core.dra.device_status import DeviceStatus, with_prepared, without_ours
+from agent.core.dra.device_status import DeviceStatus, TooManyDeviceStatuses, with_prepared, without_ours
 
 GROUP, VERSION, PLURAL = "resource.k8s.io", "v1", "resourceclaims"
 CONNECT_TIMEOUT = 3.0
@@ -166,7 +166,10 @@ class KubernetesClaimStatus:
             metadata = claim.get("metadata") if isinstance(claim, dict) else None
             if not isinstance(metadata, dict) or metadata.get("uid") != uid:
                 return False  # deleted and re-created: another claim, not ours to report on
-            devices = change(claim)
+            try:
+                devices = change(claim)
+            except TooManyDeviceStatuses as error:
+                raise ClaimStatusNotWritten(f"{where}: {error}") from None
             if devices is None:
                 return False
             status = claim.get("status") if isinstance(claim.get("status"), dict) else {}

@@ -19,6 +19,7 @@ A link whose cgroup is gone (the container ended; its restarted successor has a 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ _POD_LOGS = re.compile(r"^(?P<namespace>[^_/]+)_(?P<pod>[^_/]+)_(?P<uid>[0-9a-f-
 _QOS = ("besteffort", "burstable", "")  # "": Guaranteed pods sit right under kubepods
 _SCOPES = ("cri-containerd-{}.scope", "crio-{}.scope", "docker-{}.scope")
 MAX_LINKS = 100_000  # a node runs at most a few hundred containers; more entries than this are not read
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,15 +80,18 @@ class ContainerCgroups:
         self.container_logs = container_logs
         self.cgroup_root = cgroup_root
         self._known: dict[str, ContainerCgroup | None] = {}  # link name -> its container (None: not a container)
+        self._over_bound = False  # the last scan stopped at MAX_LINKS (said once, until the directory shrinks)
 
     def scan(self) -> dict[ContainerRef, list[ContainerCgroup]]:
         """Every container with a live cgroup, by name (a restarted container may have two for a moment)."""
         found: dict[ContainerRef, list[ContainerCgroup]] = {}
         seen: set[str] = set()
+        over_bound = False
         try:
             with os.scandir(self.container_logs) as entries:
                 for count, entry in enumerate(entries):
                     if count >= MAX_LINKS:
+                        over_bound = True
                         break
                     seen.add(entry.name)
                     container = self._container(entry.name, entry.path)
@@ -93,6 +99,12 @@ class ContainerCgroups:
                         found.setdefault(container.container, []).append(container)
         except OSError:
             return {}
+        if over_bound and not self._over_bound:
+            log.warning(
+                "container logs directory %s holds more than %d entries; only the first %d are read: a container "
+                "whose log link is beyond them gets no memory limit", self.container_logs, MAX_LINKS, MAX_LINKS,
+            )  # fmt: skip
+        self._over_bound = over_bound
         for gone in self._known.keys() - seen:
             del self._known[gone]
         return found

@@ -12,12 +12,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from agent.config.isolated import Check
+from agent.config.isolated import Check, CheckerFailed
 from agent.config.model import ConfigError
 from agent.config.source import load_config, read_config_set
 from tests.integration.test_config_reload import SHARED_GPUS, world  # noqa: F401 - the fixture
@@ -103,6 +104,34 @@ def test_a_checker_that_hangs_is_stopped_at_its_deadline(tmp_path: Path) -> None
     assert time.monotonic() - started < 30
     assert "no answer within 1 s" in message
     assert check._process is not None and check._process.poll() is not None  # killed, not left behind
+
+
+def test_a_checker_that_closes_its_output_but_keeps_running_is_stopped_at_its_deadline(tmp_path: Path) -> None:
+    """End of output is not the end of the child: a checker that closes stdout and stderr and then hangs is still
+    held to its deadline, and killed."""
+    code = "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(120)"
+    check = Check(tmp_path, command=_python(code), timeout=2.0)  # ample for the child to start and close both
+    outcome: list[BaseException | object] = []
+
+    def collect() -> None:
+        try:
+            outcome.append(check.result())
+        except BaseException as error:  # the outcome is what the test looks at
+            outcome.append(error)
+
+    waiter = threading.Thread(target=collect, daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)  # far past the 2 s deadline: a check still waiting here ignored it
+    try:
+        assert not waiter.is_alive(), "the check still waits on a checker that closed its output but runs on"
+        [error] = outcome
+        assert isinstance(error, CheckerFailed) and error.origin == str(tmp_path)
+        assert "the config checker did not exit within 2 s" in str(error)
+        assert "last good config stays" in str(error)
+        assert check._process is not None and check._process.poll() is not None  # killed, not left behind
+    finally:
+        check.cancel()
+        waiter.join(timeout=30)
 
 
 def test_a_checker_that_floods_its_output_is_stopped(tmp_path: Path) -> None:

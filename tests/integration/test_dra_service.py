@@ -30,12 +30,13 @@ from agent.core.dra.devices import DraDevice, dra_devices
 from agent.core.dra.opaque import API_VERSION
 from agent.dra.cdi_store import CdiStore
 from agent.dra.checkpoint_store import CheckpointSaveError, CheckpointStore, checkpoint_path
-from agent.dra.claims_api import ClaimsUnavailable, ClaimUnreadable, KubernetesClaimReader
+from agent.dra.claims_api import ClaimsUnavailable, ClaimUnreadable, KubernetesClaimReader, KubernetesClaimStatus
 from agent.dra.devnodes import capability_files, default_device_nodes
 from agent.dra.names import dra_socket
 from agent.dra.service import DraService
 from agent.gpu.discovery import discover
 from agent.gpu.driver_root import CommonEdits, DriverRoot
+from agent.sim.apiserver import ApiServer
 from agent.sim.driver_root import make_driver_root
 
 DRIVER = "gpu.nvidia.com"
@@ -344,6 +345,22 @@ def test_a_mig_device_gets_its_gpus_node_and_its_capability_nodes_from_the_drive
     ]  # fmt: skip
 
 
+def test_a_mig_minors_table_without_the_devices_minors_refuses_its_claim_naming_it_and_prepares_nothing(
+    node: Node,
+):
+    mig = node.devices[MIG]
+    table = node.driver_root.proc / "driver/nvidia-caps/mig-minors"
+    ci_key = f"gpu{mig.gpu_minor}/gi{mig.gi_id}/ci{mig.ci_id}/access"
+    table.write_text("".join(line for line in table.read_text().splitlines(True) if not line.startswith(ci_key)))
+    node.claims.add(claim(1, MIG, request="mig"), claim(2, "gpu-0"))
+    response = node.kubelet.prepare(ref(1), ref(2))
+    error = entry_error(response, 1)
+    assert f"{table} lists no minor for {ci_key}; is it the NVIDIA driver's?" in error, error
+    assert device_names(response, 1) == [] and not node.spec_file(1).exists()
+    assert uid(1) not in node.recorded() and uid(1) not in node.service.prepared()
+    assert entry_error(response, 2) == "" and device_names(response, 2) == ["gpu-0"]  # the rest of the batch
+
+
 def test_with_node_wide_cdi_the_ids_name_nvidia_ctks_spec_as_before(node: Node):
     node.restart(node_wide_cdi=True, cdi_common_edits=None)
     node.claims.add(claim(1, "gpu-0"), claim(2, MIG, request="mig"))
@@ -620,6 +637,58 @@ def test_each_prepare_and_unprepare_is_logged_with_the_claim_and_its_devices(nod
         for line in lines
     )
     assert any(line.startswith(f"claim unprepared claim=ml/claim-1 uid={uid(1)} devices=gpu-0,gpu-1") for line in lines)
+
+
+def test_a_status_report_past_the_api_servers_bound_is_logged_naming_the_claim_and_the_prepare_stands(
+    node: Node, caplog
+):
+    """status.devices already holds 31 entries (30 of a NIC driver, a stale share of gpu-0): two more would pass the
+    API server's 32. The report is refused whole, logged with the claim; the claim is prepared all the same."""
+    api = ApiServer(git_version="v1.37.0")
+    api.start()
+    try:
+        nic_driver = "nic.example.com"
+        requests = [
+            {"name": "gpu", "exactly": {"deviceClassName": DRIVER, "count": 2}},
+            {"name": "nic", "exactly": {"deviceClassName": nic_driver, "count": 30}},
+        ]
+        created = api.create(
+            "resourceclaims",
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"name": "wide", "namespace": "ml"},
+                "spec": {"devices": {"requests": requests}},
+            },
+        )
+        nics = [{"driver": nic_driver, "pool": NODE, "device": f"eth{i}"} for i in range(30)]
+        gpus = [{"driver": DRIVER, "pool": NODE, "device": f"gpu-{i}"} for i in range(2)]
+        results = [{"request": "gpu", **g} for g in gpus] + [{"request": "nic", **n} for n in nics]
+        created["status"] = {
+            "allocation": {"devices": {"results": results}},
+            "reservedFor": [{"resource": "pods", "name": "pod-w", "uid": "5e5e5e5e-0000-4000-8000-000000000002"}],
+            "devices": [*nics, {**gpus[0], "shareID": uid(0)}],
+        }
+        wide = api.update("resourceclaims", created, status=True)
+        node.claims.add(wide)
+        node.restart(claim_status=KubernetesClaimStatus(api.api_client(), DRIVER, NODE))
+        wide_ref = ClaimRef("ml", "wide", wide["metadata"]["uid"])
+        with caplog.at_level(logging.WARNING, logger="agent.dra.prepare"):
+            response = node.kubelet.prepare(wide_ref)
+            answer = response.claims[wide_ref.uid]
+            assert answer.error == "" and [d.device_name for d in answer.devices] == ["gpu-0", "gpu-1"]
+            deadline = time.monotonic() + 10  # the report is written after the kubelet has its answer
+            while not caplog.records and time.monotonic() < deadline:
+                threading.Event().wait(0.01)
+        messages = [record.getMessage() for record in caplog.records]
+        assert len(messages) == 1, f"one warning expected, the agent said: {messages}"
+        [message] = messages
+        assert "claim status.devices not written claim=ml/wide" in message, message
+        assert "status.devices would hold 33 entries" in message and "more than the 32" in message
+        assert api.get("resourceclaims", "wide", "ml")["status"]["devices"] == wide["status"]["devices"]
+        assert wide_ref.uid in node.service.prepared()  # a report only: the Prepare stands
+    finally:
+        api.stop()
 
 
 def test_an_empty_request_gets_an_empty_answer(node: Node):

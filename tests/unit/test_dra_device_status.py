@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from agent.core.dra.device_status import DeviceStatus, with_prepared, without_ours
+import pytest
+
+from agent.core.dra.device_status import (
+    MAX_DEVICE_STATUSES,
+    DeviceStatus,
+    TooManyDeviceStatuses,
+    with_prepared,
+    without_ours,
+)
 
 DRIVER, POOL = "gpu.nvidia.com", "node-a"
 NIC = {"driver": "nic.example.com", "pool": POOL, "device": "eth1"}
@@ -56,3 +64,27 @@ def test_unprepare_takes_back_only_this_drivers_entries_of_those_devices() -> No
     assert without_ours(claim([*ours, other_pool]), DRIVER, POOL, ["gpu-0"]) == [NIC, other_pool]
     assert without_ours(claim([NIC]), DRIVER, POOL, ["gpu-0"]) is None
     assert without_ours(claim(), DRIVER, POOL, ["gpu-0"]) is None
+
+
+def nics(n: int) -> list[dict]:
+    return [{"driver": "nic.example.com", "pool": POOL, "device": f"eth{i}"} for i in range(n)]
+
+
+def test_a_report_up_to_the_api_servers_bound_keeps_every_entry_ours_included() -> None:
+    ours = [DeviceStatus(POOL, "gpu-0", "GPU-a"), DeviceStatus(POOL, "gpu-1", "GPU-b")]
+    devices = with_prepared(claim(nics(MAX_DEVICE_STATUSES - 2)), DRIVER, ours, "node-a", "t")
+    assert devices is not None and len(devices) == MAX_DEVICE_STATUSES
+    assert devices[:-2] == nics(MAX_DEVICE_STATUSES - 2)
+    assert [d["device"] for d in devices[-2:]] == ["gpu-0", "gpu-1"]
+
+
+def test_a_report_past_the_bound_is_refused_whole_dropping_neither_ours_nor_anothers_entries() -> None:
+    """Cut to the bound, the list would lose the entries appended last: the devices this Prepare just prepared,
+    the claim then saying nothing of them. Making room by deleting another driver's entries is not ours to do."""
+    ours = [DeviceStatus(POOL, "gpu-0", "GPU-a"), DeviceStatus(POOL, "gpu-1", "GPU-b")]
+    with pytest.raises(TooManyDeviceStatuses) as error:
+        with_prepared(claim(nics(MAX_DEVICE_STATUSES - 1)), DRIVER, ours, "node-a", "t")
+    assert str(error.value) == (
+        "status.devices would hold 33 entries with this driver's 2, more than the 32 the API server accepts; "
+        "not written (no entry is dropped to make room)"
+    )

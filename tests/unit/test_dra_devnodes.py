@@ -151,3 +151,23 @@ def test_a_mig_device_without_instance_ids_is_refused(tmp_path):
     proc = fake_proc(tmp_path / "proc", instances={(1, 0): (21, 22)})
     with pytest.raises(DeviceNodeError, match="gpu-2-mig-3g40gb-9-4 has no GPU or compute instance ID"):
         device_nodes(device("gpu-2-mig-3g40gb-9-4", 2), proc)
+
+
+@pytest.mark.parametrize(
+    ("table", "missing"),
+    [
+        ("config 1\nmonitor 2\ngpu2/gi1/access 21\ngpu2/gi1/ci1/access 23\n", "gpu2/gi1/ci0/access"),
+        ("config 1\ngpu2/gi1/ci0/access 22\ngpu2/gi2/access 30\n", "gpu2/gi1/access"),
+        ("", "gpu2/gi1/access, gpu2/gi1/ci0/access"),
+        ("gpu2/gi1/access 1048576\ngpu2/gi1/ci0/access 22\n", "gpu2/gi1/access"),  # over Linux's 20-bit minors
+    ],
+)
+def test_a_mig_minors_table_without_the_devices_capabilities_is_an_error_naming_it(tmp_path, table: str, missing: str):
+    """Where the driver's table is, it is the answer: the per-instance files are not consulted behind its back."""
+    proc = fake_proc(tmp_path / "proc", instances={(1, 0): (21, 22)})
+    minors = proc / "driver/nvidia-caps/mig-minors"
+    minors.parent.mkdir(parents=True)
+    minors.write_text(table)
+    with pytest.raises(DeviceNodeError) as error:
+        device_nodes(MIG, proc)
+    assert str(error.value) == f"{minors} lists no minor for {missing}; is it the NVIDIA driver's?"

@@ -3,6 +3,7 @@ container's cgroup is found from the kubelet's log link."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from agent.core.memlimits import (
@@ -13,6 +14,7 @@ from agent.core.memlimits import (
     holds,
     wanted_limits,
 )
+from agent.memlimits import containers
 from agent.memlimits.containers import ContainerCgroups, candidates, parse_link
 
 GIB = 1 << 30
@@ -80,3 +82,29 @@ def test_the_cgroup_is_found_under_either_cgroup_driver(tmp_path: Path) -> None:
     found = index.scan()[ContainerRef("team-a", "trainer-0", "main")]
     assert [c.cgroup for c in found] == [str(cgroupfs)]
     assert str(cgroupfs) in {str(p) for p in candidates(tmp_path / "cg", UID, CID)}
+
+
+def test_a_container_logs_directory_over_the_bound_is_read_up_to_it_and_said_once(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """The scan's work is bounded however many entries the directory holds; what it leaves unread is logged."""
+    monkeypatch.setattr(containers, "MAX_LINKS", 3)
+    logs = tmp_path / "containers"
+    logs.mkdir()
+    for n in range(5):
+        cid = f"{n:064x}"
+        (logs / f"trainer-{n}_team-a_main-{cid}.log").symlink_to(f"/var/log/pods/team-a_trainer-{n}_{UID}/main/0.log")
+        (tmp_path / "cg" / "kubepods" / f"pod{UID}" / cid).mkdir(parents=True)
+    index = ContainerCgroups(logs, tmp_path / "cg")
+    with caplog.at_level(logging.WARNING, logger="agent.memlimits.containers"):
+        assert len(index.scan()) == 3  # five running containers, three read
+        assert len(index.scan()) == 3
+    [warning] = [r.getMessage() for r in caplog.records]  # said once, not on every scan
+    assert f"container logs directory {logs} holds more than 3 entries; only the first 3 are read" in warning
+    assert "gets no memory limit" in warning
+    for extra in sorted(logs.iterdir())[:2]:
+        extra.unlink()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="agent.memlimits.containers"):
+        assert len(index.scan()) == 3  # within the bound again: all read, nothing said
+    assert caplog.records == []

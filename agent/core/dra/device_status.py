@@ -25,6 +25,10 @@ PREPARED = "Prepared"
 MAX_DEVICE_STATUSES = 32  # resource.k8s.io AllocationResultsMaxSize: one entry per allocated device at most
 
 
+class TooManyDeviceStatuses(ValueError):
+    """The claim's ``status.devices`` with this report would hold more entries than the API server accepts."""
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceStatus:
     """What the driver reports for one prepared device."""
@@ -64,7 +68,11 @@ def with_prepared(
 ) -> list[dict[str, Any]] | None:
     """The claim's new ``status.devices`` with an entry for each of ``statuses`` (replacing this driver's earlier
     ones for the same devices, keeping everything else); None when nothing changes (entries already there keep their
-    ``lastTransitionTime``)."""
+    ``lastTransitionTime``).
+
+    ``TooManyDeviceStatuses`` when the result would hold more than ``MAX_DEVICE_STATUSES`` entries (the API server
+    would refuse it): nothing is dropped to make room, neither this report's entries (the claim would lack the
+    devices just prepared, unsaid) nor another writer's (the list is shared; they are not ours to delete)."""
     existing = _existing(claim)
     generation = _generation(claim)
     wanted = {(driver, s.pool, s.device, s.share_id or None): entry(driver, s, node, now, generation) for s in statuses}
@@ -77,7 +85,12 @@ def with_prepared(
     merged = kept + list(wanted.values())
     if merged == existing:
         return None
-    return merged[:MAX_DEVICE_STATUSES]
+    if len(merged) > MAX_DEVICE_STATUSES:
+        raise TooManyDeviceStatuses(
+            f"status.devices would hold {len(merged)} entries with this driver's {len(wanted)}, more than the "
+            f"{MAX_DEVICE_STATUSES} the API server accepts; not written (no entry is dropped to make room)"
+        )
+    return merged
 
 
 def without_ours(
