@@ -365,23 +365,27 @@ class Agent:
         self._event_watcher.start()
         self._kubelet_watcher = PluginDirWatcher(self.options.device_plugin_dir, self.post)
         self._kubelet_watcher.start()
+        if self._memlimits is not None:  # loaded by the first config: its worker looks once the start has published
+            self._memlimits.start()
         self._settling, self._settle_by = True, self._clock() + TELEMETRY_WAIT_SECONDS
 
-    def _load_memory_limits(self) -> None:
+    def _load_memory_limits(self, dra: bool = False) -> None:
         """Load the memory-limits room once something asks the driver to hold memory: a sized replica of the plan,
-        or the DRA front end (its shares). Until then — whole GPUs, MIG devices, plain time-slicing, most nodes —
-        nothing of it is loaded (its modules, its worker and its watcher: ~0.5 MB, a thread, inotify watches).
-        Called before a status is made, so the status says what holds the shares from the first one on."""
+        or the DRA front end (its shares; ``dra``: a config enables it). Until then — whole GPUs, MIG devices, plain
+        time-slicing, most nodes — nothing of it is loaded (its modules, its worker and its watcher: ~0.5 MB, a
+        thread, inotify watches). Called before the DRA front end configures (a restarted agent's re-prepared
+        shares are said held by the driver, never advisory, from the start) and before every status."""
         if self.options.memory_limits is None or self._memlimits is not None or self._plan is None:
             return
-        if self._dra is None:
+        if not dra and self._dra is None:
             from agent.core.memlimits import sized_devices
 
             if not sized_devices(self._plan):
                 return
         self._memlimits = self._memory_limits(self.options.memory_limits)
         self._routes["agent.memlimits.watch"] = self._routes["agent.memlimits.manager"] = self._memlimits.on_event
-        self._memlimits.start()
+        if self.started.is_set():  # at the start its worker starts last, once the claims are prepared (_start)
+            self._memlimits.start()
 
     def _memory_limits(self, settings: MemoryLimitSettings) -> MemoryLimits:
         """The memory-limits room (its worker calls NVML and the kubelet; the loop only routes its events and hands
@@ -639,6 +643,8 @@ class Agent:
                 return  # same config: nothing to do
             chosen = effective(loaded.model, self._overrides())
             new_plan = plan(chosen.plan, self._inventory)
+            if loaded.model.dra is not None and loaded.model.dra.enabled:  # before the front end (re-)prepares its
+                self._guarded("memory limits", self._load_memory_limits, True)  # claims: what holds shares is known
             self._configure_dra(loaded.model.dra)  # a PlanError when dra.gpus names GPUs this node lacks
         except Exception as error:
             if not isinstance(error, ConfigError | PlanError):
