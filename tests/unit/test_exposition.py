@@ -163,5 +163,6 @@ def test_the_telemetry_path_never_loads_prometheus_client():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     loaded = set(json.loads(result.stdout.splitlines()[-1]))
-    assert {"agent.telemetry.collector", "agent.telemetry.server", "agent.telemetry.serving"} <= loaded  # it saw the path
+    seen = {"agent.telemetry.collector", "agent.telemetry.server", "agent.telemetry.serving"}
+    assert seen <= loaded  # it saw the path
     assert not [m for m in loaded if m == "prometheus_client" or m.startswith("prometheus_client.")]
