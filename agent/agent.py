@@ -373,8 +373,9 @@ class Agent:
         """Load the memory-limits room once something asks the driver to hold memory: a sized replica of the plan,
         or the DRA front end (its shares; ``dra``: a config enables it). Until then — whole GPUs, MIG devices, plain
         time-slicing, most nodes — nothing of it is loaded (its modules, its worker and its watcher: ~0.5 MB, a
-        thread, inotify watches). Called before the DRA front end configures (a restarted agent's re-prepared
-        shares are said held by the driver, never advisory, from the start) and before every status."""
+        thread, inotify watches). Called where the plan changes (a config applied, the node read again), before the
+        status that follows, and before the DRA front end configures (a restarted agent's re-prepared shares are said
+        held by the driver, never advisory, from the start) — not on every publish (an XID's)."""
         if self.options.memory_limits is None or self._memlimits is not None or self._plan is None:
             return
         if not dra and self._dra is None:
@@ -670,6 +671,7 @@ class Agent:
             ",".join(r.name for r in new_plan.resources) or "none",
         )
         self._loaded, self._effective, self._plan, self._config_error = loaded, chosen, new_plan, None
+        self._guarded("memory limits", self._load_memory_limits)  # a plan that sizes replicas: before any status
         self._recheck_config_backoff.reset()
         self._policy = self.options.health.with_config_overrides(chosen.health_overrides)
         self._reconcile_mps(new_plan, Path(chosen.allocation.mps_root))
@@ -716,6 +718,7 @@ class Agent:
         if self._read_inventory(reason, stale):
             try:
                 self._plan = plan(self._effective.plan, self._inventory)
+                self._guarded("memory limits", self._load_memory_limits)  # GPUs back may bring sized replicas
             except PlanError as error:
                 log.error("the node's devices do not fit the config; advertising nothing error=%r", str(error))
                 self._plan = ResourcePlan((), self._plan.mig_strategy if self._plan else MigStrategy.NONE)
@@ -926,7 +929,6 @@ class Agent:
     def _publish(self) -> None:
         """Recompute every resource's snapshot and apply the difference to the running servers."""
         assert self._plan is not None and self._inventory is not None
-        self._guarded("memory limits", self._load_memory_limits)  # a plan that sizes replicas loads the room, first
         # Withdrawn devices leave ListAndWatch first: those a MIG change or an MPS daemon's retirement will
         # disturb, and every device of a GPU whose inventory could not be read again.
         stale = {d.physical_id for r in self._plan.resources for d in r.devices if d.gpu_uuid in self._stale_gpus}

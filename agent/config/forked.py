@@ -64,9 +64,8 @@ class ForkedChecker:
         return self.returncode
 
     def kill(self) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+        if self.poll() is None:  # not reaped: the pid is still this child's (a zombie at worst)
+            os.kill(self.pid, signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         """The exit code; :class:`subprocess.TimeoutExpired` after ``timeout`` seconds (it is asked once the

@@ -341,3 +341,22 @@ def test_a_forked_checker_that_dies_is_a_checker_failure(tmp_path: Path) -> None
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("CheckerFailed "), result.stdout
     assert "exit code 3" in result.stdout
+
+
+def test_a_forked_checker_reaped_by_someone_else_is_a_checker_failure_not_a_crash() -> None:
+    """A forked checker whose exit another waiter took (nobody in the agent does; a library might) leaves its exit
+    code unknown: the check fails as a checker failure (retried), and stopping it raises nothing."""
+    code = (
+        "import os, sys\nfrom agent.config.isolated import start_early\n"
+        "check = start_early(sys.argv[1], fork=True)\n"
+        "os.waitpid(check._process.pid, 0)  # someone else reaps it\n"
+        "try:\n    check.result()\nexcept Exception as error:\n    print(type(error).__name__, error)\n"
+        "check.cancel()\nprint('stopped')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "configs")], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("CheckerFailed ") and "exit code -1" in lines[0], lines
+    assert lines[-1] == "stopped"
