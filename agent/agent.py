@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.config.check_worker import CheckWorker, ConfigChecked
+from agent.config.early import stamp
 from agent.config.effective import FlagOverrides, effective
-from agent.config.isolated import Check, CheckerFailed, stamp
+from agent.config.isolated import Check, CheckerFailed
 from agent.config.labels import (
     CONFIG_LABEL,
     CORDON_ANNOTATIONS,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 from agent import __version__
 
 if TYPE_CHECKING:
+    from agent.config.early import EarlyCheck
     from agent.config.isolated import Check
     from agent.config.model import ConfigModel
     from agent.core.inventory import Inventory
@@ -538,15 +539,17 @@ def _check_plan_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
         )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, early: EarlyCheck | None = None) -> int:
     """Run one command. Bad input is one line on stderr and a documented exit status; an exception nobody
     expected is one line too ("internal error", exit 70), with the traceback only when debugging
-    (``--log-level debug``, ``TESSERA_LOG_LEVEL=debug`` or ``TESSERA_DEBUG=1``)."""
-    from agent.config.isolated import config_on_command_line, start_early
+    (``--log-level debug``, ``TESSERA_LOG_LEVEL=debug`` or ``TESSERA_DEBUG=1``). ``early``: the config checker
+    the entry point (:mod:`agent.entry`) forked for this command line."""
+    from agent.config.early import config_on_command_line
+    from agent.config.isolated import start_early
 
     words = sys.argv[1:] if argv is None else list(argv)
     # `tessera run`: the config checker (the longest step of a start) first, before the parser is even built
-    early_check = start_early(config_on_command_line(words, os.environ), fork=argv is None)
+    early_check = start_early(config_on_command_line(words, os.environ), fork=argv is None, early=early)
     try:
         return _main(words, early_check, exit_when_done=argv is None)
     finally:

@@ -60,7 +60,7 @@ class CheckWorker:
         return self._generation
 
     def request(self, path: Path, stamp: object) -> None:
-        """Check ``path`` (its files as :func:`agent.config.isolated.stamp` gave ``stamp``); returns at once."""
+        """Check ``path`` (its files as :func:`agent.config.early.stamp` gave ``stamp``); returns at once."""
         with self._lock:
             if self._stopping or (stamp == self._asked and (self._wanted is not None or self._running is not None)):
                 return  # the check in hand reads these very files

@@ -1,11 +1,11 @@
 """The config checker forked from ``tessera run`` at its very start, instead of a new interpreter.
 
 The check is the longest step of a start (pydantic and PyYAML load in the child: ~0.15 s), and the agent waits for
-it before its first advertisement. Forked before the agent has started a single thread, the child already holds
-the interpreter and what the command line has loaded (logging, pathlib, re, argparse: ~25 ms of a fresh
-interpreter's start), and it does only what ``python -m agent.config.check`` does: check, answer on its stdout,
-end. A process with threads must not fork (a lock another thread held stays held in the child), so only the early
-check forks, and only in a process that has no other thread; every later check (a reload) starts a new
+it before its first advertisement. Forked before the agent has started a single thread — by
+:mod:`agent.config.early`, before the command line's modules load — the child already holds the interpreter (a
+new one would take ~10 ms to start) and does only what ``python -m agent.config.check`` does: check, answer on its
+stdout, end. A process with threads must not fork (a lock another thread held stays held in the child), so only
+the early check forks, and only in a process that has no other thread; every later check (a reload) starts a new
 interpreter (:class:`agent.config.isolated.Check`).
 
 :class:`ForkedChecker` is the part of :class:`subprocess.Popen` that :class:`~agent.config.isolated.Check` uses.
@@ -13,14 +13,15 @@ interpreter (:class:`agent.config.isolated.Check`).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-from typing import IO, NoReturn
+
+TYPE_CHECKING = False  # forked first thing (agent.config.early): typing, subprocess and contextlib load later
+if TYPE_CHECKING:
+    from typing import IO, NoReturn
 
 MAX_WAIT_STEP = 0.05  # wait() polls the exited child at most this far apart, as subprocess does
 
@@ -74,6 +75,8 @@ class ForkedChecker:
         step = 0.0005
         while self.poll() is None:
             if deadline is not None and time.monotonic() >= deadline:
+                import subprocess
+
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
             left = MAX_WAIT_STEP if deadline is None else max(0.0, deadline - time.monotonic())
             time.sleep(min(step, left))
@@ -100,10 +103,12 @@ def _check_in_child(path: str, parent_ends: tuple[int, int], out: int, err: int)
 
         code = main([path])
     except BaseException:
-        with contextlib.suppress(BaseException):  # its last words, on the stderr the agent reads
+        try:  # its last words, on the stderr the agent reads
             import traceback
 
             traceback.print_exc()
+        except BaseException:  # noqa: S110 - nothing is left to tell it to
+            pass
     finally:
         try:
             sys.stdout.flush()

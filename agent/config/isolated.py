@@ -22,14 +22,16 @@ import selectors
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agent.config.early import stamp
 from agent.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from agent.config.checked import CheckedSet
+    from agent.config.early import EarlyCheck
     from agent.config.forked import ForkedChecker
 
 log = logging.getLogger(__name__)
@@ -38,30 +40,6 @@ TIMEOUT_SECONDS = 30.0  # pydantic builds its models in ~0.1 s; a loaded node ma
 MAX_OUTPUT = 32 << 20  # configs are at most 1 MiB each; their models as JSON are a fraction more
 MAX_STDERR = 4096  # of what the child said on stderr, the tail kept for the message
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # where this `agent` package is imported from
-
-
-def stamp(path: Path) -> object:
-    """What changes when the config at ``path`` may have: the identity, size and time of each file it is read
-    from (a mounted ConfigMap's ``..data`` link moves on each update). Cheap: a few ``stat`` calls."""
-
-    def of(p: Path) -> tuple[int, int, int, int] | None:
-        try:
-            st = p.stat()
-        except OSError:
-            return None
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-    if not path.is_dir():
-        return ("file", of(path))
-    try:
-        names = sorted(entry.name for entry in path.iterdir())
-    except OSError:
-        return ("dir", None)
-    try:
-        link: str | None = str((path / "..data").readlink())
-    except OSError:  # no ..data link (a plain directory), or it is being swapped
-        link = None
-    return ("dir", link, tuple((name, of(path / name)) for name in names))
 
 
 class CheckerFailed(ConfigError):
@@ -80,19 +58,24 @@ class Check:
         max_output: int = MAX_OUTPUT,
         command: Sequence[str] | None = None,
         fork: bool = False,
+        early: EarlyCheck | None = None,
     ) -> None:
         """``command``: the checker's command line without the path (default: this interpreter running
-        :mod:`agent.config.check`); tests give others, to see what a broken checker does to the agent."""
+        :mod:`agent.config.check`); tests give others, to see what a broken checker does to the agent.
+        ``early``: the checker :func:`agent.config.early.fork_early` forked on ``path``, taken over as it runs."""
         self.path = path
-        self.stamp = stamp(path)
-        self._started = time.monotonic()
+        self.stamp = stamp(path) if early is None else early.stamp
+        self._started = time.monotonic() if early is None else early.started
         self._deadline = self._started + timeout
         self._timeout = timeout
         self._max_output = max_output
         self._result: CheckedSet | ConfigError | None = None
         self._cancelled = False
+        if early is not None:
+            self._process: subprocess.Popen[bytes] | ForkedChecker | None = early.child
+            return
         try:
-            self._process: subprocess.Popen[bytes] | ForkedChecker | None = _start_child(path, command, fork=fork)
+            self._process = _start_child(path, command, fork=fork)
         except OSError as error:
             self._process = None
             self._result = self._error(f"the config checker could not start: {error.strerror or error}")
@@ -193,10 +176,13 @@ def _start_child(path: Path, command: Sequence[str] | None, *, fork: bool) -> su
     )
 
 
-def start_early(path: str | None, *, fork: bool = False) -> Check | None:
+def start_early(path: str | None, *, fork: bool = False, early: EarlyCheck | None = None) -> Check | None:
     """The checker on the config ``tessera run`` was given, started before the agent is even imported (it runs
     while the agent loads); None without a config. The agent uses it only if its options name the same path.
-    ``fork``: this is the process's own command line; the checker is forked if no other thread runs yet."""
+    ``early``: the one the entry point forked already (:mod:`agent.config.early`), taken over. ``fork``: this is
+    the process's own command line; the checker is forked if no other thread runs yet."""
+    if early is not None:
+        return Check(Path(early.path), early=early)
     if not path:
         return None
     if fork:
@@ -204,29 +190,3 @@ def start_early(path: str | None, *, fork: bool = False) -> Check | None:
 
         fork = can_fork()
     return Check(Path(path), fork=fork)
-
-
-CONFIG_FLAGS = (("--config", "TESSERA_CONFIG"), ("--config-file", "CONFIG_FILE"))  # Tessera's first, then NVIDIA's
-
-
-def config_on_command_line(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
-    """The config a ``tessera run`` command line names, read before its parser is even built, so that the checker
-    (the longest step of a start) starts first: ``--config`` (or ``TESSERA_CONFIG``), else NVIDIA's
-    ``--config-file`` (or ``CONFIG_FILE``), spelled in full, the last one given winning, as argparse reads them.
-    A guess that cannot be wrong in effect: the agent takes the check only for the path its parsed options name
-    (:func:`agent.run.take_over` stops it otherwise), so an abbreviated flag only costs the early start."""
-    if not argv or argv[0] != "run":
-        return None
-    given: dict[str, str] = {}
-    words = iter(argv[1:])
-    for word in words:
-        if word == "--":
-            break
-        flag, equals, value = word.partition("=")
-        if any(flag == name for name, _ in CONFIG_FLAGS):
-            given[flag] = value if equals else next(words, "")
-    for flag, env in CONFIG_FLAGS:
-        path = given.get(flag) or environ.get(env)
-        if path:
-            return path
-    return None

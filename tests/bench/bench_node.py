@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import logging
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -59,11 +58,21 @@ WHOLE, SHARED = "nvidia.com/gpu", "nvidia.com/gpu.shared"
 EXPECTED = {WHOLE: 4, SHARED: 32}  # per-gpu-sharing on dgx-a100: GPUs 0-3 whole, 4-7 time-sliced 8 ways
 
 
+def image_interpreter() -> str:
+    """The interpreter the image runs, where this machine has it: Debian's own ``python3.X`` (the image test's
+    stand-in base is built from it; the real base, ``python:3.11-slim``, is likewise an optimized build — profile
+    guided, link-time optimized), of this Python's version so that the dependencies installed here fit it.
+    Otherwise this one (a development build may be unoptimized: start figures are then higher, the floor's too)."""
+    debian = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+    return str(debian) if debian.is_file() and os.access(debian, os.X_OK) else sys.executable
+
+
 def image_python(directory: Path) -> str:
-    """A Python set up as the image's: a virtual environment without pip whose site-packages reach this one's
-    (the agent's dependencies) through a path file, so that a development install's hooks (an editable
-    install's import finder, loaded by every process at start) are not loaded, as the image has none."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(directory)], check=True)
+    """A Python set up as the image's: the image's interpreter (``image_interpreter``) in a virtual environment
+    without pip whose site-packages reach this one's (the agent's dependencies) through a path file, so that a
+    development install's hooks (an editable install's import finder, loaded by every process at start) are not
+    loaded, as the image has none."""
+    subprocess.run([image_interpreter(), "-m", "venv", "--without-pip", str(directory)], check=True)
     python = directory / "bin" / "python"
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
@@ -312,6 +321,14 @@ def memory_parts(python: str, home: Path, parts: dict[str, str] = PARTS, base: s
 # ----- report -------------------------------------------------------------------------------------------
 
 
+def _version_of(python: str) -> str:
+    """Which interpreter ran both processes: ``Python 3.11.2 (/usr/bin/python3.11)``."""
+    script = "import platform, sys; print(platform.python_version(), sys._base_executable)"
+    answer = subprocess.run([python, "-c", script], capture_output=True, text=True, check=True).stdout
+    version, executable = answer.split()
+    return f"Python {version} ({executable})"
+
+
 def report(
     agent: Figures, floor: Figures, parts: dict[str, list[float]], sim_share: list[float], args: argparse.Namespace
 ) -> None:
@@ -321,7 +338,7 @@ def report(
         print(f"| {label} | {a:.2f} {unit} ({spread}) | {f:.2f} {unit} | {a / f:.2f}× | {target} |")
 
     print(
-        f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, Python {platform.python_version()}, "
+        f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, {args.interpreter}, "
         f"grpcio {grpc.__version__}; simulated dgx-a100, config {CONFIG_NAME} from a ConfigMap directory picked by "
         f"the node label through the API; {args.rounds} rounds, medians (agent range in brackets); idle "
         f"{args.idle_seconds:g} s; {args.xids} XIDs per round"
@@ -369,6 +386,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-node", dir="/tmp"))
     args.agent_home = package_copy(work / "compiled", compiled=True)
     args.python = image_python(work / "venv")
+    args.interpreter = _version_of(args.python)
     agent, floor = Figures(), Figures()
     parts: dict[str, list[float]] = {}
     sim_share: list[float] = []

@@ -7,6 +7,9 @@ it says: ``hang SECONDS`` (a checker that hangs) or ``exit CODE`` (a checker tha
 interpreter running ``-m agent.config.check``, or the child ``tessera run`` forks for its first check
 (``agent.config.forked``: the only ``os.fork`` of the agent, so any child forked from a ``-m agent`` process).
 Every other Python process, and every checker once the file is taken, runs untouched.
+
+``CHECKER_FORK_MODULES`` names a file where a ``-m agent`` process writes the modules it has loaded as it forks
+(the parent's, just before the fork): what the forked checker starts with.
 """
 
 import os
@@ -35,3 +38,12 @@ if _flag and sys.orig_argv[1:3] == ["-m", "agent.config.check"]:
     _take()
 elif _flag and sys.orig_argv[1:3] == ["-m", "agent"]:
     os.register_at_fork(after_in_child=_take)
+
+
+def _write_modules() -> None:
+    with open(os.environ["CHECKER_FORK_MODULES"], "w") as file:
+        file.write("\n".join(sorted(sys.modules)))
+
+
+if os.environ.get("CHECKER_FORK_MODULES") and sys.orig_argv[1:3] == ["-m", "agent"]:
+    os.register_at_fork(before=_write_modules)

@@ -195,7 +195,7 @@ def test_entrypoint_is_the_console_script_and_run_its_default_command():
     (cmd,) = stages[-1].args("CMD")
     program, default = json.loads(entrypoint), json.loads(cmd)  # exec form: signals reach the agent, no shell
     assert program == ["tessera"] and default == ["run"]
-    assert project()["scripts"]["tessera"] == "agent.cli:main"
+    assert project()["scripts"]["tessera"] == "agent.entry:main"  # forks the config checker first, then the CLI
     for arguments in (default, ["demo"], ["plan", "--node", "t4x4"]):
         result = subprocess.run([sys.executable, "-m", "agent", *arguments, "--help"], capture_output=True, check=False)
         assert result.returncode == 0, (arguments, result.stderr)
@@ -258,7 +258,7 @@ def test_wheel_builds_from_the_build_context(tmp_path):
     assert "agent/cli.py" in names and "agent/sim/presets/dgx-a100.yaml" in names
     assert any(n.startswith("agent/data/") and n.endswith(".json") for n in names)
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
-    assert "tessera = agent.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "tessera = agent.entry:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
     # PEP 639: the license as an SPDX expression, its text in the wheel (setuptools >= 77, pyproject.toml)
     (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
     headers = zipfile.ZipFile(wheel).read(metadata).decode().split("\n\n")[0].splitlines()

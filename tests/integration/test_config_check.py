@@ -195,7 +195,7 @@ def test_an_agent_whose_checker_died_tries_again_on_its_own(world) -> None:  # n
 def test_the_stamp_moves_with_a_configmap_swap_and_only_then(tmp_path: Path) -> None:
     """A checked set is reused while its files stay (a node label choosing another config of it needs no new
     child); a ConfigMap update (the ``..data`` swap) or an edited file is checked again."""
-    from agent.config.isolated import stamp
+    from agent.config.early import stamp
     from tests.integration.test_config_reload import ConfigMapDir
 
     configmap = ConfigMapDir(tmp_path / "cm")
@@ -251,7 +251,7 @@ def test_an_early_checker_for_another_path_is_stopped(tmp_path: Path) -> None:
     ],
 )
 def test_the_config_is_read_from_the_command_line_before_the_parser(argv, environ, expected) -> None:
-    from agent.config.isolated import config_on_command_line
+    from agent.config.early import config_on_command_line
 
     assert config_on_command_line(argv, environ) == expected
 
@@ -293,6 +293,58 @@ def test_a_run_that_never_starts_leaves_no_early_checker_behind(tmp_path: Path, 
     )  # fmt: skip
     assert result.returncode == (0 if words == ["--help"] else 2), result.stderr
     assert _checkers_of(config) == []
+
+
+def test_tessera_run_forks_its_checker_before_the_command_line_loads(tmp_path: Path) -> None:
+    """The checker is the longest step of a start and the agent waits for it: ``tessera run`` forks it first, before
+    the command line's modules (argparse, logging, json, pathlib, the CLI) load — the checker uses none of them and
+    would start ~20 ms later. What the process holds as it forks is what the checker starts with."""
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "default.yaml").write_text(SHARED_GPUS)
+    loaded = tmp_path / "modules"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")},
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "checker_hook"), str(ROOT)]),
+        "CHECKER_FORK_MODULES": str(loaded),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "run", "--config", str(config), "--no-such-flag"],
+        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr  # the usage error, said after the fork
+    at_start = subprocess.run(  # what the interpreter loads by itself (a development install's finder: pathlib)
+        [sys.executable, "-c", "import sys; print(*sys.modules)"], capture_output=True, text=True, env=env, check=True
+    ).stdout.split()
+    modules = set(loaded.read_text().split()) - set(at_start)
+    assert "agent.config.early" in modules and "agent.config.forked" in modules  # this is the early fork
+    assert not modules & {"agent.cli", "argparse", "logging", "json", "pathlib", "typing", "subprocess"}, modules
+
+
+def test_the_checker_does_not_search_installed_packages_for_pydantic_plugins() -> None:
+    """pydantic's plugin search reads every installed distribution's entry points (``importlib.metadata``, with
+    ``email`` and ``zipfile``: ~14 ms of the checker's time) even when plugins are disabled, as the checker
+    disables them. The checker skips the search; its answer is the one it gives with pydantic's own loader."""
+    code = (
+        "import io, sys, contextlib\n"
+        "if sys.argv[2] == 'own-loader':\n    import pydantic.plugin._loader\n"
+        "from agent.config.check import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n    main([sys.argv[1]])\n"
+        "print('importlib.metadata' in sys.modules)\nprint(out.getvalue())\n"
+    )
+    env = {**os.environ, "PYDANTIC_DISABLE_PLUGINS": "__all__"}
+    for path in (ROOT / "configs", ROOT / "daemonset" / "base" / "configs"):
+        answers = {}
+        for loader in ("spared", "own-loader"):
+            result = subprocess.run(
+                [sys.executable, "-c", code, str(path), loader],
+                capture_output=True, text=True, timeout=60, cwd=ROOT, env=env,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr
+            searched, answers[loader] = result.stdout.split("\n", 1)
+            assert searched == ("False" if loader == "spared" else "True"), (loader, searched)
+        assert json.loads(answers["spared"]) == json.loads(answers["own-loader"])
 
 
 def test_the_first_check_forked_by_tessera_run_answers_as_a_new_interpreter_does() -> None:
