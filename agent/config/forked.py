@@ -23,7 +23,7 @@ TYPE_CHECKING = False  # forked first thing (agent.config.early): typing, subpro
 if TYPE_CHECKING:
     from typing import IO, NoReturn
 
-MAX_WAIT_STEP = 0.05  # wait() polls the exited child at most this far apart, as subprocess does
+MAX_WAIT_STEP = 0.05  # without a pidfd, wait() polls the child at most this far apart, as subprocess does
 
 
 def can_fork() -> bool:
@@ -70,19 +70,47 @@ class ForkedChecker:
 
     def wait(self, timeout: float | None = None) -> int:
         """The exit code; :class:`subprocess.TimeoutExpired` after ``timeout`` seconds (it is asked once the
-        child has closed its output, so at its very end)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        step = 0.0005
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                import subprocess
+        child has closed its output, so at its very end). Woken by the child's exit (a pidfd), not by a timer."""
+        if self.poll() is None and not self._exited_within(timeout):
+            import subprocess
 
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            left = MAX_WAIT_STEP if deadline is None else max(0.0, deadline - time.monotonic())
-            time.sleep(min(step, left))
-            step = min(step * 2, MAX_WAIT_STEP)
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        if self.returncode is None:  # it has exited: reap it
+            try:
+                _, status = os.waitpid(self.pid, 0)
+                self.returncode = os.waitstatus_to_exitcode(status)
+            except ChildProcessError:  # reaped elsewhere meanwhile
+                self.returncode = -1
         assert self.returncode is not None
         return self.returncode
+
+    def _exited_within(self, timeout: float | None) -> bool:
+        """Has the child exited within ``timeout`` seconds (None: however long it takes)? Its pidfd (Linux 5.3)
+        turns readable at its exit; a kernel without pidfds is asked at most every ``MAX_WAIT_STEP``."""
+        if timeout is None:
+            return True  # waitpid blocks until it has
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):  # no pidfd here (an older kernel, not Linux)
+            return self._polled_exit_within(timeout)
+        try:
+            import select
+
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            return bool(poller.poll(max(0, round(timeout * 1000))))
+        finally:
+            os.close(pidfd)
+
+    def _polled_exit_within(self, timeout: float) -> bool:
+        deadline, step = time.monotonic() + timeout, 0.0005
+        while self.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(step, left))
+            step = min(step * 2, MAX_WAIT_STEP)
+        return True
 
 
 def _check_in_child(path: str, parent_ends: tuple[int, int], out: int, err: int) -> NoReturn:

@@ -78,7 +78,7 @@ class GetHandler(socketserver.StreamRequestHandler):
 
     def _read_request(self) -> str | None:
         """The method, with ``path`` set; None for a connection closed before it said anything."""
-        line = self._line()
+        line = self._line(too_long=HTTPStatus.REQUEST_URI_TOO_LONG)  # 414, as http.server says for a long URI
         if not line:
             return None
         words = line.decode("latin-1").split()
@@ -92,10 +92,10 @@ class GetHandler(socketserver.StreamRequestHandler):
         self.path = words[1]
         return words[0]
 
-    def _line(self) -> bytes:
+    def _line(self, too_long: HTTPStatus = HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE) -> bytes:
         line = self.rfile.readline(MAX_LINE + 1)
         if len(line) > MAX_LINE:
-            raise _BadRequest(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"a line longer than {MAX_LINE} bytes")
+            raise _BadRequest(too_long, f"a line longer than {MAX_LINE} bytes")
         return line
 
 

@@ -256,6 +256,17 @@ def test_the_config_is_read_from_the_command_line_before_the_parser(argv, enviro
     assert config_on_command_line(argv, environ) == expected
 
 
+def _hooked_env(tmp_path: Path, hold: str | None = None, **extra: str) -> dict[str, str]:
+    """This environment (less TESSERA_*) with tests/checker_hook's ``sitecustomize`` on the path; ``hold``: what
+    the first checker to take it does (``hang 120``, ``exit 3``: see that module)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "checker_hook"), str(ROOT)])
+    if hold is not None:
+        (tmp_path / "hold").write_text(hold)
+        env["CHECKER_HOOK"] = str(tmp_path / "hold")
+    return {**env, **extra}
+
+
 def _checkers_of(path: Path) -> list[int]:
     """Live processes whose command line names ``path``: a checker on it (``-m agent.config.check <path>``, or the
     child ``tessera run --config <path>`` forked for its first check), once that command has ended."""
@@ -280,13 +291,7 @@ def test_a_run_that_never_starts_leaves_no_early_checker_behind(tmp_path: Path, 
     config = tmp_path / "config"
     config.mkdir()
     (config / "default.yaml").write_text(SHARED_GPUS)
-    hook = tmp_path / "hold"
-    hook.write_text("hang 120")
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")},
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "checker_hook"), str(ROOT)]),
-        "CHECKER_HOOK": str(hook),
-    }
+    env = _hooked_env(tmp_path, "hang 120")
     result = subprocess.run(
         [sys.executable, "-m", "agent", "run", "--config", str(config), *words],
         capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
@@ -303,11 +308,7 @@ def test_tessera_run_forks_its_checker_before_the_command_line_loads(tmp_path: P
     config.mkdir()
     (config / "default.yaml").write_text(SHARED_GPUS)
     loaded = tmp_path / "modules"
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")},
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "checker_hook"), str(ROOT)]),
-        "CHECKER_FORK_MODULES": str(loaded),
-    }
+    env = _hooked_env(tmp_path, CHECKER_FORK_MODULES=str(loaded))
     result = subprocess.run(
         [sys.executable, "-m", "agent", "run", "--config", str(config), "--no-such-flag"],
         capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
@@ -382,17 +383,40 @@ def test_a_forked_checker_that_dies_is_a_checker_failure(tmp_path: Path) -> None
     result = subprocess.run([sys.executable, "-c", code, str(missing)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ConfigError ") and str(missing) in result.stdout  # the set cannot be read
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "checker_hook"), str(ROOT)])}
-    hold = tmp_path / "hold"
-    hold.write_text("exit 3")
     hooked = "import os\nos.register_at_fork(after_in_child=__import__('sitecustomize')._take)\n" + code
-    env["CHECKER_HOOK"] = str(hold)
     result = subprocess.run(
-        [sys.executable, "-c", hooked, str(ROOT / "configs")], capture_output=True, text=True, timeout=60, env=env
-    )
+        [sys.executable, "-c", hooked, str(ROOT / "configs")],
+        capture_output=True, text=True, timeout=60, env=_hooked_env(tmp_path, "exit 3"),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("CheckerFailed "), result.stdout
     assert "exit code 3" in result.stdout
+
+
+@pytest.mark.parametrize("pidfd", ["pidfd", "no-pidfd"])
+def test_waiting_on_a_forked_checker_ends_at_its_exit_or_its_deadline(tmp_path: Path, pidfd: str) -> None:
+    """The agent waits for a forked checker's exit, bounded: a checker that runs on past the wait's timeout is
+    ``TimeoutExpired`` (then killed, its exit code the kill's), one that exits gives its exit code. The child's
+    exit wakes the wait (its pidfd); a kernel without pidfds gets the same answers by asking."""
+    code = (
+        "import os, subprocess, sys\n"
+        "os.register_at_fork(after_in_child=__import__('sitecustomize')._take)\n"
+        "from agent.config.forked import ForkedChecker\n"
+        "if sys.argv[2] == 'no-pidfd':\n    del os.pidfd_open\n"
+        "held = ForkedChecker(sys.argv[1])\n"
+        "try:\n    print('exited', held.wait(timeout=1.0))\nexcept subprocess.TimeoutExpired:\n    print('timed out')\n"
+        "held.kill()\nprint('killed', held.wait())\n"
+        "free = ForkedChecker(sys.argv[1])\n"
+        "answer = free.stdout.read()\n"
+        "print('answered', answer[:1] == b'{', free.wait(timeout=60))\n"
+    )
+    env = _hooked_env(tmp_path, "hang 120")
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "configs"), pidfd],
+        capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["timed out", "killed -9", "answered True 0"]
 
 
 def test_a_forked_checker_reaped_by_someone_else_is_a_checker_failure_not_a_crash() -> None:
