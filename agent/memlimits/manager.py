@@ -7,7 +7,8 @@ size at once, not at the next re-check) the worker looks at the node again: the 
 (``containers``). For each container and GPU it reads the limits back
 from the driver; where they are not the wanted ones it sets them, inside the ledger's critical section, and reads
 them again. So a container is limited when it starts, a limit changed behind the agent's back is restored at the
-next look, and after an agent restart limits already in place are found and kept (read, not set again).
+next look, after an agent restart limits already in place are found and kept (read, not set again), and a limit no
+size asks for any more (the config dropped the size) is lifted from the running container, as a resize is applied.
 
 Where the driver cannot (an older driver, no root, a MIG device) the fallback is said once in the log and kept in
 ``report()`` for the status, per container and GPU; when that picture changes the worker posts ``LimitsChanged``
@@ -261,41 +262,59 @@ class MemoryLimits:
         plan = self._plan()
         sizes: dict[Hashable, SizedDevice] = dict(sized_devices(plan)) if plan is not None else {}
         sizes.update(claim_sizes(self._claims(), self._inventory()))
-        if not sizes:
-            self._show(())
-            return False
-        try:
-            answer = self._holders()
-        except Exception as error:  # the kubelet does not answer: keep the last picture, look again later
-            self._say("podresources", f"memory limits wait for PodResources error={error!r}", logging.WARNING)
-            return True
-        holders: list[tuple[Hashable, ContainerRef]] = [
-            (device_id, ContainerRef(holder.namespace, holder.pod, holder.container))
-            for device_id, holder in answer.devices.items()
-            if device_id in sizes
-        ]
-        holders += [
-            (key, ContainerRef(*name))
-            for key, names in answer.claim_containers.items()
-            if key in sizes
-            for name in sorted(names)
-        ]
-        wanted = wanted_limits(sizes, holders)
-        if not wanted:
+        wanted: list[Wanted] = []
+        if sizes:
+            try:
+                answer = self._holders()
+            except Exception as error:  # the kubelet does not answer: keep the last picture, look again later
+                self._say("podresources", f"memory limits wait for PodResources error={error!r}", logging.WARNING)
+                return True
+            holders: list[tuple[Hashable, ContainerRef]] = [
+                (device_id, ContainerRef(holder.namespace, holder.pod, holder.container))
+                for device_id, holder in answer.devices.items()
+                if device_id in sizes
+            ]
+            holders += [
+                (key, ContainerRef(*name))
+                for key, names in answer.claim_containers.items()
+                if key in sizes
+                for name in sorted(names)
+            ]
+            wanted = wanted_limits(sizes, holders)
+        if not wanted and not self._set:
             self._show(())
             return False
         cgroups = self._containers.scan()
         live = {c.cgroup for found in cgroups.values() for c in found}
         self._set = {key: value for key, value in self._set.items() if key[1] in live}
+        held = {(want.gpu_uuid, c.cgroup) for want in wanted for c in cgroups.get(want.container, [])}
         rows: list[HeldLimit] = []
         retry = False
         with nvml_session():
+            for gpu_uuid, cgroup in [key for key in self._set if key not in held]:
+                retry = not self._lift(gpu_uuid, cgroup) or retry
             for want in wanted:
                 row, failed = self._hold(want, [c.cgroup for c in cgroups.get(want.container, [])])
                 rows.append(row)
                 retry = retry or failed
         self._show(tuple(rows))
         return retry
+
+    def _lift(self, gpu_uuid: str, cgroup: str) -> bool:
+        """Lift a limit this agent set that no size asks for any more — the config dropped the size, or made the
+        container's device an unsized one — as a resize is applied: at once, for the running container. False
+        when the driver failed (tried again at the next look)."""
+        try:
+            with self._section():
+                set_memory_limits(gpu_uuid, cgroup, 0, NO_LIMIT)
+        except MemoryLimitError as error:
+            if error.code != "NOT_FOUND":  # else the cgroup went meanwhile: nothing is left to lift
+                self._say(f"lift/{gpu_uuid}/{error.code}", f"memory limit not lifted cgroup={cgroup} error={error}; "
+                          "trying again", logging.WARNING)  # fmt: skip
+                return False
+        del self._set[(gpu_uuid, cgroup)]
+        log.info("memory limit lifted: no size asks for it any more gpu=%s cgroup=%s", gpu_uuid, cgroup)
+        return True
 
     def _hold(self, want: Wanted, cgroups: list[str]) -> tuple[HeldLimit, bool]:
         verdict = enforcement(want, driver_refusal=self._refusal(want))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent.sim.kubelet import KubeletEmulator, Pod
+from agent.sim.nvml.codes import Return
 from agent.status_report import render_text, status_document
 from tests.fake_events_api import FakeEventsApi
 from tests.fake_kube import FakeKube, serving, write_kubeconfig
@@ -67,6 +68,25 @@ def test_a_config_resize_reaches_running_containers_at_once(make_node: Callable[
     wait_until(lambda: node.limits().get(cgroup) == (10 * GIB, 20 * GIB), 10, "the first size")
     rewrite(node, config("15Gi"))
     wait_until(lambda: node.limits().get(cgroup) == (15 * GIB, 20 * GIB), 10, "the new size, without a re-check")
+
+
+def test_a_config_that_drops_the_size_lifts_the_limit_from_running_containers(make_node: Callable[..., Node]) -> None:
+    """The size goes from the config (the replicas stay, unsized): the running container's limit is lifted at once,
+    as a resize would be applied — not left in the driver for the container's life; the status holds no row."""
+    node = make_node(config=config("10Gi"), recheck=RECHECK)
+    node.wait_registered(timeout=30, resources=(SHARED,))
+    agent = node.agent
+    assert agent is not None
+    cgroup, _ = start(node, node.kubelet.create_pod("unsized", {"main": {SHARED: 1}}))
+    wait_until(lambda: node.limits().get(cgroup) == (10 * GIB, 20 * GIB), 10, "the size")
+    sets = node.driver.memory_limit_sets
+    node.driver.inject_error("nvmlDeviceSetMemoryLimits_v1", Return.ERROR_UNKNOWN, times=1)  # the first lift fails
+    rewrite(node, config("10Gi").replace(", memoryLimit: 10Gi, memoryBurstLimit: 20Gi", ""))
+    wait_until(lambda: cgroup not in node.limits(), 10, "the limit lifted, tried again, without a re-check")
+    assert node.driver.memory_limit_sets == sets + 1  # the failed try set nothing; the second lifted it
+    wait_until(lambda: agent.status.memory_limits == (), 10, "no row in the status")
+    rewrite(node, config("15Gi"))  # sized again: held again
+    wait_until(lambda: node.limits().get(cgroup) == (15 * GIB, 20 * GIB), 10, "the new size")
 
 
 def test_a_bad_size_is_refused_by_name_and_the_old_limits_stay(make_node: Callable[..., Node]) -> None:
