@@ -30,7 +30,6 @@ client for the kubeconfigs only it speaks): both raise :class:`agent.kube_http.K
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import sys
@@ -60,6 +59,7 @@ from agent.core.events import (
     validate_event,
     validate_regarding,
 )
+from agent.kube_status import status_message
 
 if TYPE_CHECKING:
     from agent.config.node_label import NodeApi
@@ -72,7 +72,6 @@ REQUEST_TIMEOUT = (5.0, 10.0)  # (connect, read) seconds for one write
 RETRY_DELAY_MAX = 5.0
 _RBAC_RULE = 'ClusterRole rule: apiGroups ["events.k8s.io"], resources [events], verbs [create, patch]'
 MAX_MESSAGE = 512  # characters of the API server's message kept for one log line
-MAX_STATUS_BODY = 64 << 10  # an error body larger than this is not parsed for its message
 SEND_DELAY = 0.02  # an idle recorder waits this long before it writes: the moment's urgent work goes first
 
 # ----- the shell: a queue and the thread that sends it -------------------------------------------------
@@ -101,17 +100,7 @@ def _describe(error: BaseException) -> tuple[int | None, str]:
     status = getattr(error, "status", None)
     if not isinstance(status, int):
         return None, f"{type(error).__name__}: {str(error)[:MAX_MESSAGE]}"
-    body = getattr(error, "body", None)
-    message = None
-    if isinstance(body, bytes | str) and len(body) <= MAX_STATUS_BODY:  # a Status is a few hundred bytes
-        try:
-            parsed = json.loads(body)
-        except (ValueError, RecursionError):
-            parsed = None
-        if isinstance(parsed, dict) and parsed.get("message"):
-            message = str(parsed["message"])
-    if message is None:
-        message = str(getattr(error, "reason", None) or "").strip() or "no reason given"
+    message = status_message(error) or str(getattr(error, "reason", None) or "").strip() or "no reason given"
     return status, message[:MAX_MESSAGE]
 
 

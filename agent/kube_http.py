@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
+from agent.kube_status import MAX_STATUS_BODY, status_message
+
 JSON = "application/json"
 PATCH = "application/strategic-merge-patch+json"  # what client-go sends, and the typed classes for a dict
 RequestTimeout = float | tuple[float, float] | None
@@ -48,7 +50,7 @@ RequestTimeout = float | tuple[float, float] | None
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 TOKEN_REFRESH_SECONDS = 60.0  # the official client's in-cluster loader re-reads the token file this often
 MAX_KUBECONFIG_BYTES = 1 << 20
-MAX_ERROR_BODY = 64 << 10  # of an error answer, the part kept for its Status message
+MAX_ERROR_BODY = MAX_STATUS_BODY  # of an error answer, the part kept for its Status message
 MAX_ANSWER_BYTES = 64 << 20  # a Node with many images is large, but never this large
 MAX_IDLE_CONNECTIONS = 2  # kept open for the next request (the node watch holds one more while it runs)
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -81,14 +83,7 @@ class KubeApiError(Exception):
 
     @property
     def message(self) -> str:
-        if self.body and len(self.body) <= MAX_ERROR_BODY:
-            try:
-                parsed = json.loads(self.body)
-            except (ValueError, RecursionError):
-                parsed = None
-            if isinstance(parsed, dict) and parsed.get("message"):
-                return str(parsed["message"])
-        return self.reason
+        return status_message(self) or self.reason
 
 
 class KubeUnreachable(ConnectionError):

@@ -37,6 +37,7 @@ from agent.config.labels import (
     validate_node_name,
 )
 from agent.kube_http import KubeApiError, KubeConfigError, KubeHttp, Unsupported
+from agent.kube_status import status_message
 
 __all__ = [
     "CONFIG_LABEL",
@@ -60,7 +61,6 @@ MIN_HEALTHY_WATCH = 1.0  # a watch the server ends sooner than this, with no eve
 BACKOFF_INITIAL = 0.5
 STOP_JOIN_TIMEOUT = 5.0
 HTTP_GONE = 410
-MAX_STATUS_BODY = 64 << 10  # an error body read for its Status message: larger ones are not parsed
 MAX_STATUS_MESSAGE = 1024  # characters of the API server's message kept for one log line
 MAX_WATCH_LINE = 16 << 20  # one watch event (a whole Node) longer than this is a broken stream
 
@@ -157,14 +157,9 @@ def _official_client(kubeconfig: str | Path) -> NodeApi:
 
 def _status_message(e: KubeApiError) -> str:
     """The API server's own message from a Status body, else the HTTP reason."""
-    body = getattr(e, "body", None)
-    if body and len(body) <= MAX_STATUS_BODY:  # a Status is a few hundred bytes; anything else is not one
-        try:
-            message = json.loads(body).get("message")
-        except (ValueError, AttributeError, TypeError, RecursionError):
-            message = None
-        if message:
-            return str(message)[:MAX_STATUS_MESSAGE]
+    message = status_message(e)
+    if message:
+        return message[:MAX_STATUS_MESSAGE]
     return str(e.reason or "").strip() or "no reason given"
 
 

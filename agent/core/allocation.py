@@ -11,16 +11,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
+from agent.core.cdi_edits import DEVICE_PLUGIN_KIND, MEMORY_LIMIT_ENV, MEMORY_REQUEST_ENV
 from agent.core.mps import CONTAINER_MPS_ROOT, daemon_key
 from agent.core.resources import Device, MpsLimits, ReplicaMemory, replica_memory
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
-# What the container toolkit's apply-cuda-memory-limits hook (v1.20.1+) reads from the container's spec and applies
-# to its cgroup through NVML (driver r615+): singular, whole MiB, the same on each of the container's GPUs.
-MEMORY_REQUEST_ENV = "NVIDIA_GPU_MEMORY_REQUEST"
-MEMORY_LIMIT_ENV = "NVIDIA_GPU_MEMORY_LIMIT"
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
-DEFAULT_CDI_KIND = "k8s.device-plugin.nvidia.com/gpu"  # the spec Tessera writes, named as NVIDIA's plugin names it
+DEFAULT_CDI_KIND = DEVICE_PLUGIN_KIND  # --cdi-kind: the spec Tessera writes, named as NVIDIA's plugin names it
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 
 

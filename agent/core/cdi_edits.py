@@ -57,7 +57,9 @@ HOOK_STAGE = "createContainer"
 MEMORY_LIMITS_HOOK = "apply-cuda-memory-limits"  # NVIDIA/nvidia-container-toolkit PR #2075, toolkit v1.20.1
 MEMORY_LIMITS_TOOLKIT = (1, 20, 1)  # the first toolkit whose hook binary has it
 MEMORY_LIMITS_STAGE = "createRuntime"  # as the toolkit's own spec has it: after the cgroup exists, before start
-MEMORY_REQUEST_ENV = "NVIDIA_GPU_MEMORY_REQUEST"  # singular, whole MiB: what the hook reads
+# What the hook reads from the container's spec and applies to its cgroup through NVML (driver r615+): singular,
+# whole MiB, the same on each of the container's GPUs. Allocate (agent.core.allocation) gives the same variables.
+MEMORY_REQUEST_ENV = "NVIDIA_GPU_MEMORY_REQUEST"
 MEMORY_LIMIT_ENV = "NVIDIA_GPU_MEMORY_LIMIT"
 
 # Device-plugin CDI spec: NVIDIA's device plugin writes vendor k8s.device-plugin.nvidia.com, class gpu
