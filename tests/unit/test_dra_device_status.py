@@ -58,6 +58,30 @@ def test_a_report_already_there_is_not_written_again_and_keeps_its_transition_ti
     assert changed is not None and len(changed) == 1 and changed[0]["data"] == {"uuid": "GPU-b"}
 
 
+def test_an_entry_of_a_share_the_claim_no_longer_holds_is_replaced_not_kept_beside_the_new_one() -> None:
+    """A device reported before under another shareID (an earlier allocation whose unprepare never reported) is
+    this driver's stale entry: the new report replaces it. Another driver's entry for the same device stays."""
+    old_share = with_prepared(
+        claim([NIC]), DRIVER, [DeviceStatus(POOL, "gpu-1", "GPU-b", share_id="s-old")], "node-a", "2026-09-01T12:00:00Z"
+    )
+    assert old_share is not None
+    theirs = {"driver": "other.example.com", "pool": POOL, "device": "gpu-1", "shareID": "s-x"}
+    devices = with_prepared(
+        claim([*old_share, theirs]),
+        DRIVER,
+        [DeviceStatus(POOL, "gpu-1", "GPU-b", share_id="s-new"), DeviceStatus(POOL, "gpu-2", "GPU-c", share_id="s-2")],
+        "node-a",
+        "2026-09-02T00:00:00Z",
+    )
+    assert devices is not None
+    assert [(d["driver"], d["device"], d.get("shareID")) for d in devices] == [
+        (NIC["driver"], "eth1", None),
+        ("other.example.com", "gpu-1", "s-x"),
+        (DRIVER, "gpu-1", "s-new"),
+        (DRIVER, "gpu-2", "s-2"),
+    ]
+
+
 def test_unprepare_takes_back_only_this_drivers_entries_of_those_devices() -> None:
     ours = with_prepared(claim([NIC]), DRIVER, [DeviceStatus(POOL, "gpu-0", "GPU-a")], "node-a", "t")
     other_pool = {**NIC, "driver": DRIVER, "pool": "node-b", "device": "gpu-0"}

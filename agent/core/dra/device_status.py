@@ -66,9 +66,11 @@ def _key(item: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
 def with_prepared(
     claim: Mapping[str, Any], driver: str, statuses: Sequence[DeviceStatus], node: str, now: str
 ) -> list[dict[str, Any]] | None:
-    """The claim's new ``status.devices`` with an entry for each of ``statuses`` (replacing this driver's earlier
-    ones for the same devices, keeping everything else); None when nothing changes (entries already there keep their
-    ``lastTransitionTime``).
+    """The claim's new ``status.devices`` with an entry for each of ``statuses`` — the claim's devices this driver
+    prepared, all of them — replacing this driver's earlier ones for the same devices (an entry of a share the
+    claim no longer holds, another ``shareID`` of the same device, included: left by an earlier allocation whose
+    unprepare never reported), keeping everything else; None when nothing changes (entries already there keep
+    their ``lastTransitionTime``).
 
     ``TooManyDeviceStatuses`` when the result would hold more than ``MAX_DEVICE_STATUSES`` entries (the API server
     would refuse it): nothing is dropped to make room, neither this report's entries (the claim would lack the
@@ -76,7 +78,12 @@ def with_prepared(
     existing = _existing(claim)
     generation = _generation(claim)
     wanted = {(driver, s.pool, s.device, s.share_id or None): entry(driver, s, node, now, generation) for s in statuses}
-    kept = [item for item in existing if _key(item) not in wanted]
+    reported = {(s.pool, s.device) for s in statuses}
+    kept = [
+        item
+        for item in existing
+        if _key(item) not in wanted and not (item.get("driver") == driver and _key(item)[1:3] in reported)
+    ]
     present = {_key(item): item for item in existing if _key(item) in wanted}
     for key, new in wanted.items():
         old = present.get(key)
