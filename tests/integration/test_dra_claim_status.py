@@ -123,9 +123,9 @@ def test_a_slow_api_server_holds_a_report_no_longer_than_its_one_budget(api: Api
 def test_a_report_that_would_overflow_status_devices_is_refused_naming_the_claim_and_nothing_is_written(
     api: ApiServer,
 ) -> None:
-    """31 entries already there (30 NICs and a stale share of gpu-0) and two devices prepared: 33, past the API
-    server's 32. Cut to 32, the last of the devices just prepared would silently go unreported; nothing is written
-    and the claim is named instead."""
+    """31 entries already there (30 NICs, and another driver's entry for a share of one of them: not ours to
+    delete) and two devices prepared: 33, past the API server's 32. Cut to 32, the last of the devices just
+    prepared would silently go unreported; nothing is written and the claim is named instead."""
     claim = {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -138,9 +138,9 @@ def test_a_report_that_would_overflow_status_devices_is_refused_naming_the_claim
     created = api.create("resourceclaims", claim)
     nics = [{"driver": NIC["driver"], "pool": NODE, "device": f"eth{i}"} for i in range(30)]
     gpus = [{"driver": DRIVER, "pool": NODE, "device": f"gpu-{i}"} for i in range(2)]
-    stale = {**gpus[0], "shareID": "0b6f3a52-9f1c-4c1e-8d0e-000000000000"}
+    theirs = {**nics[0], "shareID": "0b6f3a52-9f1c-4c1e-8d0e-000000000000"}
     results = [{"request": "gpu", **g} for g in gpus] + [{"request": "nic", **n} for n in nics]
-    created["status"] = {"allocation": {"devices": {"results": results}}, "devices": [*nics, stale]}
+    created["status"] = {"allocation": {"devices": {"results": results}}, "devices": [*nics, theirs]}
     before = api.update("resourceclaims", created, status=True)["status"]["devices"]
     ours = [DeviceStatus(NODE, "gpu-0", "GPU-0"), DeviceStatus(NODE, "gpu-1", "GPU-1")]
     with pytest.raises(ClaimStatusNotWritten) as error:
