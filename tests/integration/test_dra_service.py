@@ -642,8 +642,9 @@ def test_each_prepare_and_unprepare_is_logged_with_the_claim_and_its_devices(nod
 def test_a_status_report_past_the_api_servers_bound_is_logged_naming_the_claim_and_the_prepare_stands(
     node: Node, caplog
 ):
-    """status.devices already holds 31 entries (30 of a NIC driver, a stale share of gpu-0): two more would pass the
-    API server's 32. The report is refused whole, logged with the claim; the claim is prepared all the same."""
+    """status.devices already holds 31 entries (30 of a NIC driver, and that driver's entry for a share of one NIC:
+    not ours to delete): two more would pass the API server's 32. The report is refused whole, logged with the
+    claim; the claim is prepared all the same."""
     api = ApiServer(git_version="v1.37.0")
     api.start()
     try:
@@ -667,7 +668,7 @@ def test_a_status_report_past_the_api_servers_bound_is_logged_naming_the_claim_a
         created["status"] = {
             "allocation": {"devices": {"results": results}},
             "reservedFor": [{"resource": "pods", "name": "pod-w", "uid": "5e5e5e5e-0000-4000-8000-000000000002"}],
-            "devices": [*nics, {**gpus[0], "shareID": uid(0)}],
+            "devices": [*nics, {**nics[0], "shareID": uid(0)}],
         }
         wide = api.update("resourceclaims", created, status=True)
         node.claims.add(wide)
