@@ -29,6 +29,10 @@ YAML node specs, the control socket, the stand-in driver files): the share is th
 agent.run`` with the simulated dgx-a100 installed, its control socket served and its driver files laid out, as
 ``tessera run --simulate --sim-control`` does, less the RSS without them, each in a fresh process. (A real node
 maps NVIDIA's ``libnvidia-ml.so.1`` instead, whose resident pages cannot be measured here.)
+
+Last, where a start's time goes: one more start, logging at debug level as JSON, its milestones (modules loaded,
+GPUs discovered, the Node read, the checker's answer with its own time and the agent's wait for it, the plan, the
+servers, the registration) in ms after the process was spawned.
 """
 
 from __future__ import annotations
@@ -46,9 +50,15 @@ import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
+from typing import IO, TYPE_CHECKING
 
 import grpc
+
+if TYPE_CHECKING:
+    from agent.sim.apiserver import ApiServer
+    from agent.sim.kubelet import KubeletEmulator
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "daemonset" / "base" / "configs"
@@ -192,28 +202,43 @@ def _configmap_dir(base: Path) -> Path:
     return mount
 
 
-def agent_round(base: Path, args: argparse.Namespace, figures: Figures) -> None:
+def _node(base: Path) -> tuple[KubeletEmulator, ApiServer]:
+    """The node the agent starts on: the kubelet emulator, and the API server stand-in with the labelled Node."""
     from agent.sim.apiserver import ApiServer
     from agent.sim.kubelet import KubeletEmulator
-    from agent.sim.nvml.control import SimControlClient
 
-    plugin_dir = base / "dp"
-    kubelet = KubeletEmulator(plugin_dir, base / "pr" / "kubelet.sock")
+    kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock")
     kubelet.start()
     apiserver = ApiServer().start()
     apiserver.add_node(NODE, labels={"nvidia.com/device-plugin.config": CONFIG_NAME})
+    return kubelet, apiserver
+
+
+def _start_agent(
+    base: Path, args: argparse.Namespace, apiserver: ApiServer, *, stderr: IO[str] | int, debug: bool = False
+) -> subprocess.Popen[bytes]:
+    """``tessera run`` as the DaemonSet runs it (see the module's docstring), on ``_node``; ``debug``: its log at
+    debug level, as JSON lines."""
     command = [
         args.python, "-m", "agent", "run", "--simulate", "dgx-a100", "--sim-control", str(base / "ctl.sock"),
         "--config", str(_configmap_dir(base)), "--node-name", NODE,
         "--kubeconfig", str(apiserver.write_kubeconfig(base / "kubeconfig")),
-        "--device-plugin-dir", str(plugin_dir), "--pod-resources-socket", str(base / "pr" / "kubelet.sock"),
+        "--device-plugin-dir", str(base / "dp"), "--pod-resources-socket", str(base / "pr" / "kubelet.sock"),
         "--metrics-address", "127.0.0.1:0", "--status-socket", str(base / "status.sock"),
-        "--health-recovery-seconds", "0.05", "--log-level", "warning",
+        "--health-recovery-seconds", "0.05",
+        *(("--log-level", "debug", "--log-format", "json") if debug else ("--log-level", "warning")),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return subprocess.Popen(command, env=env, cwd=args.agent_home, stderr=stderr)
+
+
+def agent_round(base: Path, args: argparse.Namespace, figures: Figures) -> None:
+    from agent.sim.nvml.control import SimControlClient
+
+    kubelet, apiserver = _node(base)
     started = time.monotonic()
-    agent = subprocess.Popen(command, env=env, cwd=args.agent_home, stderr=subprocess.DEVNULL)
+    agent = _start_agent(base, args, apiserver, stderr=subprocess.DEVNULL)
     try:
         kubelet.wait_for(lambda: _registered(kubelet), timeout=60, what="registered")
         figures.start.append(time.monotonic() - started)
@@ -318,6 +343,53 @@ def memory_parts(python: str, home: Path, parts: dict[str, str] = PARTS, base: s
     return measured
 
 
+# ----- where the start's time goes -------------------------------------------------------------------------
+
+MILESTONES = (  # (what, logger, the message's first words): the first such line of a start at debug level
+    ("the agent's modules loaded, the simulated driver installed", "agent.run", "using a SIMULATED GPU driver"),
+    ("the GPUs discovered", "agent.agent", "discovered"),
+    ("the Node's label read through the API", "agent.config.node_label", "node label initial"),
+    ("the config checker's answer taken", "agent.config.isolated", "config checked"),
+    ("the config applied: the plan", "agent.agent", "config applied"),
+    ("the resources served", "agent.plugin.server", "serving"),
+    ("kubelet.sock seen: registering", "agent.agent", "kubelet is up"),
+    ("the kubelet answered the last Register", "agent.plugin.registrations", "registered"),
+)
+
+
+def start_timeline(base: Path, args: argparse.Namespace) -> list[tuple[str, float, str]]:
+    """One more start, logging at debug level (slower than the measured ones): each milestone in ms after the
+    process was spawned, with what its log line adds (the checker's own time and how long the agent waited)."""
+    import json
+
+    kubelet, apiserver = _node(base)
+    log = base / "agent-log.jsonl"
+    with log.open("w") as out:
+        spawned = time.time()
+        agent = _start_agent(base, args, apiserver, stderr=out, debug=True)
+        try:
+            kubelet.wait_for(lambda: _registered(kubelet), timeout=60, what="registered")
+        finally:
+            agent.terminate()
+            agent.wait(timeout=10)
+            kubelet.stop()
+            apiserver.stop()
+    seen: dict[str, tuple[float, str]] = {}
+    for line in log.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+            at = datetime.fromisoformat(entry["time"].replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError, TypeError):
+            continue  # gRPC's own lines
+        for what, logger, words in MILESTONES:
+            if entry.get("logger") == logger and str(entry.get("msg", "")).startswith(words):
+                if what not in seen or what == MILESTONES[-1][0]:  # the first, but the last Register answered
+                    extra = ", ".join(f"{k} {entry[k]} ms" for k in ("took_ms", "waited_ms") if k in entry)
+                    seen[what] = ((at - spawned) * 1000, extra)
+                break
+    return [(what, *seen[what]) for what, _, _ in MILESTONES if what in seen]
+
+
 # ----- report -------------------------------------------------------------------------------------------
 
 
@@ -330,7 +402,12 @@ def _version_of(python: str) -> str:
 
 
 def report(
-    agent: Figures, floor: Figures, parts: dict[str, list[float]], sim_share: list[float], args: argparse.Namespace
+    agent: Figures,
+    floor: Figures,
+    parts: dict[str, list[float]],
+    sim_share: list[float],
+    args: argparse.Namespace,
+    timeline: list[tuple[str, float, str]],
 ) -> None:
     def row(label: str, ours: list[float], least: list[float], scale: float, unit: str, target: str) -> None:
         a, f = statistics.median(ours) * scale, statistics.median(least) * scale
@@ -367,6 +444,13 @@ def report(
         f"control socket served and its driver files laid out, less without them; fresh processes, this run): "
         f"{statistics.median(sim_share):.1f} MB ({min(sim_share):.1f}–{max(sim_share):.1f})"
     )
+    print()
+    print("where a start's time goes (one more start, logging at debug level: slower than the measured ones)")
+    print()
+    print("| ms after the process was spawned | milestone | |")
+    print("|---|---|---|")
+    for what, at, extra in timeline:
+        print(f"| {at:.0f} | {what} | {extra} |")
 
 
 def main() -> None:
@@ -404,9 +488,11 @@ def main() -> None:
             share = memory_parts(args.python, args.agent_home, SIM_SHARE, base="")
             sim_share.append(share["run path + simulator"] - share["run path"])
             print(f"round {n + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        base = Path(tempfile.mkdtemp(prefix="t", dir=work))
+        timeline = start_timeline(base, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report(agent, floor, parts, sim_share, args)
+    report(agent, floor, parts, sim_share, args, timeline)
 
 
 if __name__ == "__main__":
