@@ -70,9 +70,10 @@ EXPECTED = {WHOLE: 4, SHARED: 32}  # per-gpu-sharing on dgx-a100: GPUs 0-3 whole
 
 def image_interpreter() -> str:
     """The interpreter the image runs, where this machine has it: Debian's own ``python3.X`` (the image test's
-    stand-in base is built from it; the real base, ``python:3.11-slim``, is likewise an optimized build — profile
-    guided, link-time optimized), of this Python's version so that the dependencies installed here fit it.
-    Otherwise this one (a development build may be unoptimized: start figures are then higher, the floor's too)."""
+    stand-in base is built from it; a distribution build, like the real base's ``python:3.11-slim``, which is
+    configured ``--enable-optimizations --with-lto``), of this Python's version so that the dependencies installed
+    here fit it. Otherwise this one (a development build — pyenv's, say: ``--enable-shared`` without
+    optimizations — loads modules 20-25% slower: start figures are then higher, the floor's too)."""
     debian = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
     return str(debian) if debian.is_file() and os.access(debian, os.X_OK) else sys.executable
 
