@@ -2,13 +2,13 @@
 
 The check is the longest step of a start (pydantic and PyYAML load in the checker: ~0.13 s) and the agent waits for
 its answer before its first advertisement, so the sooner it starts, the sooner the kubelet is served. The entry
-point (:mod:`agent.main`) loads this module first: it reads the config path from the command line, unparsed, and
+point (:mod:`agent.entry`) loads this module first: it reads the config path from the command line, unparsed, and
 forks the checker (:class:`agent.config.forked.ForkedChecker`) before the command line's own modules load —
 argparse, logging, json, pathlib: ~20 ms the checker would otherwise wait for and does not use. So this module
 imports only ``os`` and ``time``, and ``stamp`` reads the files with ``os`` alone.
 
-:class:`agent.config.isolated.Check` takes the forked child over (:meth:`~agent.config.isolated.Check.adopt`): from
-there it is any check, bounded and read the same way.
+:class:`agent.config.isolated.Check` takes the forked child over (``Check(path, early=...)``, through
+:func:`agent.config.isolated.start_early`): from there it is any check, bounded and read the same way.
 """
 
 # ruff: noqa: PTH112, PTH115, PTH116, PTH118, PTH208 - os alone: pathlib would cost ~10 ms before the fork
