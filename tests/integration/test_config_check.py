@@ -110,7 +110,7 @@ def test_a_checker_that_closes_its_output_but_keeps_running_is_stopped_at_its_de
     """End of output is not the end of the child: a checker that closes stdout and stderr and then hangs is still
     held to its deadline, and killed."""
     code = "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(120)"
-    check = Check(tmp_path, command=_python(code), timeout=5.0)  # ample for the child to start and close both
+    check = Check(tmp_path, command=_python(code), timeout=2.0)  # ample for the child to start and close both
     outcome: list[BaseException | object] = []
 
     def collect() -> None:
@@ -121,12 +121,12 @@ def test_a_checker_that_closes_its_output_but_keeps_running_is_stopped_at_its_de
 
     waiter = threading.Thread(target=collect, daemon=True)
     waiter.start()
-    waiter.join(timeout=30)  # far past the 5 s deadline: a check still waiting here ignored it
+    waiter.join(timeout=30)  # far past the 2 s deadline: a check still waiting here ignored it
     try:
         assert not waiter.is_alive(), "the check still waits on a checker that closed its output but runs on"
         [error] = outcome
         assert isinstance(error, CheckerFailed) and error.origin == str(tmp_path)
-        assert "the config checker did not exit within 5 s" in str(error)
+        assert "the config checker did not exit within 2 s" in str(error)
         assert "last good config stays" in str(error)
         assert check._process is not None and check._process.poll() is not None  # killed, not left behind
     finally:

@@ -179,7 +179,7 @@ def _release_all(node: Node, holdings: Holdings) -> None:
 
 @pytest.mark.parametrize(
     "changes",
-    [pytest.param(30, id="ci"), pytest.param(200, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)])],
+    [pytest.param(20, id="ci"), pytest.param(200, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)])],
 )
 def test_random_mig_layout_changes_never_destroy_under_a_held_device(sim_node, figures, changes: int) -> None:
     driver = sim_node(TWO_A100)
@@ -273,7 +273,7 @@ BOMBS: list[tuple[str, bytes]] = [
 @pytest.mark.parametrize(
     "reloads",
     # each reload is checked by a child process of its own (agent.config.check: no pydantic in the agent), ~0.1-0.3 s
-    [pytest.param(40, id="ci"), pytest.param(1000, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)])],
+    [pytest.param(25, id="ci"), pytest.param(1000, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)])],
 )
 def test_config_bombs_hot_reloaded_never_stop_the_agent(sim_node, figures, reloads: int) -> None:
     good = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n      - {name: nvidia.com/gpu, replicas: 4}\n"
@@ -299,7 +299,7 @@ def test_config_bombs_hot_reloaded_never_stop_the_agent(sim_node, figures, reloa
 
 @pytest.mark.parametrize(
     "seconds",
-    [pytest.param(10, id="ci"), pytest.param(600, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)])],
+    [pytest.param(6, id="ci"), pytest.param(600, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)])],
 )
 def test_one_percent_of_nvml_calls_failing_never_advertises_a_phantom(sim_node, figures, seconds: float) -> None:
     driver: SimDriver = sim_node(TWO_A100)

@@ -611,7 +611,7 @@ class Sampler:
 @pytest.mark.parametrize(
     ("world", "seconds"),
     [
-        pytest.param({**NODE_SPEC, **QUICK_CHECKS}, 12, id="ci"),
+        pytest.param({**NODE_SPEC, **QUICK_CHECKS}, 8, id="ci"),
         pytest.param({**NODE_SPEC, **QUICK_CHECKS}, 600, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)]),
     ],
     indirect=["world"],
