@@ -549,7 +549,7 @@ def main(argv: Sequence[str] | None = None, *, early: EarlyCheck | None = None) 
 
     words = sys.argv[1:] if argv is None else list(argv)
     # `tessera run`: the config checker (the longest step of a start) first, before the parser is even built
-    early_check = start_early(config_on_command_line(words, os.environ), fork=argv is None, early=early)
+    early_check = start_early(config_on_command_line(words, os.environ), early=early)
     try:
         return _main(words, early_check, exit_when_done=argv is None)
     finally:

@@ -57,7 +57,6 @@ class Check:
         timeout: float = TIMEOUT_SECONDS,
         max_output: int = MAX_OUTPUT,
         command: Sequence[str] | None = None,
-        fork: bool = False,
         early: EarlyCheck | None = None,
     ) -> None:
         """``command``: the checker's command line without the path (default: this interpreter running
@@ -75,7 +74,7 @@ class Check:
             self._process: subprocess.Popen[bytes] | ForkedChecker | None = early.child
             return
         try:
-            self._process = _start_child(path, command, fork=fork)
+            self._process = _start_child(path, command)
         except OSError as error:
             self._process = None
             self._result = self._error(f"the config checker could not start: {error.strerror or error}")
@@ -155,13 +154,9 @@ class Check:
             return self._error(f"the config checker's answer is not a checked config set: {str(error)[:200]}")
 
 
-def _start_child(path: Path, command: Sequence[str] | None, *, fork: bool) -> subprocess.Popen[bytes] | ForkedChecker:
-    """The checker's child: forked (the first check of `tessera run`, in a process with no other thread yet), else
-    this interpreter (or ``command``) running :mod:`agent.config.check`, with no shell."""
-    if fork and command is None:
-        from agent.config.forked import ForkedChecker
-
-        return ForkedChecker(str(path))
+def _start_child(path: Path, command: Sequence[str] | None) -> subprocess.Popen[bytes]:
+    """The checker's child: this interpreter (or ``command``) running :mod:`agent.config.check`, with no shell. (The
+    first check of `tessera run` is forked instead, by the entry point: :mod:`agent.config.early`.)"""
     env = dict(os.environ)
     # pydantic looks for plugins among every installed package's entry points when it builds its first model
     # (tens of milliseconds, and third-party code run on the node's configs): the checker uses none
@@ -176,17 +171,11 @@ def _start_child(path: Path, command: Sequence[str] | None, *, fork: bool) -> su
     )
 
 
-def start_early(path: str | None, *, fork: bool = False, early: EarlyCheck | None = None) -> Check | None:
+def start_early(path: str | None, *, early: EarlyCheck | None = None) -> Check | None:
     """The checker on the config ``tessera run`` was given, started before the agent is even imported (it runs
     while the agent loads); None without a config. The agent uses it only if its options name the same path.
-    ``early``: the one the entry point forked already (:mod:`agent.config.early`), taken over. ``fork``: this is
-    the process's own command line; the checker is forked if no other thread runs yet."""
+    ``early``: the one the entry point forked already (:mod:`agent.config.early`), taken over; else a new
+    interpreter checks ``path`` (the entry point could not fork, or the command line is not the process's own)."""
     if early is not None:
         return Check(Path(early.path), early=early)
-    if not path:
-        return None
-    if fork:
-        from agent.config.forked import can_fork
-
-        fork = can_fork()
-    return Check(Path(path), fork=fork)
+    return Check(Path(path)) if path else None

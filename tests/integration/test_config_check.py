@@ -322,6 +322,31 @@ def test_tessera_run_forks_its_checker_before_the_command_line_loads(tmp_path: P
     assert not modules & {"agent.cli", "argparse", "logging", "json", "pathlib", "typing", "subprocess"}, modules
 
 
+@pytest.mark.parametrize("why", ["fork-fails", "a-thread-runs"])
+def test_when_the_entry_point_cannot_fork_a_new_interpreter_checks_the_config(why: str) -> None:
+    """The early fork is only a head start: a fork the kernel refuses (EAGAIN: too many processes) or a process that
+    already runs a thread (it must not fork) gives no early check, and the config is checked by a new interpreter,
+    the same answer; no pipe of the failed fork is left open."""
+    code = (
+        "import os, sys, threading, errno\nfrom pathlib import Path\n"
+        "from agent.config.early import fork_early\nfrom agent.config.isolated import Check, start_early\n"
+        "if sys.argv[2] == 'fork-fails':\n"
+        "    def refused():\n        raise OSError(errno.EAGAIN, 'Resource temporarily unavailable')\n"
+        "    os.fork = refused\n"
+        "else:\n    threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+        "fds = len(os.listdir('/proc/self/fd'))\n"
+        "early = fork_early(['run', '--config', sys.argv[1]], {})\n"
+        "print(early is None, len(os.listdir('/proc/self/fd')) == fds)\n"
+        "check = start_early(sys.argv[1], early=early)\n"
+        "print(type(check._process).__name__, check.result().members == Check(Path(sys.argv[1])).result().members)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "configs"), why], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["True True", "Popen True"]
+
+
 def test_the_checker_does_not_search_installed_packages_for_pydantic_plugins() -> None:
     """pydantic's plugin search reads every installed distribution's entry points (``importlib.metadata``, with
     ``email`` and ``zipfile``: ~14 ms of the checker's time) even when plugins are disabled, as the checker
@@ -352,11 +377,10 @@ def test_the_first_check_forked_by_tessera_run_answers_as_a_new_interpreter_does
     """``tessera run`` forks its first checker (no new interpreter, ~25 ms sooner); the answer is the same checked
     set, warnings and errors alike. Forked in a fresh process: this one has threads, which must never fork."""
     code = (
-        "import sys\nfrom pathlib import Path\nfrom agent.config.forked import can_fork\n"
+        "import sys\nfrom pathlib import Path\nfrom agent.config.early import fork_early\n"
         "from agent.config.isolated import Check, start_early\n"
-        "assert can_fork()\n"
         "path = sys.argv[1]\n"
-        "forked = start_early(path, fork=True)\n"
+        "forked = start_early(None, early=fork_early(['run', '--config', path], {}))\n"
         "assert type(forked._process).__name__ == 'ForkedChecker', forked._process\n"
         "got, expected = forked.result(), Check(Path(path)).result()\n"
         "print(got.members == expected.members and got.config_set == expected.config_set)\n"
@@ -375,8 +399,8 @@ def test_a_forked_checker_that_dies_is_a_checker_failure(tmp_path: Path) -> None
     ``CheckerFailed`` naming its exit code (retried with backoff by the agent, not waited on until the files
     change). The hold acts as the child is forked, before its stderr is the pipe: its words are not asked for."""
     code = (
-        "import sys\nfrom agent.config.isolated import start_early\n"
-        "check = start_early(sys.argv[1], fork=True)\n"
+        "import sys\nfrom agent.config.early import fork_early\nfrom agent.config.isolated import start_early\n"
+        "check = start_early(None, early=fork_early(['run', '--config', sys.argv[1]], {}))\n"
         "try:\n    check.result()\nexcept Exception as error:\n    print(type(error).__name__, error)\n"
     )
     missing = tmp_path / "no-such-config.yaml"
@@ -423,8 +447,8 @@ def test_a_forked_checker_reaped_by_someone_else_is_a_checker_failure_not_a_cras
     """A forked checker whose exit another waiter took (nobody in the agent does; a library might) leaves its exit
     code unknown: the check fails as a checker failure (retried), and stopping it raises nothing."""
     code = (
-        "import os, sys\nfrom agent.config.isolated import start_early\n"
-        "check = start_early(sys.argv[1], fork=True)\n"
+        "import os, sys\nfrom agent.config.early import fork_early\nfrom agent.config.isolated import start_early\n"
+        "check = start_early(None, early=fork_early(['run', '--config', sys.argv[1]], {}))\n"
         "os.waitpid(check._process.pid, 0)  # someone else reaps it\n"
         "try:\n    check.result()\nexcept Exception as error:\n    print(type(error).__name__, error)\n"
         "check.cancel()\nprint('stopped')\n"
