@@ -9,6 +9,7 @@ cgroup directories and log links, an in-process agent.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -70,23 +71,47 @@ def test_a_config_resize_reaches_running_containers_at_once(make_node: Callable[
     wait_until(lambda: node.limits().get(cgroup) == (15 * GIB, 20 * GIB), 10, "the new size, without a re-check")
 
 
+UNSIZED = config("10Gi").replace(", memoryLimit: 10Gi, memoryBurstLimit: 20Gi", "")  # the same replicas, no size
+
+
+def held_container(make_node: Callable[..., Node], pod: str) -> tuple[Node, str]:
+    """A node whose config sizes its replicas at 10Gi (20Gi burst), and a container held to that: its cgroup."""
+    node = make_node(config=config("10Gi"), recheck=RECHECK)
+    node.wait_registered(timeout=30, resources=(SHARED,))
+    cgroup, _ = start(node, node.kubelet.create_pod(pod, {"main": {SHARED: 1}}))
+    wait_until(lambda: node.limits().get(cgroup) == (10 * GIB, 20 * GIB), 10, "the size")
+    return node, cgroup
+
+
 def test_a_config_that_drops_the_size_lifts_the_limit_from_running_containers(make_node: Callable[..., Node]) -> None:
     """The size goes from the config (the replicas stay, unsized): the running container's limit is lifted at once,
     as a resize would be applied — not left in the driver for the container's life; the status holds no row."""
-    node = make_node(config=config("10Gi"), recheck=RECHECK)
-    node.wait_registered(timeout=30, resources=(SHARED,))
+    node, cgroup = held_container(make_node, "unsized")
     agent = node.agent
     assert agent is not None
-    cgroup, _ = start(node, node.kubelet.create_pod("unsized", {"main": {SHARED: 1}}))
-    wait_until(lambda: node.limits().get(cgroup) == (10 * GIB, 20 * GIB), 10, "the size")
     sets = node.driver.memory_limit_sets
     node.driver.inject_error("nvmlDeviceSetMemoryLimits_v1", Return.ERROR_UNKNOWN, times=1)  # the first lift fails
-    rewrite(node, config("10Gi").replace(", memoryLimit: 10Gi, memoryBurstLimit: 20Gi", ""))
+    rewrite(node, UNSIZED)
     wait_until(lambda: cgroup not in node.limits(), 10, "the limit lifted, tried again, without a re-check")
     assert node.driver.memory_limit_sets == sets + 1  # the failed try set nothing; the second lifted it
     wait_until(lambda: agent.status.memory_limits == (), 10, "no row in the status")
     rewrite(node, config("15Gi"))  # sized again: held again
     wait_until(lambda: node.limits().get(cgroup) == (15 * GIB, 20 * GIB), 10, "the new size")
+
+
+def test_a_container_gone_before_its_limit_is_lifted_is_not_retried_nor_warned_about(
+    make_node: Callable[..., Node], caplog
+) -> None:
+    """The driver says the cgroup is not there (NOT_FOUND: the container went between the look and the call):
+    nothing is left to lift, so it is neither tried again nor reported as a failure."""
+    node, _ = held_container(make_node, "going")
+    sets = node.driver.memory_limit_sets
+    node.driver.inject_error("nvmlDeviceSetMemoryLimits_v1", Return.ERROR_NOT_FOUND, times=1)
+    with caplog.at_level(logging.INFO, logger="agent.memlimits.manager"):
+        rewrite(node, UNSIZED)
+        wait_until(lambda: any("memory limit lifted" in r.getMessage() for r in caplog.records), 10, "given up")
+    assert not [r for r in caplog.records if "not lifted" in r.getMessage()]
+    assert node.driver.memory_limit_sets == sets  # the one call was refused; none was made again
 
 
 def test_a_bad_size_is_refused_by_name_and_the_old_limits_stay(make_node: Callable[..., Node]) -> None:
