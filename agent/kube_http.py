@@ -50,7 +50,6 @@ RequestTimeout = float | tuple[float, float] | None
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 TOKEN_REFRESH_SECONDS = 60.0  # the official client's in-cluster loader re-reads the token file this often
 MAX_KUBECONFIG_BYTES = 1 << 20
-MAX_ERROR_BODY = MAX_STATUS_BODY  # of an error answer, the part kept for its Status message
 MAX_ANSWER_BYTES = 64 << 20  # a Node with many images is large, but never this large
 MAX_IDLE_CONNECTIONS = 2  # kept open for the next request (the node watch holds one more while it runs)
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -329,10 +328,10 @@ class KubeHttp:
         connection, response = self._transport.send(method, target, data, headers, timeout)
         if not 200 <= response.status <= 299:
             try:
-                answer = response.read(MAX_ERROR_BODY + 1)
+                answer = response.read(MAX_STATUS_BODY + 1)
             finally:
                 connection.close()  # what is left of an error answer is not read: the connection is not reused
-            raise KubeApiError(response.status, response.reason or "", answer[:MAX_ERROR_BODY])
+            raise KubeApiError(response.status, response.reason or "", answer[:MAX_STATUS_BODY])
         if not preload:
             return Stream(connection, response)  # a watch: read line by line by the caller, who closes it
         try:
