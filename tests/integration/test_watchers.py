@@ -12,6 +12,8 @@ import os
 import queue
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -457,3 +459,30 @@ def test_a_stop_that_does_not_wait_returns_while_the_thread_is_busy(base: Path, 
     while thread_alive(watcher.native_id) and time.monotonic() < deadline:
         threading.Event().wait(0.01)
     assert not thread_alive(watcher.native_id), "the stopped thread did not end"
+
+
+def test_a_watcher_starts_without_running_a_program(base: Path) -> None:
+    """The first watcher of a start runs no subprocess: inotify_simple alone would look its libc up with
+    ``ldconfig -p`` (~13 ms of every start). A fresh interpreter, so that no earlier watcher has been armed; an
+    audit hook sees every program started."""
+    directory = base / "dp"
+    directory.mkdir()
+    script = f"""
+import sys, threading
+started = []
+sys.addaudithook(lambda event, args: started.append(args[0]) if event in ("subprocess.Popen", "os.posix_spawn",
+                                                                         "os.exec", "os.fork") else None)
+from pathlib import Path
+from agent.plugin.watch import PluginDirWatcher, KubeletSocketChanged
+seen = threading.Event()
+watcher = PluginDirWatcher(Path({str(directory)!r}), lambda e: seen.set() if e == KubeletSocketChanged(True) else None)
+watcher.start()
+assert watcher.armed.wait({DEADLINE})
+open({str(directory / "kubelet.sock")!r}, "w").close()
+assert seen.wait({DEADLINE}), "the watcher did not see the socket"
+watcher.stop()
+print(started)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"programs run while a watcher started: {result.stdout}"
