@@ -32,7 +32,9 @@ maps NVIDIA's ``libnvidia-ml.so.1`` instead, whose resident pages cannot be meas
 
 Last, where a start's time goes: one more start, logging at debug level as JSON, its milestones (modules loaded,
 GPUs discovered, the Node read, the checker's answer with its own time and the agent's wait for it, the plan, the
-servers, the registration) in ms after the process was spawned.
+servers, the registration) in ms after the process was spawned; and what the agent's modules cost to load, with
+the share of it that is Python building their dataclasses (each ``@dataclass`` compiles its generated methods one
+``exec`` at a time on Python 3.11).
 """
 
 from __future__ import annotations
@@ -346,6 +348,31 @@ def memory_parts(python: str, home: Path, parts: dict[str, str] = PARTS, base: s
 
 # ----- where the start's time goes -------------------------------------------------------------------------
 
+MODULE_COST = (  # the run path's imports, and how much of them is the building of dataclasses (decorators timed)
+    "import dataclasses, time\n"
+    "plain, built = dataclasses.dataclass, [0, 0.0]\n"
+    "def timed(cls=None, /, **options):\n"
+    "    def build(c):\n"
+    "        started = time.perf_counter()\n"
+    "        out = plain(**options)(c)\n"
+    "        built[0] += 1\n"
+    "        built[1] += time.perf_counter() - started\n"
+    "        return out\n"
+    "    return build if cls is None else build(cls)\n"
+    "dataclasses.dataclass = timed  # before any module of the agent takes the name\n"
+    "started = time.perf_counter()\n"
+    f"{RUN_PATH}\n"
+    "print(time.perf_counter() - started, built[0], built[1])"
+)
+
+
+def module_cost(python: str, home: Path) -> tuple[float, int, float]:
+    """``import agent.cli, agent.run`` in a fresh process: its seconds, the dataclasses it built and their seconds."""
+    out = subprocess.run([python, "-c", MODULE_COST], capture_output=True, text=True, cwd=home, check=True)
+    took, count, building = out.stdout.split()
+    return float(took), int(count), float(building)
+
+
 MILESTONES = (  # (what, logger, the message's first words): the first such line of a start at debug level
     ("the agent's modules loaded, the simulated driver installed", "agent.run", "using a SIMULATED GPU driver"),
     ("the GPUs discovered", "agent.agent", "discovered"),
@@ -409,6 +436,7 @@ def report(
     sim_share: list[float],
     args: argparse.Namespace,
     timeline: list[tuple[str, float, str]],
+    modules: list[tuple[float, int, float]],
 ) -> None:
     def row(label: str, ours: list[float], least: list[float], scale: float, unit: str, target: str) -> None:
         a, f = statistics.median(ours) * scale, statistics.median(least) * scale
@@ -452,6 +480,13 @@ def report(
     print("|---|---|---|")
     for what, at, extra in timeline:
         print(f"| {at:.0f} | {what} | {extra} |")
+    print()
+    took, building = [1000 * m[0] for m in modules], [1000 * m[2] for m in modules]
+    print(
+        f"the agent's modules (`{RUN_PATH}`, a fresh process a round): {statistics.median(took):.0f} ms "
+        f"({min(took):.0f}–{max(took):.0f}), of which building its {modules[0][1]} dataclasses "
+        f"{statistics.median(building):.0f} ms ({min(building):.0f}–{max(building):.0f})"
+    )
 
 
 def main() -> None:
@@ -475,6 +510,7 @@ def main() -> None:
     agent, floor = Figures(), Figures()
     parts: dict[str, list[float]] = {}
     sim_share: list[float] = []
+    modules: list[tuple[float, int, float]] = []
     try:
         for n in range(args.rounds):
             rounds = [(agent_round, agent), (floor_round, floor)]
@@ -488,12 +524,13 @@ def main() -> None:
                 parts.setdefault(name, []).append(mib)
             share = memory_parts(args.python, args.agent_home, SIM_SHARE, base="")
             sim_share.append(share["run path + simulator"] - share["run path"])
+            modules.append(module_cost(args.python, args.agent_home))
             print(f"round {n + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         base = Path(tempfile.mkdtemp(prefix="t", dir=work))
         timeline = start_timeline(base, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report(agent, floor, parts, sim_share, args, timeline)
+    report(agent, floor, parts, sim_share, args, timeline, modules)
 
 
 if __name__ == "__main__":
