@@ -8,7 +8,9 @@ size at once, not at the next re-check) the worker looks at the node again: the 
 from the driver; where they are not the wanted ones it sets them, inside the ledger's critical section, and reads
 them again. So a container is limited when it starts, a limit changed behind the agent's back is restored at the
 next look, after an agent restart limits already in place are found and kept (read, not set again), and a limit no
-size asks for any more (the config dropped the size) is lifted from the running container, as a resize is applied.
+size asks for any more (the config dropped the size) is lifted from the running container, as a resize is applied —
+one an earlier agent set too, for a size dropped while no agent ran: the containers of unsized replicas are read
+once each for limits left over (``_find_left_over``).
 
 Where the driver cannot (an older driver, no root, a MIG device) the fallback is said once in the log and kept in
 ``report()`` for the status, per container and GPU; when that picture changes the worker posts ``LimitsChanged``
@@ -26,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -55,7 +57,7 @@ from agent.news import NOTHING, STATUS, News
 if TYPE_CHECKING:
     from agent.core.dra.checkpoint import Checkpoint
     from agent.core.inventory import Inventory
-    from agent.plugin.podresources import PodAllocations
+    from agent.plugin.podresources import DeviceHolder, PodAllocations
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +135,7 @@ class MemoryLimits:
         self._post = post
         self._published: ResourcePlan | None = None  # the plan of the last look the loop asked for
         self._set: dict[tuple[str, str], tuple[int, int]] = {}  # (GPU UUID, cgroup) -> what this agent set there
+        self._looked: set[tuple[str, str]] = set()  # (GPU UUID, cgroup) of unsized devices read for left-over limits
         self._refusals: dict[str, str] = {}  # GPU UUID (or "*": every GPU) -> why the driver cannot limit there
         self._said: set[tuple[str, str]] = set()
         self._failures = 0
@@ -263,12 +266,14 @@ class MemoryLimits:
         sizes: dict[Hashable, SizedDevice] = dict(sized_devices(plan)) if plan is not None else {}
         sizes.update(claim_sizes(self._claims(), self._inventory()))
         wanted: list[Wanted] = []
+        unsized: list[tuple[str, ContainerRef]] = []
         if sizes:
             try:
                 answer = self._holders()
             except Exception as error:  # the kubelet does not answer: keep the last picture, look again later
                 self._say("podresources", f"memory limits wait for PodResources error={error!r}", logging.WARNING)
                 return True
+            unsized = _unsized_holders(plan, answer.devices, sizes)
             holders: list[tuple[Hashable, ContainerRef]] = [
                 (device_id, ContainerRef(holder.namespace, holder.pod, holder.container))
                 for device_id, holder in answer.devices.items()
@@ -281,16 +286,24 @@ class MemoryLimits:
                 for name in sorted(names)
             ]
             wanted = wanted_limits(sizes, holders)
-        if not wanted and not self._set:
+        if not wanted and not self._set and not unsized:
             self._show(())
             return False
         cgroups = self._containers.scan()
         live = {c.cgroup for found in cgroups.values() for c in found}
         self._set = {key: value for key, value in self._set.items() if key[1] in live}
+        self._looked = {key for key in self._looked if key[1] in live}
         held = {(want.gpu_uuid, c.cgroup) for want in wanted for c in cgroups.get(want.container, [])}
+        left = [
+            (gpu_uuid, c.cgroup)
+            for gpu_uuid, container in unsized
+            for c in cgroups.get(container, [])
+            if (gpu_uuid, c.cgroup) not in held and (gpu_uuid, c.cgroup) not in self._set
+        ]
         rows: list[HeldLimit] = []
         retry = False
         with nvml_session():
+            self._find_left_over(left)
             for gpu_uuid, cgroup in [key for key in self._set if key not in held]:
                 retry = not self._lift(gpu_uuid, cgroup) or retry
             for want in wanted:
@@ -299,6 +312,25 @@ class MemoryLimits:
                 retry = retry or failed
         self._show(tuple(rows))
         return retry
+
+    def _find_left_over(self, keys: list[tuple[str, str]]) -> None:
+        """Limits on containers of unsized devices, read once per container and GPU: found, they were set by an earlier
+        agent for a size the config dropped while no agent ran (this one never set them), and are taken as this
+        agent's, so that the lift that follows applies to them as to its own."""
+        for gpu_uuid, cgroup in keys:
+            if (gpu_uuid, cgroup) in self._looked:
+                continue
+            self._looked.add((gpu_uuid, cgroup))
+            try:
+                read = read_memory_limits(gpu_uuid, cgroup)
+            except MemoryLimitError:
+                continue  # nothing known to lift (a driver without the call: nothing was ever set)
+            if (read.soft, read.hard) != (0, NO_LIMIT):
+                self._set[(gpu_uuid, cgroup)] = (read.soft, read.hard)
+                log.info(
+                    "memory limit found that no size asks for (set before this agent started) gpu=%s cgroup=%s "
+                    "soft=%d hard=%d; lifting it", gpu_uuid, cgroup, read.soft, read.hard,
+                )  # fmt: skip
 
     def _lift(self, gpu_uuid: str, cgroup: str) -> bool:
         """Lift a limit this agent set that no size asks for any more — the config dropped the size, or made the
@@ -419,3 +451,18 @@ class MemoryLimits:
         if (key, message) not in self._said:
             self._said.add((key, message))
             log.log(level, "%s", message)
+
+
+def _unsized_holders(
+    plan: ResourcePlan | None, holders: Mapping[str, DeviceHolder], sizes: Mapping[Hashable, SizedDevice]
+) -> list[tuple[str, ContainerRef]]:
+    """(GPU UUID, container) of each container holding one of the plan's unsized devices on a whole GPU (MIG devices
+    have no per-container limits): where an earlier agent's limit may be left over."""
+    if plan is None:
+        return []
+    gpus = {d.id: d.gpu_uuid for r in plan.resources for d in r.devices if d.mig_uuid is None and d.id not in sizes}
+    return [
+        (gpus[device_id], ContainerRef(holder.namespace, holder.pod, holder.container))
+        for device_id, holder in holders.items()
+        if device_id in gpus
+    ]

@@ -208,3 +208,40 @@ def test_the_room_is_loaded_with_the_first_sized_replica_and_not_before(make_nod
     pod = node.kubelet.create_pod("sized", {"main": {SHARED: 1}})
     cgroup, _ = start(node, pod)
     wait_until(lambda: node.limits().get(cgroup) == (10 * GIB, 20 * GIB), 10, "held once a size is given")
+
+
+TWO_SIZED = """
+version: v1
+sharing:
+  timeSlicing:
+    resources:
+      - {name: nvidia.com/gpu, rename: nvidia.com/gpu-shared, replicas: 4, memoryLimit: 10Gi, devices: [0]}
+      - {name: nvidia.com/gpu, rename: nvidia.com/gpu-other, replicas: 4, memoryLimit: 10Gi, devices: [1]}
+"""
+OTHER = "nvidia.com/gpu-other"
+
+
+def test_a_size_dropped_while_no_agent_ran_is_lifted_by_the_next_agent(make_node: Callable[..., Node]) -> None:
+    """An agent held two containers, then stopped; meanwhile the config dropped one resource's size. The next agent
+    never set that limit, but finds it on the container of the now unsized replica and lifts it; the other
+    container keeps its limit, read and kept, not set again."""
+    node = make_node(config=TWO_SIZED, recheck=RECHECK)
+    node.wait_registered(timeout=30, resources=(SHARED, OTHER))
+    kept, _ = start(node, node.kubelet.create_pod("kept", {"main": {SHARED: 1}}))
+    left, _ = start(node, node.kubelet.create_pod("left", {"main": {OTHER: 1}}))
+    wait_until(lambda: node.limits() == {kept: (10 * GIB, 10 * GIB), left: (10 * GIB, 10 * GIB)}, 10, "both held")
+    assert node.agent is not None and node.thread is not None
+    node.agent.stop()
+    node.thread.join(timeout=20)
+    rewrite(node, TWO_SIZED.replace(", memoryLimit: 10Gi, devices: [1]", ", devices: [1]"))
+    sets = node.driver.memory_limit_sets
+
+    node.start_agent(memory_limits=path_b.settings(node, RECHECK))
+    wait_until(lambda: left not in node.limits(), 15, "the left-over limit lifted by the new agent")
+    assert node.limits() == {kept: (10 * GIB, 10 * GIB)}
+    assert node.driver.memory_limit_sets == sets + 1  # the one lift; the kept limit was read, not set again
+
+    reads = node.driver.memory_limit_reads[left]  # looked at once for what was left: not at every look after
+    later, _ = start(node, node.kubelet.create_pod("later", {"main": {SHARED: 1}}))
+    wait_until(lambda: node.limits().get(later) == (10 * GIB, 10 * GIB), 10, "a new look: the new container held")
+    assert node.driver.memory_limit_reads[left] == reads

@@ -19,7 +19,7 @@ import random
 import threading
 import time
 import uuid as uuidlib
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -332,6 +332,7 @@ class SimDriver:
         self.caller_is_root = True  # set_caller_root(False): privileged calls fail with NO_PERMISSION
         self._memory_limits: dict[tuple[int, str], MemoryLimit] = {}  # (GPU index, cgroup directory) -> limit
         self.memory_limit_sets = 0  # successful nvmlDeviceSetMemoryLimits_v1 calls so far
+        self.memory_limit_reads: Counter[str] = Counter()  # cgroup directory -> nvmlDeviceGetMemoryLimits_v1 answers
 
     @property
     def faults_armed(self) -> bool:
@@ -801,6 +802,7 @@ class SimDriver:
             directory = self._cgroup(namespace)
             limit = self._memory_limits.get((index, directory), MemoryLimit(0, MEMORY_LIMIT_MAX))
             used = sum(p.used_mib for p in gpu.processes.values() if _within(p.cgroup, directory)) * _MIB
+            self.memory_limit_reads[directory] += 1
             return limit.soft, limit.hard, used
 
     def _cgroup(self, namespace: str) -> str:
