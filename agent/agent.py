@@ -379,11 +379,8 @@ class Agent:
         held by the driver, never advisory, from the start) — not on every publish (an XID's)."""
         if self.options.memory_limits is None or self._memlimits is not None or self._plan is None:
             return
-        if not dra and self._dra is None:
-            from agent.core.memlimits import sized_devices
-
-            if not sized_devices(self._plan):
-                return
+        if not dra and self._dra is None and not self._plan.sizes_memory():
+            return
         self._memlimits = self._memory_limits(self.options.memory_limits)
         self._routes["agent.memlimits.watch"] = self._routes["agent.memlimits.manager"] = self._memlimits.on_event
         if self.started.is_set():  # at the start its worker starts last, once the claims are prepared (_start)

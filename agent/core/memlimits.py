@@ -101,9 +101,9 @@ def sized_devices(plan: ResourcePlan) -> dict[str, SizedDevice]:
     devices with a memory size)."""
     sized: dict[str, SizedDevice] = {}
     for resource in plan.resources:
-        mps = resource.sharing is Sharing.MPS and resource.mps is not None
-        if not mps and (resource.sharing is not Sharing.TIME_SLICING or resource.memory is None):
+        if not resource.sized:
             continue
+        mps = resource.sharing is Sharing.MPS
         for device in resource.devices:
             limits = resource.limits_of(device)
             if limits is None:

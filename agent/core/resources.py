@@ -172,6 +172,13 @@ class Resource:
         """(request, limit) in MiB a container given ``device`` is held to; None when it has no size."""
         return replica_memory(device, self.replicas, self.mps, self.memory)
 
+    @property
+    def sized(self) -> bool:
+        """Are its replicas given a memory size the driver can hold their containers to: MPS replicas (each its
+        slice of the GPU) and time-sliced replicas with a ``memoryLimit``."""
+        mps = self.sharing is Sharing.MPS and self.mps is not None
+        return mps or (self.sharing is Sharing.TIME_SLICING and self.memory is not None)
+
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {
             "count": len(self.devices),
@@ -201,6 +208,10 @@ class ResourcePlan:
 
     def resource(self, name: str) -> Resource | None:
         return next((r for r in self.resources if r.name == name), None)
+
+    def sizes_memory(self) -> bool:
+        """Has a device of the plan a memory size (one ``agent.core.memlimits.sized_devices`` lists)?"""
+        return any(r.sized and any(r.limits_of(d) is not None for d in r.devices) for r in self.resources)
 
     def without(self, physical_ids: frozenset[str]) -> ResourcePlan:
         """The plan minus some physical devices (and their replicas), e.g. MIG devices being drained."""

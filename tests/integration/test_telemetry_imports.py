@@ -75,6 +75,7 @@ def test_a_running_agent_scraped_once_has_not_loaded_prometheus_client() -> None
     assert {"agent.agent", "agent.telemetry.collector", "agent.telemetry.server", "agent.telemetry.serving"} <= loaded
     assert not {"http.server", "html", "mimetypes"} & loaded  # the endpoints read their requests themselves
     assert not [m for m in loaded if m == "prometheus_client" or m.startswith("prometheus_client.")]
+    assert not {"agent.core.memlimits", "agent.memlimits.manager"} & loaded  # whole GPUs: nothing is sized
 
 
 def _scrape(port: int) -> bytes:

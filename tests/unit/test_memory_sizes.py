@@ -54,6 +54,18 @@ def test_time_slicing_without_a_size_stays_unsized() -> None:
     assert "memory" not in result.resource("nvidia.com/gpu").to_json()
 
 
+MPS_4 = "  mps:\n    resources:\n      - {name: nvidia.com/gpu, replicas: 4}\n"
+UNSIZED_TS = "  timeSlicing:\n    resources:\n      - {name: nvidia.com/gpu, replicas: 4}\n"
+
+
+@pytest.mark.parametrize(("sharing", "sized"), [(TS_10GI, True), (TS_BURST, True), (MPS_4, True), (UNSIZED_TS, False)])
+def test_whether_a_plan_sizes_memory_is_said_without_the_memory_limits_module(sharing: str, sized: bool) -> None:
+    """The agent asks the plan whether anything is sized before it loads the memory-limits modules (most nodes size
+    nothing and never load them): the plan's answer is the one ``sized_devices`` would give."""
+    result = planned(sharing)
+    assert result.sizes_memory() is sized is bool(sized_devices(result))
+
+
 @pytest.mark.parametrize(
     ("entry", "problem"),
     [
