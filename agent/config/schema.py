@@ -503,7 +503,7 @@ def as_value(item: Any) -> Any:
 
 def _nvidia_flag_warnings(flags: Flags | None) -> list[str]:
     """NVIDIA's ``flags`` that Tessera does not honour at the given value (agent.nvidia_flags says why)."""
-    if flags is None:
+    if flags is None or not flags.model_fields_set:  # no flag given: nothing to warn of (nor to load the table for)
         return []
     from agent.nvidia_flags import CONFIG_FLAGS, config_flag_warnings
 

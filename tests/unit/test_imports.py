@@ -81,6 +81,16 @@ def test_the_config_modules_load_no_pydantic_and_no_yaml_until_a_config_is_read(
     assert packages(parsed, "pydantic", "yaml", "agent.config.schema") == {"pydantic", "yaml", "agent.config.schema"}
 
 
+@pytest.mark.parametrize(
+    ("document", "table"), [("version: v1\n", False), ("version: v1\nflags: {gdsEnabled: true}\n", True)]
+)
+def test_the_checker_loads_the_nvidia_flag_table_only_for_a_config_that_gives_flags(document: str, table: bool):
+    """Most configs give no ``flags``; their check (on the start's path) does not load the table of NVIDIA's flags
+    and the command line's parser it is written with, which only a given flag needs (to warn of it)."""
+    loaded = loaded_after(f"from agent.config.source import parse_document\nparse_document({document!r}, 'x')")
+    assert ("agent.nvidia_flags" in loaded) is table
+
+
 def test_a_simulated_run_loads_no_pydantic_and_no_drain_machinery():
     """``tessera run --simulate``: the node spec is read without pydantic, and the PodResources stubs that
     drains use load with the first drain, not at start."""
