@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RETRY_SECONDS = (0.2, 30.0)  # backoff of a look that failed (NVML or the kubelet did not answer)
+# A read of a container's limits that answers for good: its cgroup is gone, or the driver has no limits to give
+# (no call, or none on this GPU) — so nothing was ever set there. Any other failure is tried again.
+SETTLED_READS = frozenset({"NOT_FOUND", "FUNCTION_NOT_FOUND", "NOT_SUPPORTED"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +306,7 @@ class MemoryLimits:
         rows: list[HeldLimit] = []
         retry = False
         with nvml_session():
-            self._find_left_over(left)
+            retry = self._find_left_over(left)
             for gpu_uuid, cgroup in [key for key in self._set if key not in held]:
                 retry = not self._lift(gpu_uuid, cgroup) or retry
             for want in wanted:
@@ -313,24 +316,31 @@ class MemoryLimits:
         self._show(tuple(rows))
         return retry
 
-    def _find_left_over(self, keys: list[tuple[str, str]]) -> None:
+    def _find_left_over(self, keys: list[tuple[str, str]]) -> bool:
         """Limits on containers of unsized devices, read once per container and GPU: found, they were set by an earlier
         agent for a size the config dropped while no agent ran (this one never set them), and are taken as this
-        agent's, so that the lift that follows applies to them as to its own."""
+        agent's, so that the lift that follows applies to them as to its own. True when a read failed and must be
+        tried again (the next look, with the worker's backoff)."""
+        retry = False
         for gpu_uuid, cgroup in keys:
             if (gpu_uuid, cgroup) in self._looked:
                 continue
-            self._looked.add((gpu_uuid, cgroup))
             try:
                 read = read_memory_limits(gpu_uuid, cgroup)
-            except MemoryLimitError:
-                continue  # nothing known to lift (a driver without the call: nothing was ever set)
+            except MemoryLimitError as error:
+                if error.code in SETTLED_READS:
+                    self._looked.add((gpu_uuid, cgroup))
+                else:
+                    retry = True
+                continue
+            self._looked.add((gpu_uuid, cgroup))
             if (read.soft, read.hard) != (0, NO_LIMIT):
                 self._set[(gpu_uuid, cgroup)] = (read.soft, read.hard)
                 log.info(
                     "memory limit found that no size asks for (set before this agent started) gpu=%s cgroup=%s "
                     "soft=%d hard=%d; lifting it", gpu_uuid, cgroup, read.soft, read.hard,
                 )  # fmt: skip
+        return retry
 
     def _lift(self, gpu_uuid: str, cgroup: str) -> bool:
         """Lift a limit this agent set that no size asks for any more — the config dropped the size, or made the

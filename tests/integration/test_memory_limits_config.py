@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -245,3 +246,39 @@ def test_a_size_dropped_while_no_agent_ran_is_lifted_by_the_next_agent(make_node
     later, _ = start(node, node.kubelet.create_pod("later", {"main": {SHARED: 1}}))
     wait_until(lambda: node.limits().get(later) == (10 * GIB, 10 * GIB), 10, "a new look: the new container held")
     assert node.driver.memory_limit_reads[left] == reads
+
+
+def test_a_left_over_limit_whose_read_fails_is_read_again_and_lifted(make_node: Callable[..., Node]) -> None:
+    """The driver fails the new agent's read of the container's limits (UNKNOWN: a driver in trouble for a moment):
+    the read is tried again at the next look, and the left-over limit is still lifted — not taken for none."""
+    node = make_node(config=TWO_SIZED, recheck=RECHECK)
+    node.wait_registered(timeout=30, resources=(SHARED, OTHER))
+    left, _ = start(node, node.kubelet.create_pod("left", {"main": {OTHER: 1}}))
+    wait_until(lambda: node.limits().get(left) == (10 * GIB, 10 * GIB), 10, "held")
+    assert node.agent is not None and node.thread is not None
+    node.agent.stop()
+    node.thread.join(timeout=20)
+    rewrite(node, TWO_SIZED.replace(", memoryLimit: 10Gi, devices: [1]", ", devices: [1]"))
+    gpu = node.gpu_of(node.kubelet.pod("left", "default"), OTHER)
+    # on that GPU: the room's probe of the driver at its load, then the first read of the container's limits
+    node.driver.inject_error("nvmlDeviceGetMemoryLimits_v1", Return.ERROR_UNKNOWN, times=2, gpu_index=gpu)
+    node.start_agent(memory_limits=path_b.settings(node, RECHECK))
+    wait_until(lambda: left not in node.limits(), 15, "the left-over limit lifted after the failed read")
+
+
+def test_a_read_the_driver_answers_for_good_is_not_tried_again(make_node: Callable[..., Node]) -> None:
+    """The driver answers the read of an unsized container's limits with NOT_SUPPORTED (no limits on this GPU, so
+    none was ever set): the room takes the answer and goes idle, it does not read again at every backoff step."""
+    node = make_node(config=TWO_SIZED.replace(", memoryLimit: 10Gi, devices: [1]", ", devices: [1]"), recheck=RECHECK)
+    node.wait_registered(timeout=30, resources=(SHARED, OTHER))
+    pod = node.kubelet.create_pod("unsized", {"main": {OTHER: 1}})
+    # the room probed the driver at its load, before registering: the next read on that GPU is the container's
+    node.driver.inject_error(
+        "nvmlDeviceGetMemoryLimits_v1", Return.ERROR_NOT_SUPPORTED, times=1, gpu_index=node.gpu_of(pod, OTHER)
+    )
+    start(node, pod)
+    read = "nvmlDeviceGetMemoryLimits_v1"
+    wait_until(lambda: not node.driver.faults_armed, 10, "the container's limits read (and refused)")
+    reads = node.driver.calls[read]
+    time.sleep(1.0)  # the point: nothing happens for a second (a look tried again would come within 0.6 s)
+    assert node.driver.calls[read] == reads

@@ -333,6 +333,7 @@ class SimDriver:
         self._memory_limits: dict[tuple[int, str], MemoryLimit] = {}  # (GPU index, cgroup directory) -> limit
         self.memory_limit_sets = 0  # successful nvmlDeviceSetMemoryLimits_v1 calls so far
         self.memory_limit_reads: Counter[str] = Counter()  # cgroup directory -> nvmlDeviceGetMemoryLimits_v1 answers
+        self.calls: Counter[str] = Counter()  # C symbol -> the calls the library took (failed ones too), after init
 
     @property
     def faults_armed(self) -> bool:

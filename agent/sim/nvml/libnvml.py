@@ -158,6 +158,7 @@ class SimulatedNvmlLibrary:
         try:
             if driver.init_count == 0 and symbol not in _CALLABLE_BEFORE_INIT:
                 return _UNINITIALIZED
+            driver.calls[symbol] += 1
             if driver.faults_armed:  # else there is nothing to take: skip resolving the handle for it
                 if stalled := driver.take_stall(symbol):
                     threading.Event().wait(stalled)  # the call blocks in the driver, as a slow real one does
