@@ -121,6 +121,16 @@ def sized_devices(plan: ResourcePlan) -> dict[str, SizedDevice]:
     return sized
 
 
+def unsized_holders(
+    plan: ResourcePlan, holders: Iterable[tuple[str, ContainerRef]], sizes: Mapping[Hashable, SizedDevice]
+) -> list[tuple[str, ContainerRef]]:
+    """(GPU UUID, container) of each container holding one of the plan's devices without a size on a whole GPU (MIG
+    devices have no per-container limits): where a limit an earlier agent set may be left over. ``holders``: (device
+    ID, the container PodResources says holds it) pairs."""
+    gpus = {d.id: d.gpu_uuid for r in plan.resources for d in r.devices if d.mig_uuid is None and d.id not in sizes}
+    return [(gpus[device_id], container) for device_id, container in holders if device_id in gpus]
+
+
 def claim_sizes(checkpoint: Checkpoint | None, inventory: Inventory | None) -> dict[ClaimKey, SizedDevice]:
     """(claim namespace, claim name, pool, device) -> its size, for the prepared claims' whole GPUs that have one:
     a share of a GPU (the ``memory`` it consumes) or a GPU of an MPS claim whose ``GpuConfig`` gives it a pinned

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -44,6 +44,7 @@ from agent.core.memlimits import (
     enforcement,
     holds,
     sized_devices,
+    unsized_holders,
     wanted_limits,
 )
 from agent.core.resources import ResourcePlan
@@ -57,7 +58,7 @@ from agent.news import NOTHING, STATUS, News
 if TYPE_CHECKING:
     from agent.core.dra.checkpoint import Checkpoint
     from agent.core.inventory import Inventory
-    from agent.plugin.podresources import DeviceHolder, PodAllocations
+    from agent.plugin.podresources import PodAllocations
 
 log = logging.getLogger(__name__)
 
@@ -276,12 +277,9 @@ class MemoryLimits:
             except Exception as error:  # the kubelet does not answer: keep the last picture, look again later
                 self._say("podresources", f"memory limits wait for PodResources error={error!r}", logging.WARNING)
                 return True
-            unsized = _unsized_holders(plan, answer.devices, sizes)
-            holders: list[tuple[Hashable, ContainerRef]] = [
-                (device_id, ContainerRef(holder.namespace, holder.pod, holder.container))
-                for device_id, holder in answer.devices.items()
-                if device_id in sizes
-            ]
+            devices = [(d, ContainerRef(h.namespace, h.pod, h.container)) for d, h in answer.devices.items()]
+            unsized = unsized_holders(plan, devices, sizes) if plan is not None else []
+            holders: list[tuple[Hashable, ContainerRef]] = [(d, c) for d, c in devices if d in sizes]
             holders += [
                 (key, ContainerRef(*name))
                 for key, names in answer.claim_containers.items()
@@ -461,18 +459,3 @@ class MemoryLimits:
         if (key, message) not in self._said:
             self._said.add((key, message))
             log.log(level, "%s", message)
-
-
-def _unsized_holders(
-    plan: ResourcePlan | None, holders: Mapping[str, DeviceHolder], sizes: Mapping[Hashable, SizedDevice]
-) -> list[tuple[str, ContainerRef]]:
-    """(GPU UUID, container) of each container holding one of the plan's unsized devices on a whole GPU (MIG devices
-    have no per-container limits): where an earlier agent's limit may be left over."""
-    if plan is None:
-        return []
-    gpus = {d.id: d.gpu_uuid for r in plan.resources for d in r.devices if d.mig_uuid is None and d.id not in sizes}
-    return [
-        (gpus[device_id], ContainerRef(holder.namespace, holder.pod, holder.container))
-        for device_id, holder in holders.items()
-        if device_id in gpus
-    ]

@@ -9,7 +9,7 @@ import yaml
 from agent.config.effective import FlagOverrides, effective
 from agent.config.model import ConfigError, parse_config
 from agent.core.allocation import MEMORY_LIMIT_ENV, MEMORY_REQUEST_ENV, Allocator, DeviceListStrategy, MpsClient
-from agent.core.memlimits import MIB, sized_devices
+from agent.core.memlimits import MIB, ContainerRef, sized_devices, unsized_holders
 from agent.core.plan import plan
 from agent.core.resources import PlanError
 from tests.unit.test_mps_plan import gpu, mig, node
@@ -190,3 +190,17 @@ def test_a_sized_replica_that_keeps_the_devices_name_is_warned_about() -> None:
     result = planned("  timeSlicing:\n    resources:\n      - {name: nvidia.com/gpu, replicas: 4, memoryLimit: 10Gi}\n")
     assert any("keep the name nvidia.com/gpu" in w and "set rename or renameByDefault" in w for w in result.warnings)
     assert not any("keep the name" in w for w in planned(TS_10GI).warnings)  # renamed: nothing to say
+
+
+def test_the_holders_of_unsized_replicas_are_where_a_left_over_limit_is_looked_for() -> None:
+    """A container of a replica without a size, on a whole GPU, is where an earlier agent's limit may be left over;
+    one of a sized replica is held to its size instead, and a device of no resource of the plan is not ours."""
+    result = planned(
+        "  timeSlicing:\n    resources:\n"
+        "      - {name: nvidia.com/gpu, rename: nvidia.com/gpu-10gb, replicas: 2, memoryLimit: 10Gi, devices: [0]}\n"
+        "      - {name: nvidia.com/gpu, rename: nvidia.com/gpu-any, replicas: 2, devices: [1]}\n"
+    )
+    sized, unsized = (result.resource(name).devices[0] for name in ("nvidia.com/gpu-10gb", "nvidia.com/gpu-any"))
+    a, b, c = (ContainerRef("team", pod, "main") for pod in ("a", "b", "c"))
+    holders = [(sized.id, a), (unsized.id, b), ("another-vendor-device", c)]
+    assert unsized_holders(result, holders, sized_devices(result)) == [(unsized.gpu_uuid, b)]
