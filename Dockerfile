@@ -28,7 +28,7 @@ ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 #   - the virtual environment has no pip, setuptools or wheel (--without-pip);
 #   - kubernetes/aio (the client's asyncio twin, 65 MiB) and aiohttp with the packages only it needs are
 #     removed: the agent and its simulators use the synchronous client alone (the check below fails the
-#     build if anything left imports them);
+#     build if anything left imports them); attrs stays, as msgspec imports it for attrs classes;
 #   - byte code is compiled once here (the root filesystem is read-only, so nothing is cached at run
 #     time), except for the client's generated API and model modules the agent never loads: of those only
 #     the API classes the agent and its simulators use are compiled (the models they load are small and
@@ -46,10 +46,10 @@ RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv --without-pip /opt/tessera \
  && python -m pip --python /opt/tessera/bin/python install --no-compile --no-index --find-links=/wheels tessera-agent \
  && python -m pip --python /opt/tessera/bin/python uninstall --yes \
-        aiohttp aiohttp-retry aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl \
+        aiohttp aiohttp-retry aiohappyeyeballs aiosignal frozenlist multidict propcache yarl \
  && site="$(/opt/tessera/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
  && rm -r "$site/kubernetes/aio" \
- && ! grep -rlE --include='*.py' '^\s*(import|from) (aiohttp|aiohttp_retry|aiohappyeyeballs|aiosignal|attrs?|frozenlist|multidict|propcache|yarl)\b' "$site" \
+ && ! grep -rlE --include='*.py' '^\s*(import|from) (aiohttp|aiohttp_retry|aiohappyeyeballs|aiosignal|frozenlist|multidict|propcache|yarl)\b' "$site" \
  && /opt/tessera/bin/python -m compileall -q -j 0 --invalidation-mode unchecked-hash \
         -x '/kubernetes/client/(models/|api/(?!(core_v1|custom_objects|resource_v1|version)_api[.]py))' "$site" \
  && /opt/tessera/bin/python -c 'import importlib, pkgutil, agent, kubernetes.client as k; \

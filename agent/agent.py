@@ -26,9 +26,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from msgspec import Struct, field
+from msgspec.structs import replace
 
 from agent.config.check_worker import CheckWorker, ConfigChecked
 from agent.config.early import stamp
@@ -92,8 +94,7 @@ class AgentExit(RuntimeError):
     """A start-up condition that retrying cannot fix; the message says what to do."""
 
 
-@dataclass(frozen=True, slots=True)
-class AgentOptions:
+class AgentOptions(Struct, frozen=True):
     device_plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
     overrides: FlagOverrides = field(default_factory=FlagOverrides)  # flags given explicitly (or by env)
@@ -132,25 +133,21 @@ class AgentOptions:
         return self.device_plugin_dir / KUBELET_SOCKET
 
 
-@dataclass(frozen=True, slots=True)
-class StreamClosed:
+class StreamClosed(Struct, frozen=True):
     resource: str
 
 
-@dataclass(frozen=True, slots=True)
-class StreamOpened:
+class StreamOpened(Struct, frozen=True):
     """The kubelet watches a resource: posted only while metrics wait for the first ListAndWatch of each."""
 
     resource: str
 
 
-@dataclass(frozen=True, slots=True)
-class Stop:
+class Stop(Struct, frozen=True):
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class Ping:
+class Ping(Struct, frozen=True):
     """Answered by the loop: proof that it turns (``/healthz``), without waking it when nobody asks."""
 
     answered: threading.Event
@@ -984,7 +981,7 @@ class Agent:
         if self._plugin_cdi.refresh(allocation.cdi_kind, self._inventory, snapshots) is not None:
             return snapshots
         unavailable = replace(allocation, cdi_unavailable=self._plugin_cdi.error)
-        return {name: replace(s, options=unavailable) for name, s in snapshots.items()}
+        return {name: s.with_options(unavailable) for name, s in snapshots.items()}
 
     # ----- registration ---------------------------------------------------------------------------
 

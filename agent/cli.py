@@ -806,12 +806,12 @@ def _run_agent(args: argparse.Namespace, *, collector_paused: bool) -> int:
 
 
 def _print_inventory(inventory: object, args: argparse.Namespace) -> int:
-    from dataclasses import asdict
+    import msgspec
 
     from agent.render import inventory_details, inventory_text
 
     if args.format == "json":
-        print(json.dumps(asdict(inventory), indent=2))  # type: ignore[call-overload]
+        print(json.dumps(msgspec.to_builtins(inventory), indent=2))
     else:
         print(inventory_text(inventory))  # type: ignore[arg-type]
         if args.details:

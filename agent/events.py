@@ -37,9 +37,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
+
+from msgspec import Struct
 
 from agent.config.labels import validate_node_name
 from agent.core.events import (
@@ -77,8 +78,7 @@ SEND_DELAY = 0.02  # an idle recorder waits this long before it writes: the mome
 # ----- the shell: a queue and the thread that sends it -------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Pending:
+class _Pending(Struct):
     key: EventKey
     occurrence: Occurrence
     subject: Regarding | None = None  # None: the Node

@@ -27,9 +27,10 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from msgspec import Struct
 
 if TYPE_CHECKING:
     from inotify_simple import Event, INotify
@@ -81,8 +82,7 @@ MAX_BACKOFF = 30.0
 MAX_SYMLINKS = 40  # as the kernel's path walk (ELOOP)
 
 
-@dataclass(frozen=True, slots=True)
-class Watch:
+class Watch(Struct, frozen=True):
     """One watched directory: ``names`` filters its entries (``None``: all of them)."""
 
     directory: str

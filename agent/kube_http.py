@@ -35,11 +35,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
+
+from msgspec import Struct
 
 from agent.kube_status import MAX_STATUS_BODY, status_message
 
@@ -112,8 +113,7 @@ def valid_name(value: object, what: str, *, label: bool = False) -> str:
 # ----- credentials ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Credentials:
+class Credentials(Struct, frozen=True):
     """Where the API server is and how to prove who we are to it."""
 
     server: str  # scheme://host[:port], no trailing slash

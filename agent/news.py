@@ -7,11 +7,10 @@ only refresh the status.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from msgspec import Struct
 
 
-@dataclass(frozen=True, slots=True)
-class News:
+class News(Struct, frozen=True):
     reread: str | None = None  # read the node again, for this reason (a MIG change, GPUs back from the bus)
     stale: frozenset[str] = frozenset()  # GPUs whose devices are withdrawn until that read succeeds
     publish: bool = False  # what the kubelet sees (either front end) changed

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import PurePosixPath
 from typing import Any
+
+from msgspec import Struct, field
 
 GO_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
 GO_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
@@ -47,8 +48,7 @@ class Kind(StrEnum):
     INTS = "ints"  # urfave/cli's IntSlice
 
 
-@dataclass(frozen=True, slots=True)
-class NvidiaSetting:
+class NvidiaSetting(Struct, frozen=True):
     """One setting of ``nvidia-device-plugin``: its flag spellings and variables in NVIDIA's order."""
 
     flags: tuple[str, ...]
@@ -283,14 +283,12 @@ def _argument(setting: NvidiaSetting) -> dict[str, Any]:
 # ----- reading them -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Chosen:
+class Chosen(Struct, frozen=True):
     value: str | None
     source: str  # the flag or variable it came from, for messages
 
 
-@dataclass(frozen=True, slots=True)
-class NvidiaFlags:
+class NvidiaFlags(Struct, frozen=True):
     """What ``tessera run`` takes from NVIDIA's settings, every one checked."""
 
     chosen: Mapping[str, Chosen]  # by Tessera's dest: the flag (or Tessera's variable), else NVIDIA's variable

@@ -12,10 +12,11 @@ import sys
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from msgspec.structs import replace
 
 from agent.agent import Agent, AgentExit, AgentOptions
 from agent.config.effective import FlagOverrides
@@ -45,8 +46,7 @@ MAX_CONFIG_PEEK = 1 << 20  # a sharing config is kilobytes; the agent refuses la
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
-@dataclass(frozen=True, slots=True)
-class RunOptions(AgentOptions):
+class RunOptions(AgentOptions, frozen=True):
     """The agent's options plus what only the ``tessera run`` process does with them."""
 
     fail_on_init_error: bool = False  # NVIDIA's --fail-on-init-error: exit at start when NVML cannot initialise
@@ -328,7 +328,6 @@ def _limit_malloc_arenas() -> None:
 def _simulated_driver_root(stack: ExitStack, options: AgentOptions, minors: list[int]) -> AgentOptions:
     """``options`` with a simulated driver root (stand-in files in a directory removed at the end), so the CDI
     specs of a simulated node name files that exist."""
-    import dataclasses
     import shutil
     import tempfile
 
@@ -342,7 +341,7 @@ def _simulated_driver_root(stack: ExitStack, options: AgentOptions, minors: list
         log.warning("cannot lay out a simulated driver root for CDI specs error=%r", str(error))
         return options
     log.warning("using a SIMULATED driver root for CDI specs path=%s", root)
-    return dataclasses.replace(options, driver_root=driver_root)
+    return replace(options, driver_root=driver_root)
 
 
 def _resume_collector_once_served(served: threading.Event) -> None:

@@ -7,8 +7,9 @@ metrics, ``/status`` and ``tessera status``, the Node Events — so they always 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+from msgspec import Struct, field
 
 if TYPE_CHECKING:
     from agent.core.health import Fault
@@ -17,8 +18,7 @@ if TYPE_CHECKING:
     from agent.core.snapshot import ResourceSnapshot
 
 
-@dataclass
-class AgentStatus:
+class AgentStatus(Struct):
     """What the outside world may read (health endpoints, metrics, ``/status``, Events, the demo)."""
 
     resources: dict[str, ResourceSnapshot] = field(default_factory=dict)

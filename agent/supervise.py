@@ -11,12 +11,12 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
 from typing import Any
 
+from msgspec import Struct
 
-@dataclass(frozen=True, slots=True)
-class WorkerCrashed:
+
+class WorkerCrashed(Struct, frozen=True):
     """A worker job raised: ``owner`` is the pool's owner (``mig``, ``mps``, ``register``), ``key`` its job."""
 
     owner: str
@@ -49,8 +49,7 @@ def submit(
     return future
 
 
-@dataclass
-class Backoff:
+class Backoff(Struct):
     """Delays for a step that keeps failing: ``initial`` doubling up to ``maximum``; ``reset`` on success."""
 
     initial: float = 0.5

@@ -16,8 +16,9 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+
+from msgspec import Struct
 
 from agent.config.isolated import TIMEOUT_SECONDS, Check
 from agent.config.model import ConfigError
@@ -26,8 +27,7 @@ from agent.supervise import WorkerCrashed
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class ConfigChecked:
+class ConfigChecked(Struct, frozen=True):
     """A finished check (its :meth:`Check.result` answers at once: the checked set or the ``ConfigError``);
     ``generation`` tells the loop whether a newer request has superseded it."""
 

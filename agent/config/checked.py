@@ -4,16 +4,16 @@ plain models, and the choice of this node's config among them (:meth:`CheckedSet
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+
+from msgspec import Struct
 
 from agent.config.model import ConfigError, ConfigModel
 from agent.config.plain_json import from_plain
 from agent.config.source import ConfigSet, LoadedConfig, Matches, _digest, select_config
 
 
-@dataclass(frozen=True, slots=True)
-class Member:
+class Member(Struct, frozen=True):
     digest: str
     match: tuple[str, ...] | None
     match_problem: str | None
@@ -22,8 +22,7 @@ class Member:
     warnings: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class CheckedSet:
+class CheckedSet(Struct, frozen=True):
     """Every config of one path, validated by the checker; :meth:`choose` picks this node's."""
 
     config_set: ConfigSet  # its names and where they come from (the texts stay with the checker: empty here)

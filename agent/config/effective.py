@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import msgspec
+
 from agent.config.model import ConfigModel, ReplicatedResources, quantity_mib
 from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
 from agent.core.resources import (
@@ -29,8 +31,7 @@ from agent.core.xid_effect import XidEffect
 DEFAULT_MPS_ROOT = "/run/nvidia/mps"
 
 
-@dataclass(frozen=True, slots=True)
-class FlagOverrides:
+class FlagOverrides(msgspec.Struct, frozen=True):
     """Values given explicitly on the command line or in the environment; None means 'not given'."""
 
     mig_strategy: str | None = None

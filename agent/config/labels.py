@@ -4,7 +4,8 @@ needed here)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 CONFIG_LABEL = "nvidia.com/device-plugin.config"
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
@@ -16,14 +17,12 @@ CORDON_ANNOTATIONS = (CORDON_ANNOTATION, HAMI_CORDON_ANNOTATION)
 _DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
-@dataclass(frozen=True, slots=True)
-class NodeLabelChanged:
+class NodeLabelChanged(Struct, frozen=True):
     key: str
     value: str | None  # None when the label is absent or the node cannot be read
 
 
-@dataclass(frozen=True, slots=True)
-class NodeAnnotationChanged:
+class NodeAnnotationChanged(Struct, frozen=True):
     key: str
     value: str | None  # None when the annotation is absent or the node cannot be read
 

@@ -14,7 +14,7 @@ Tessera's extensions are additions NVIDIA's plugin ignores: top-level ``match`` 
 config is for), ``migLayout``, ``health`` (per-XID overrides of the Xid-catalog defaults), and honouring
 ``rename``, ``devices`` and ``resources`` where NVIDIA discards them.
 
-This module holds the config as plain frozen dataclasses and imports no pydantic: the agent builds
+This module holds the config as plain frozen structs (msgspec) and imports no pydantic: the agent builds
 ``ConfigModel()`` (every default) when no config is given, at no cost. :func:`parse_config` validates a
 document with the pydantic models of :mod:`agent.config.schema`, imported (and built) only then.
 """
@@ -22,8 +22,9 @@ document with the pydantic models of :mod:`agent.config.schema`, imported (and b
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from msgspec import Struct, field
 
 from agent.config.errors import ConfigError as ConfigError  # where every caller finds it
 from agent.core.xid_effect import XidEffect, parse_xid_key
@@ -99,8 +100,7 @@ def quantity_mib(text: str) -> int:
 DeviceListStrategyName = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class PluginFlags:
+class PluginFlags(Struct, frozen=True, kw_only=True):
     pass_device_specs: bool | None = None
     device_list_strategy: list[DeviceListStrategyName] | None = None
     device_id_strategy: Literal["uuid", "index"] | None = None
@@ -110,8 +110,7 @@ class PluginFlags:
     shared_devices_allocation_policy: Literal["distributed", "packed"] | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
-class GfdFlags:
+class GfdFlags(Struct, frozen=True, kw_only=True):
     oneshot: bool | None = None
     no_timestamp: bool | None = None
     sleep_interval: str | None = None
@@ -119,8 +118,7 @@ class GfdFlags:
     machine_type_file: str | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
-class Flags:
+class Flags(Struct, frozen=True, kw_only=True):
     mig_strategy: Literal["none", "single", "mixed"] | None = None
     fail_on_init_error: bool | None = None
     mps_root: str | None = None
@@ -135,20 +133,17 @@ class Flags:
     gfd: GfdFlags | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
-class NamingRuleModel:
+class NamingRuleModel(Struct, frozen=True, kw_only=True):
     pattern: str
     name: str
 
 
-@dataclass(frozen=True, kw_only=True)
-class ResourcesModel:
+class ResourcesModel(Struct, frozen=True, kw_only=True):
     gpus: list[NamingRuleModel] = field(default_factory=list)
     mig: list[NamingRuleModel] = field(default_factory=list)
 
 
-@dataclass(frozen=True, kw_only=True)
-class ReplicatedResource:
+class ReplicatedResource(Struct, frozen=True, kw_only=True):
     name: str
     rename: str | None = None
     replicas: int
@@ -160,35 +155,30 @@ class ReplicatedResource:
     oversubscribe: bool | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
-class ReplicatedResources:
+class ReplicatedResources(Struct, frozen=True, kw_only=True):
     rename_by_default: bool = False
     fail_requests_greater_than_one: bool | None = None
     resources: list[ReplicatedResource]
 
 
-@dataclass(frozen=True, kw_only=True)
-class SharingModel:
+class SharingModel(Struct, frozen=True, kw_only=True):
     time_slicing: ReplicatedResources | None = None
     mps: ReplicatedResources | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
-class ImexModel:
+class ImexModel(Struct, frozen=True, kw_only=True):
     channel_ids: list[int] = field(default_factory=list)
     required: bool = False
 
 
-@dataclass(frozen=True, kw_only=True)
-class MigLayoutSection:
+class MigLayoutSection(Struct, frozen=True, kw_only=True):
     """Tessera: the MIG layout this config wants, in mig-parted's format (``layouts``), and which one."""
 
     config: str | None = None  # the mig-config to apply (a node label nvidia.com/mig.config wins)
     layouts: dict[str, Any] | None = None  # {version: v1, mig-configs: {...}}, validated by agent.mig.layout_file
 
 
-@dataclass(frozen=True, kw_only=True)
-class HealthSection:
+class HealthSection(Struct, frozen=True, kw_only=True):
     """Tessera: what an XID does to a device, overriding the Xid-catalog default (docs/health.md).
 
     ``xids`` maps an XID (``"94"``) or an inclusive range (``"144-150"``) to ``ignore``, ``application``,
@@ -221,8 +211,7 @@ def share_mode(consumable_shares: int | str | None) -> int | str:
     return "memory" if consumable_shares is None else consumable_shares
 
 
-@dataclass(frozen=True, kw_only=True)
-class DraSection:
+class DraSection(Struct, frozen=True, kw_only=True):
     """Tessera: the DRA front end. ``gpus`` (``all``, or GPU indices and UUIDs) are served to DRA claims as the
     ResourceSlices of driver ``driver_name``; every other GPU stays with the device plugin. Off by default."""
 
@@ -243,8 +232,7 @@ class DraSection:
         return share_mode(self.consumable_shares)
 
 
-@dataclass(frozen=True, kw_only=True)
-class ConfigModel:
+class ConfigModel(Struct, frozen=True, kw_only=True):
     """A whole config; ``ConfigModel()`` is every default (no config given)."""
 
     version: str | None = None

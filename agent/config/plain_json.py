@@ -1,19 +1,20 @@
-"""Plain frozen dataclasses to JSON and back, checked against their type hints.
+"""Plain frozen structs to JSON and back, checked against their type hints.
 
 The config checker (:mod:`agent.config.check`) validates a config in a process of its own and hands the agent the
-dataclasses of :mod:`agent.config.model` as JSON; :func:`from_plain` rebuilds them, checking every value against
+structs of :mod:`agent.config.model` as JSON; :func:`from_plain` rebuilds them, checking every value against
 its field's type (``str``, ``int``, ``bool``, ``float``, ``Literal``, a ``StrEnum``, ``list``, ``dict``, unions,
-``None`` and nested dataclasses), so what comes back is what the types promise, or a :class:`PlainJsonError`
+``None`` and nested structs), so what comes back is what the types promise, or a :class:`PlainJsonError`
 naming the path of the first value that is not.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import types
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from msgspec import Struct
 
 T = TypeVar("T")
 _NONE = type(None)
@@ -24,9 +25,9 @@ class PlainJsonError(ValueError):
 
 
 def to_plain(value: object) -> object:
-    """A dataclass (and what it holds) as JSON-ready values: dicts keyed by field name, lists, scalars."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    """A struct (and what it holds) as JSON-ready values: dicts keyed by field name, lists, scalars."""
+    if isinstance(value, Struct):
+        return {name: to_plain(getattr(value, name)) for name in value.__struct_fields__}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, dict):
@@ -50,11 +51,11 @@ def _decode(tp: Any, value: object, path: str) -> Any:
     if tp is Any:
         return value
     origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and issubclass(tp, Struct):
         if not isinstance(value, dict):
             raise PlainJsonError(f"{path}: expected an object for {tp.__name__}, got {type(value).__name__}")
         hints = _hints(tp)
-        names = {f.name for f in dataclasses.fields(tp)}
+        names = set(tp.__struct_fields__)
         unknown = sorted(set(value) - names)
         if unknown:
             raise PlainJsonError(f"{path}: {tp.__name__} has no field {unknown[0]!r}")

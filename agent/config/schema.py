@@ -1,9 +1,9 @@
 """The sharing config's validation: pydantic models, built only when a config document is parsed.
 
-:mod:`agent.config.model` holds the config as plain frozen dataclasses, so that the agent imports no
+:mod:`agent.config.model` holds the config as plain frozen structs, so that the agent imports no
 pydantic (~200 ms of imports and schema building) when no ``--config`` is given; :func:`parse_config`
 validates a document with the models here (their messages are the contract: tests/unit/test_config_*.py)
-and hands back those dataclasses. Class and field names are the dataclasses' own: the conversion goes by field
+and hands back those structs. Class and field names are the structs' own: the conversion goes by field
 name (pydantic's messages that name a class are said in YAML's terms instead: ``_problem``).
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import fields, is_dataclass
 from typing import Annotated, Any, Literal
 
+from msgspec import Struct
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -464,7 +464,7 @@ class ConfigModel(_Section):
 
 
 def parse_config(data: object, origin: str = "config") -> tuple[values.ConfigModel, list[str]]:
-    """What :func:`agent.config.model.parse_config` does: validate, warn, and convert to the dataclasses.
+    """What :func:`agent.config.model.parse_config` does: validate, warn, and convert to the structs.
 
     A document that is positively something else (:func:`foreign_document`) is refused for what it is: NVIDIA's
     plugin would read a Pod manifest as a config of unknown keys, i.e. every default, without a word.
@@ -484,18 +484,17 @@ def parse_config(data: object, origin: str = "config") -> tuple[values.ConfigMod
 
 
 def value_class(schema: type[BaseModel]) -> type:
-    """The dataclass of :mod:`agent.config.model` that holds what ``schema`` validates (same name, same fields)."""
+    """The struct of :mod:`agent.config.model` that holds what ``schema`` validates (same name, same fields)."""
     cls = getattr(values, schema.__name__)
-    assert is_dataclass(cls), cls
-    return cls  # type: ignore[no-any-return]
+    assert isinstance(cls, type) and issubclass(cls, Struct), cls
+    return cls
 
 
 def as_value(item: Any) -> Any:
-    """A validated model as its dataclass, field by field; lists of models item by item; anything else as is."""
+    """A validated model as its struct, field by field; lists of models item by item; anything else as is."""
     if isinstance(item, BaseModel):
-        return value_class(type(item))(
-            **{f.name: as_value(getattr(item, f.name)) for f in fields(value_class(type(item)))}
-        )
+        cls = value_class(type(item))
+        return cls(**{name: as_value(getattr(item, name)) for name in cls.__struct_fields__})
     if isinstance(item, list):
         return [as_value(v) for v in item]
     return item

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from msgspec import Struct, field
 
 from agent.config.labels import CONFIG_LABEL
 from agent.config.model import ConfigError, ConfigModel, parse_config
@@ -41,8 +42,7 @@ _CONFIGMAP_KEY = re.compile(r"[-._a-zA-Z0-9]{1,253}")  # the API server's rule f
 _MANIFEST_KIND = re.compile(r"""^kind:[ \t]*["']?ConfigMap["']?[ \t]*(#.*)?$""", re.MULTILINE)
 
 
-@dataclass(frozen=True, slots=True)
-class ConfigSet:
+class ConfigSet(Struct, frozen=True):
     origin: Path
     documents: dict[str, str]  # config name (ConfigMap key or file name) -> text
     is_directory: bool
@@ -69,8 +69,7 @@ class ConfigNameError(ConfigError):
     """A name given explicitly (``--config-name``, the node label) resolves to no config (``strict_names``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class LoadedConfig:
+class LoadedConfig(Struct, frozen=True):
     name: str | None  # None: no config applies, all defaults
     model: ConfigModel
     warnings: tuple[str, ...]

@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+from msgspec import Struct
 
 from agent.fswatch import (
     ENTRY_CHANGES,
@@ -36,8 +37,7 @@ from agent.fswatch import (
 CONFIG_CHANGES = ENTRY_CHANGES | IN_CLOSE_WRITE | IN_ATTRIB
 
 
-@dataclass(frozen=True, slots=True)
-class ConfigSourceChanged:
+class ConfigSourceChanged(Struct, frozen=True):
     pass
 
 

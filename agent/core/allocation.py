@@ -7,9 +7,10 @@ health, and builds the response (environment, mounts, CDI device names) for the 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
+
+from msgspec import Struct, field
 
 from agent.core.cdi_edits import DEVICE_PLUGIN_KIND, MEMORY_LIMIT_ENV, MEMORY_REQUEST_ENV
 from agent.core.mps import CONTAINER_MPS_ROOT, daemon_key
@@ -30,15 +31,13 @@ class DeviceListStrategy(StrEnum):
     CDI_ANNOTATIONS = "cdi-annotations"  # CDI device names in a container annotation
 
 
-@dataclass(frozen=True, slots=True)
-class Mount:
+class Mount(Struct, frozen=True):
     container_path: str
     host_path: str
     read_only: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class ContainerAllocation:
+class ContainerAllocation(Struct, frozen=True):
     """One container's share of an ``AllocateResponse``."""
 
     envs: Mapping[str, str] = field(default_factory=dict)
@@ -84,8 +83,7 @@ def validate_request(
     return [devices[i] for i in requested]
 
 
-@dataclass(frozen=True, slots=True)
-class MpsClient:
+class MpsClient(Struct, frozen=True):
     """What an MPS client container needs: the daemon's directory on the host, and its limits."""
 
     host_root: str
@@ -112,8 +110,7 @@ def container_allocation(
     return allocator.container([d.id for d in devices])
 
 
-@dataclass(frozen=True, slots=True)
-class Allocator:
+class Allocator(Struct, frozen=True):
     """``allocate`` for one snapshot of a resource: everything an Allocate request needs that depends only on
     the snapshot (healthy IDs, physical IDs, CDI names, mounts, MPS daemons and limits) is derived once, here,
     so a request costs a few dictionary lookups and one join."""

@@ -12,8 +12,9 @@ keeps the reconcile loop's handlers free of reporting code.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
+
+from msgspec import Struct
 
 from agent.core.health import Fault
 from agent.core.inventory import Inventory
@@ -24,8 +25,7 @@ if TYPE_CHECKING:
 EventType = Literal["Normal", "Warning"]
 
 
-@dataclass(frozen=True, slots=True)
-class Announcement:
+class Announcement(Struct, frozen=True):
     """One Kubernetes Event's worth: ``reason`` is CamelCase (``GPUUnhealthy``), ``note`` the sentence."""
 
     type: EventType

@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from msgspec import Struct
 
 from agent.core.dra.cdi import CDI_VERSION, VISIBLE_DEVICES_VOID, CdiError, DeviceNode
 
@@ -72,16 +73,14 @@ class DriverMissing(CdiError):
     """The driver root lacks what every GPU container needs; the message names what and the flag that fixes it."""
 
 
-@dataclass(frozen=True, slots=True)
-class HostFile:
+class HostFile(Struct, frozen=True):
     """One file or directory the container gets: its path on the host and where it appears in the container."""
 
     host_path: str
     container_path: str
 
 
-@dataclass(frozen=True, slots=True)
-class Hook:
+class Hook(Struct, frozen=True):
     """The hook binary on the host: ``nvidia-cdi-hook <command>`` or ``nvidia-ctk hook <command>``."""
 
     path: str
@@ -92,8 +91,7 @@ class Hook:
         return [*prefix, command, *more]
 
 
-@dataclass(frozen=True, slots=True)
-class DriverFiles:
+class DriverFiles(Struct, frozen=True):
     """What a shell found under a host's driver root (every path a host path, with its container path)."""
 
     version: str  # the driver version the libraries carry, "550.54.15"

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+
+from msgspec import Struct, field
 
 from agent.core.inventory import Inventory
 
@@ -22,8 +23,7 @@ MAX_ENTRIES = 256  # a node has at most a few dozen GPUs and MIG devices; anythi
 _SEPARATORS = re.compile(r"[,\s]+")
 
 
-@dataclass(frozen=True, slots=True)
-class Cordon:
+class Cordon(Struct, frozen=True):
     """What the annotations take out of service, and what in them could not be understood."""
 
     units: frozenset[str] = frozenset()  # GPU and MIG device UUIDs

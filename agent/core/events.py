@@ -8,9 +8,10 @@ import os
 import re
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
+
+from msgspec import Struct
 
 EventType = Literal["Normal", "Warning"]
 EventKey = tuple[str, str, str, str]  # (type, reason, action, note): what makes two emits the same event
@@ -84,8 +85,7 @@ def event_name(node_name: str) -> str:
     return f"{prefix}.{os.urandom(8).hex()}"  # what secrets.token_hex does, without loading hmac and hashlib
 
 
-@dataclass(frozen=True, slots=True)
-class Occurrence:
+class Occurrence(Struct, frozen=True):
     """What one emit becomes: Event ``name``; ``count`` 1 is a new Event, more is the count of its series."""
 
     name: str
@@ -94,8 +94,7 @@ class Occurrence:
     last_seen: datetime  # its series' lastObservedTime
 
 
-@dataclass(slots=True)
-class _Series:
+class _Series(Struct):
     name: str
     count: int
     first_seen: datetime

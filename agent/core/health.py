@@ -27,9 +27,13 @@ cause the evidence cleared while the GPU is still unwatched stays, with the unwa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
+
+import msgspec
+from msgspec.structs import replace
 
 from agent.core.inventory import Inventory
 from agent.core.resources import Device
@@ -101,8 +105,7 @@ def nvidia_effect(xid: int) -> XidEffect:
     return XidEffect.LOST if default_effect(xid) is XidEffect.LOST else XidEffect.UNHEALTHY
 
 
-@dataclass(frozen=True, slots=True)
-class XidVerdict:
+class XidVerdict(msgspec.Struct, frozen=True):
     """One XID as the policy sees it: the catalog's entry and the effect in force."""
 
     xid: int
@@ -187,11 +190,10 @@ class HealthPolicy:
 
     def with_config_overrides(self, config_overrides: Mapping[int, XidEffect] | None) -> HealthPolicy:
         """The same flags with another config's ``health.xids`` (on a config reload)."""
-        return replace(self, config_overrides=_frozen_overrides(config_overrides))
+        return dataclasses.replace(self, config_overrides=_frozen_overrides(config_overrides))
 
 
-@dataclass(frozen=True, slots=True)
-class Fault:
+class Fault(msgspec.Struct, frozen=True):
     reason: str  # e.g. "XID 48 (Double Bit ECC Error, WORKFLOW_XID_48)" or GPU_LOST_REASON
     since: float
     last_event: float
@@ -208,9 +210,8 @@ class Fault:
     needs_evidence: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class HealthState:
-    faults: Mapping[str, Fault] = field(default_factory=dict)  # unit (GPU or MIG UUID) -> fault
+class HealthState(msgspec.Struct, frozen=True):
+    faults: Mapping[str, Fault] = msgspec.field(default_factory=dict)  # unit (GPU or MIG UUID) -> fault
 
     def is_healthy(self, device: Device) -> bool:
         """A GPU fault spoils every device on it; a MIG-device fault that device and the whole GPU's device."""

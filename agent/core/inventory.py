@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from msgspec import Struct, field
+from msgspec.structs import replace
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
+class Placement(Struct, frozen=True):
     """Where an instance sits: GPU instances in memory slices, compute instances in compute slices."""
 
     start: int
@@ -16,8 +16,7 @@ class Placement:
         return f"{self.start}:{self.size}"
 
 
-@dataclass(frozen=True, slots=True)
-class GiProfileCounts:
+class GiProfileCounts(Struct, frozen=True):
     """What NVML's GPU instance profile info (``nvmlDeviceGetGpuInstanceProfileInfo``) says one GPU instance of a
     profile holds: the DRA capacities of a MIG device, as NVIDIA's driver reads them."""
 
@@ -31,8 +30,7 @@ class GiProfileCounts:
     memory_mib: int
 
 
-@dataclass(frozen=True, slots=True)
-class MigDevice:
+class MigDevice(Struct, frozen=True):
     """One compute instance, which the driver exposes as one MIG device."""
 
     uuid: str
@@ -61,8 +59,7 @@ class MigDevice:
         return f"{self.gpu_index}:{self.mig_index}"
 
 
-@dataclass(frozen=True, slots=True)
-class Gpu:
+class Gpu(Struct, frozen=True):
     """One physical GPU."""
 
     index: int
@@ -100,8 +97,7 @@ class Gpu:
         return f"{self.compute_capability[0]}.{self.compute_capability[1]}"
 
 
-@dataclass(frozen=True, slots=True)
-class GpuFailure:
+class GpuFailure(Struct, frozen=True):
     """A GPU that NVML could not describe, with the NVML error name (e.g. ``GPU_IS_LOST``)."""
 
     index: int
@@ -114,8 +110,7 @@ class GpuFailure:
         return f"{who}: {self.operation} failed with NVML_ERROR_{self.error}"
 
 
-@dataclass(frozen=True, slots=True)
-class Inventory:
+class Inventory(Struct, frozen=True):
     """The node as NVML describes it at one moment."""
 
     driver_version: str

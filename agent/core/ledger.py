@@ -22,9 +22,10 @@ run). ``Ledger.blocking`` answers with one reason per holder in the way, naming 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
+
+from msgspec import Struct
 
 from agent.core.inventory import Inventory
 
@@ -32,8 +33,7 @@ if TYPE_CHECKING:
     from agent.core.dra.checkpoint import Checkpoint
 
 
-@dataclass(frozen=True, slots=True)
-class Drain:
+class Drain(Struct, frozen=True):
     """What a step disturbs: ``withdrawn`` physical device IDs, ``scopes`` where no process may run."""
 
     withdrawn: frozenset[str] = frozenset()
@@ -69,8 +69,7 @@ class HoldKind(StrEnum):
 CLAIM_KINDS = frozenset({HoldKind.CLAIM, HoldKind.PREPARING, HoldKind.ADMIN})
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Hold:
+class Hold(Struct, frozen=True, order=True):
     """One holder of one device."""
 
     gpu: str  # the GPU the held device is on (its UUID; the device's own ID when the node does not know it)
@@ -87,8 +86,7 @@ class Hold:
         return f"{self.device} held by {self.holder} ({self.kind})"
 
 
-@dataclass(frozen=True, slots=True)
-class ClaimDevice:
+class ClaimDevice(Struct, frozen=True):
     """One device of a recorded DRA claim, as the ledger needs it (``agent.ledger`` reads it from the checkpoint)."""
 
     claim_uid: str
@@ -103,8 +101,7 @@ class ClaimDevice:
     timeslice: bool = False  # Prepare set (or sets) the GPU's time-slice for it
 
 
-@dataclass(frozen=True, slots=True)
-class Ledger:
+class Ledger(Struct, frozen=True):
     holds: tuple[Hold, ...] = ()
     unknown: tuple[str, ...] = ()  # "cannot tell whether pods hold the devices: …": each counts as a holder
 

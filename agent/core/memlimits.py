@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING
+
+from msgspec import Struct, field
 
 from agent.core.resources import ResourcePlan, Sharing
 
@@ -47,8 +48,7 @@ class Enforcement(StrEnum):
     ADVISORY = "advisory"
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class ContainerRef:
+class ContainerRef(Struct, frozen=True, order=True):
     namespace: str
     pod: str
     container: str
@@ -57,8 +57,7 @@ class ContainerRef:
         return f"{self.namespace}/{self.pod}/{self.container}"
 
 
-@dataclass(frozen=True, slots=True)
-class SizedDevice:
+class SizedDevice(Struct, frozen=True):
     """An advertised device (or a claim's device) that gives its holder a known amount of GPU memory."""
 
     device_id: str
@@ -75,8 +74,7 @@ class SizedDevice:
         return self.size if self.burst is None else self.burst
 
 
-@dataclass(frozen=True, slots=True)
-class Wanted:
+class Wanted(Struct, frozen=True):
     """What one container should be held to on one GPU: the sum of the sizes of its devices there."""
 
     container: ContainerRef
@@ -90,8 +88,7 @@ class Wanted:
     claim: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
+class Verdict(Struct, frozen=True):
     enforcement: Enforcement
     reason: str
 
@@ -174,8 +171,7 @@ def claim_sizes(checkpoint: Checkpoint | None, inventory: Inventory | None) -> d
     return sized
 
 
-@dataclass(frozen=True, slots=True)
-class DriverReport:
+class DriverReport(Struct, frozen=True):
     """What the memory-limits room tells the reconcile loop after each look, for the DRA shares' status: on which
     GPUs the driver can hold containers (``capable``: the call answered; not MIG), why it cannot elsewhere
     (``refusals``: GPU UUID, or ``*`` for every GPU), and how each claim's containers are held now (``claims``:
@@ -260,8 +256,7 @@ def driver_refusal(driver_version: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class ResourceEnforcement:
+class ResourceEnforcement(Struct, frozen=True):
     """What would hold a sized resource's containers on a node (``tessera plan``)."""
 
     resource: str

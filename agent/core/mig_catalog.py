@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
+
+from msgspec import Struct
 
 from agent.core.inventory import Placement
 
 _MEDIA_EXTENSION_INDICES = (7, 8)  # NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1, _2_SLICE_REV1: the "+me" profiles
 
 
-@dataclass(frozen=True, slots=True)
-class GiProfileInfo:
+class GiProfileInfo(Struct, frozen=True):
     """One GPU instance profile of one GPU model."""
 
     name: str  # the table's name: "1g.10gb", "1g.10gb+me"
@@ -52,8 +52,7 @@ class GiProfileInfo:
     ofa_engines: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class MigCatalog:
+class MigCatalog(Struct, frozen=True):
     """The MIG geometry of one GPU model."""
 
     product: str  # the NVML name, e.g. "NVIDIA A100-SXM4-80GB"
@@ -146,8 +145,7 @@ _PROFILE = re.compile(r"^(?:(?P<c>\d+)c\.)?(?P<g>\d+)g\.(?P<gb>\d+)gb(?:(?P<sign
 _ATTRIBUTE = re.compile(r"^[A-Za-z][A-Za-z0-9]*(?:\.[A-Za-z0-9]+)*$")
 
 
-@dataclass(frozen=True, slots=True)
-class ProfileName:
+class ProfileName(Struct, frozen=True):
     """A parsed profile string."""
 
     compute_slices: int  # C (== G when the string omits it)

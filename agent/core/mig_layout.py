@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+
+from msgspec import Struct
+from msgspec.structs import force_setattr
 
 from agent.core.inventory import Gpu, MigDevice, Placement
 from agent.core.mig_catalog import GiProfileInfo, MigCatalog, canonical_profile_name, mig_catalog, parse_profile_name
@@ -38,8 +40,7 @@ class LayoutError(ValueError):
         self.problems = list(problems) or [message]
 
 
-@dataclass(frozen=True, slots=True)
-class DesiredLayout:
+class DesiredLayout(Struct, frozen=True):
     """One GPU's MIG layout: MIG on or off and the GPU instances by profile.
 
     ``devices`` is normalised on construction (a mapping is accepted too): canonical profile spelling,
@@ -59,7 +60,7 @@ class DesiredLayout:
                 raise ValueError(f"MIG device count for {name!r} must be a non-negative integer, not {count!r}")
             if count:
                 counts[canonical_profile_name(name) or name] += count
-        object.__setattr__(self, "devices", tuple(sorted(counts.items())))
+        force_setattr(self, "devices", tuple(sorted(counts.items())))
 
     @property
     def counts(self) -> dict[str, int]:
@@ -73,8 +74,7 @@ class DesiredLayout:
         return f"MIG enabled {render_devices(self.devices)}" if self.enabled else "MIG disabled"
 
 
-@dataclass(frozen=True, slots=True)
-class PlacedInstance:
+class PlacedInstance(Struct, frozen=True):
     """A GPU instance of ``profile`` at a memory-slice placement, with its full compute instance."""
 
     profile: str
@@ -83,14 +83,12 @@ class PlacedInstance:
     ci_profile_id: int
 
 
-@dataclass(frozen=True, slots=True)
-class SetMigMode:
+class SetMigMode(Struct, frozen=True):
     gpu_index: int
     enabled: bool
 
 
-@dataclass(frozen=True, slots=True)
-class DestroyInstance:
+class DestroyInstance(Struct, frozen=True):
     """Destroy a GPU instance and, first, all its compute instances (their MIG devices are ``mig_uuids``)."""
 
     gpu_index: int
@@ -100,8 +98,7 @@ class DestroyInstance:
     mig_uuids: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class CreateInstance:
+class CreateInstance(Struct, frozen=True):
     """Create a GPU instance at ``placement``, then its full compute instance (``ci_profile_id``)."""
 
     gpu_index: int

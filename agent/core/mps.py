@@ -8,15 +8,15 @@ devices gets one daemon per MIG device. Each daemon has a directory under the MP
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 from agent.core.resources import Device, MpsLimits, ResourcePlan, Sharing
 
 CONTAINER_MPS_ROOT = "/mps"
 
 
-@dataclass(frozen=True, slots=True)
-class MpsDaemonSpec:
+class MpsDaemonSpec(Struct, frozen=True):
     key: str  # its directory under the MPS root: "nvidia.com/gpu", "nvidia.com/mig-1g.10gb/mig-0-3"
     resource: str
     visible_devices: tuple[str, ...]  # GPU or MIG UUIDs, in plan order

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import replace
+
+from msgspec.structs import replace
 
 from agent.core.glob import glob_matches as glob_matches  # NVIDIA's glob, for configs too
 from agent.core.inventory import Gpu, Inventory, MigDevice

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from itertools import combinations
 from math import comb
+
+from msgspec import Struct
 
 from agent.core.resources import AllocationPolicy, Device
 
@@ -28,8 +29,7 @@ class PreferenceError(ValueError):
     """The request is malformed; maps to INVALID_ARGUMENT."""
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceLayout:
+class DeviceLayout(Struct, frozen=True):
     """What ``preferred`` needs to know about all of a resource's devices, worked out once per snapshot
     instead of on every GetPreferredAllocation call."""
 

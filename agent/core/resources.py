@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
+
+from msgspec import Struct, field
+from msgspec.structs import replace
 
 GPU_RESOURCE = "nvidia.com/gpu"
 RESOURCE_PREFIX = "nvidia.com/"
@@ -31,16 +33,14 @@ class AllocationPolicy(StrEnum):
     PACKED = "packed"  # the fullest GPUs first
 
 
-@dataclass(frozen=True, slots=True)
-class NamingRule:
+class NamingRule(Struct, frozen=True):
     """``resources.gpus`` / ``resources.mig``: devices whose name matches ``pattern`` become ``name``."""
 
     pattern: str  # a glob (only ``*`` is special) matched against the whole GPU name or MIG profile
     name: str
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceSelector:
+class DeviceSelector(Struct, frozen=True):
     """Which devices of a resource a sharing rule takes: all of them, the first ``count``, or a list."""
 
     count: int | None = None
@@ -51,8 +51,7 @@ class DeviceSelector:
         return self.count is None and not self.refs
 
 
-@dataclass(frozen=True, slots=True)
-class MpsLimits:
+class MpsLimits(Struct, frozen=True):
     """Per-client MPS limits of one resource (Tessera's extensions; NVIDIA splits evenly)."""
 
     active_thread_percentage: int  # of each device's SMs, for every client
@@ -63,8 +62,7 @@ class MpsLimits:
         return self.memory_limit_mib if self.memory_limit_mib is not None else device_memory_mib // replicas
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaMemory:
+class ReplicaMemory(Struct, frozen=True):
     """Tessera: the GPU memory each time-sliced replica is held to (``memoryLimit``, ``memoryBurstLimit``): its
     container is guaranteed ``request_mib`` (the driver's soft limit) and may allocate up to ``limit_mib`` (the
     hard limit). Without bursting the two are the same."""
@@ -86,8 +84,7 @@ def replica_memory(
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaRule:
+class ReplicaRule(Struct, frozen=True):
     """One ``sharing.<strategy>.resources[]`` entry: replicate ``name``'s selected devices ``replicas`` times."""
 
     name: str
@@ -99,15 +96,13 @@ class ReplicaRule:
     memory: ReplicaMemory | None = None  # set for time-slicing entries with a memoryLimit
 
 
-@dataclass(frozen=True, slots=True)
-class SharingConfig:
+class SharingConfig(Struct, frozen=True):
     strategy: Sharing
     rules: tuple[ReplicaRule, ...]
     fail_requests_greater_than_one: bool
 
 
-@dataclass(frozen=True, slots=True)
-class PlanConfig:
+class PlanConfig(Struct, frozen=True):
     """Everything planning needs from the sharing config."""
 
     mig_strategy: MigStrategy = MigStrategy.NONE
@@ -116,8 +111,7 @@ class PlanConfig:
     sharing: SharingConfig | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Device:
+class Device(Struct, frozen=True):
     """One advertised device: a full GPU or a MIG device, identified by its UUID."""
 
     id: str
@@ -151,8 +145,7 @@ class Device:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class Resource:
+class Resource(Struct, frozen=True):
     name: str
     devices: tuple[Device, ...]
     sharing: Sharing = Sharing.NONE
@@ -198,8 +191,7 @@ class Resource:
         return document
 
 
-@dataclass(frozen=True, slots=True)
-class ResourcePlan:
+class ResourcePlan(Struct, frozen=True):
     """Every resource the node advertises, sorted by name, plus what the user should know."""
 
     resources: tuple[Resource, ...]

@@ -6,9 +6,12 @@ handler threads only ever read the snapshot they picked up, so nothing is shared
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field
 from types import MappingProxyType
+
+import msgspec
 
 from agent.core.allocation import DEFAULT_CDI_KIND, DeviceListStrategy
 from agent.core.health import HealthState
@@ -17,8 +20,7 @@ from agent.core.preferred import DeviceLayout
 from agent.core.resources import AllocationPolicy, Device, MpsLimits, ReplicaMemory, ResourcePlan, Sharing
 
 
-@dataclass(frozen=True, slots=True)
-class AllocationOptions:
+class AllocationOptions(msgspec.Struct, frozen=True):
     strategies: tuple[DeviceListStrategy, ...] = (DeviceListStrategy.ENVVAR,)
     cdi_kind: str = DEFAULT_CDI_KIND
     policy: AllocationPolicy = AllocationPolicy.DISTRIBUTED
@@ -33,7 +35,7 @@ class ResourceSnapshot:
     devices: tuple[Device, ...]
     health: Mapping[str, bool]
     nvlink_peers: Mapping[int, frozenset[int]] = field(default_factory=dict)
-    options: AllocationOptions = AllocationOptions()
+    options: AllocationOptions = field(default_factory=AllocationOptions)
     sharing: Sharing = Sharing.NONE
     fail_requests_greater_than_one: bool = False
     replicas: int = 1
@@ -55,6 +57,10 @@ class ResourceSnapshot:
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "health", health)
         object.__setattr__(self, "_listing", tuple((d.id, health.get(d.id, False), d.numa_node) for d in self.devices))
+
+    def with_options(self, options: AllocationOptions) -> ResourceSnapshot:
+        """This snapshot under other allocation options (its devices and layout taken over)."""
+        return dataclasses.replace(self, options=options, previous=self)
 
     def listing(self) -> tuple[tuple[str, bool, int | None], ...]:
         """What ListAndWatch sends: (ID, healthy, NUMA node) per device. Equal listings need no update.

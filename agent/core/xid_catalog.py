@@ -17,9 +17,10 @@ What a bucket *means for device health* is decided in ``agent.core.health``, not
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
+
+from msgspec import Struct
 
 
 class XidAction(StrEnum):
@@ -43,8 +44,7 @@ class XidAction(StrEnum):
     UNKNOWN = "UNKNOWN"  # not in the catalog (or 999: NVML could not name the XID)
 
 
-@dataclass(frozen=True, slots=True)
-class XidInfo:
+class XidInfo(Struct, frozen=True):
     xid: int
     action: XidAction
     mnemonic: str | None  # the catalog's mnemonic, e.g. ROBUST_CHANNEL_GPU_ECC_DBE; None where unknown

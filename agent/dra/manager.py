@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from msgspec import Struct
 
 from agent.core.dra.ownership import dra_gpus, dynamic_mig_gpus, shared_gpus
 from agent.core.dra.partitions import Unclaimed
@@ -52,8 +53,7 @@ CHECK_INTERVAL = 1.0  # how often a GPU waiting to move looks again whether it i
 CORDON_TAINT = "tessera.dev/gpu-cordon"  # a device the operator cordoned (agent.core.cordon): NoSchedule
 
 
-@dataclass
-class _Waiting:
+class _Waiting(Struct):
     next_check: float = 0.0
     in_flight: bool = False
     why: tuple[str, ...] = ()

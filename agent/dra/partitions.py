@@ -8,7 +8,8 @@ NVML work is ``agent.gpu.mig``'s; the process check is ``agent.gpu.processes``'s
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+
+from msgspec.structs import replace
 
 from agent.core.dra.checkpoint import CreatedMig
 from agent.core.inventory import Placement

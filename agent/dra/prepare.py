@@ -28,13 +28,14 @@ with an fsync) blocks, which is why none of it runs on the gRPC loop. The promis
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+from msgspec import Struct, field
 
 from agent.core.cdi_edits import DriverFiles, memory_limit_edits
 from agent.core.dra.cdi import CdiError, cdi_device_ids, check_claim_uid, claim_spec
@@ -112,8 +113,7 @@ class Timeslices(Protocol):
     def reset(self, gpu_uuid: str) -> None: ...
 
 
-@dataclass
-class _Done:
+class _Done(Struct):
     """What one Prepare attempt has done so far: the MIG devices it made, the devices whose time-slice it set."""
 
     created: dict[str, CreatedMig] = field(default_factory=dict)
@@ -466,9 +466,9 @@ class ClaimWorker:
                         "admin-access claim leaves the GPU's time-slice as it is claim=%s/%s device=%s held_by=%s",
                         ref.namespace, ref.name, planned.device, ",".join(others),
                     )  # fmt: skip
-                    planned = dataclasses.replace(planned, leaves_timeslice=True)
+                    planned = msgspec.structs.replace(planned, leaves_timeslice=True)
             devices.append(planned)
-        return dataclasses.replace(plan, devices=tuple(devices))
+        return msgspec.structs.replace(plan, devices=tuple(devices))
 
     def _reset_timeslice(self, claim_uid: str, device: PreparedDevice) -> None:
         """Put the GPU's time-slice back to Default, unless another (not admin-access) claim still holds the GPU: its
@@ -728,7 +728,7 @@ def _concrete(info: PreparableDevice, mig: CreatedMig | None) -> PreparableDevic
     """The device as the CDI spec names it: a dynamic-MIG partition as the MIG device created for it."""
     if mig is None or mig.uuid is None:
         return info
-    return dataclasses.replace(info, uuid=mig.uuid, gi_id=mig.gi_id, ci_id=mig.ci_id)  # type: ignore[type-var]
+    return msgspec.structs.replace(info, uuid=mig.uuid, gi_id=mig.gi_id, ci_id=mig.ci_id)  # type: ignore[type-var]
 
 
 def _pinned_over_memory(plan: PreparePlan) -> str | None:

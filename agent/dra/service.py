@@ -31,13 +31,13 @@ import stat
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
+from msgspec import Struct
 
 from agent.api.dra.v1 import api_pb2 as dra_v1
 from agent.api.dra.v1beta1 import api_pb2 as dra_v1beta1
@@ -72,8 +72,7 @@ HEALTH = dra_health.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name  
 HEALTH_V1 = dra_health_v1.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name  # v1.DRAResourceHealth
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceView:
+class DeviceView(Struct, frozen=True):
     """The pool's devices and their health as the owner last handed them over (immutable; swapped whole)."""
 
     devices: Mapping[str, DraDevice]

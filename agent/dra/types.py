@@ -5,15 +5,15 @@ Kept apart so that an agent without DRA loads none of the DRA front end (the loo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from msgspec import Struct, field
 
 from agent.gpu.driver_root import DriverRoot
 
 
-@dataclass(frozen=True, slots=True)
-class DraSettings:
+class DraSettings(Struct, frozen=True):
     driver: str
     node_name: str
     registry_dir: Path  # the kubelet's plugin watcher directory
@@ -30,43 +30,37 @@ class DraSettings:
     memory_limits: bool = True  # sized GPUs' CDI entries get NVIDIA_GPU_MEMORY_* and the hook (--memory-limits)
 
 
-@dataclass(frozen=True, slots=True)
-class DraRegistration:
+class DraRegistration(Struct, frozen=True):
     """The kubelet's verdict on the driver's registration."""
 
     registered: bool
     error: str
 
 
-@dataclass(frozen=True, slots=True)
-class DraHandoverChecked:
+class DraHandoverChecked(Struct, frozen=True):
     """What still uses each GPU on its way to DRA, by GPU UUID (nothing: it may move)."""
 
     results: tuple[tuple[str, tuple[str, ...]], ...]
 
 
-@dataclass(frozen=True, slots=True)
-class DraClaimsChanged:
+class DraClaimsChanged(Struct, frozen=True):
     """A Prepare or Unprepare call ended: the prepared claims (what the status shows) may be different."""
 
 
-@dataclass(frozen=True, slots=True)
-class SlicesPublished:
+class SlicesPublished(Struct, frozen=True):
     """The API server holds exactly what was asked for (``generation`` of the pool)."""
 
     generation: int
     slices: int
 
 
-@dataclass(frozen=True, slots=True)
-class SlicesFailed:
+class SlicesFailed(Struct, frozen=True):
     """Posted once per outage: the API server refused or did not answer; the publisher keeps trying."""
 
     error: str
 
 
-@dataclass(frozen=True, slots=True)
-class DraUnclaimedSwept:
+class DraUnclaimedSwept(Struct, frozen=True):
     """GPU instances on dynamic-MIG GPUs that no claim made: how many were destroyed, and why the others were not."""
 
     destroyed: int

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
-from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import pynvml
+from msgspec import Struct
+from msgspec.structs import replace
 
 from agent.core.inventory import GiProfileCounts, Gpu, GpuFailure, Inventory, MigDevice, Placement
 from agent.core.mig_naming import mig_profile_name
@@ -78,8 +79,7 @@ class _GpuStepFailed(Exception):
         self.error = error
 
 
-@dataclass(frozen=True, slots=True)
-class _GiProfileInfo:
+class _GiProfileInfo(Struct, frozen=True):
     index: int
     slice_count: int
     memory_mib: int
@@ -140,8 +140,7 @@ def _discover() -> Inventory:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class MigNow:
+class MigNow(Struct, frozen=True):
     """A MIG-capable GPU's MIG mode and MIG device UUIDs as the driver has them now."""
 
     enabled: bool

@@ -41,9 +41,10 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from msgspec import Struct
 
 from agent.core.cdi_edits import (
     BINARIES,
@@ -73,8 +74,7 @@ _VERSION = re.compile(r"\bversion\s+v?(\d+)\.(\d+)\.(\d+)")
 CACHE_SECONDS = 60.0
 
 
-@dataclass(frozen=True, slots=True)
-class DriverRoot:
+class DriverRoot(Struct, frozen=True):
     """Where the driver is on the host, and where the agent sees it (``None``: the same path)."""
 
     root: Path = Path("/")

@@ -34,10 +34,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from ctypes import c_void_p, cast
-from dataclasses import dataclass
 from typing import Any
 
 import pynvml
+from msgspec import Struct
 
 from agent.gpu.nvml import NvmlUnavailable, error_name, nvml_session
 
@@ -66,31 +66,27 @@ _UNAVAILABLE = frozenset({"NOT_SUPPORTED", "FUNCTION_NOT_FOUND", "NO_PERMISSION"
 # ----- events posted to the reconcile loop -----------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class XidEvent:
+class XidEvent(Struct, frozen=True):
     gpu_uuid: str
     xid: int
     gi_id: int
     ci_id: int
 
 
-@dataclass(frozen=True, slots=True)
-class WatchFailed:
+class WatchFailed(Struct, frozen=True):
     """The driver keeps refusing to watch a GPU: its devices cannot be trusted until ``WatchRestored``."""
 
     gpu_uuid: str | None  # None: every GPU (no longer posted by the watcher; kept for existing handlers)
     error: str
 
 
-@dataclass(frozen=True, slots=True)
-class GpuLost:
+class GpuLost(Struct, frozen=True):
     """The driver reports this GPU lost (``NVML_ERROR_GPU_IS_LOST``): it fell off the bus or is inaccessible."""
 
     gpu_uuid: str
 
 
-@dataclass(frozen=True, slots=True)
-class WatchRestored:
+class WatchRestored(Struct, frozen=True):
     """A GPU that was reported ``WatchFailed`` or ``GpuLost``, or that the agent said is back (``gpu_back``), is
     registered in an event set whose wait works: its events are seen from now on. Whether its devices are
     healthy is still for the recovery evidence to say."""
@@ -109,8 +105,7 @@ class _Rebuild(Exception):  # control flow inside the watcher thread; never esca
         self.error = error
 
 
-@dataclass(slots=True)
-class _Retry:
+class _Retry(Struct):
     failures: int
     due: float
 
@@ -482,8 +477,7 @@ def probe(gpu_uuid: str, mig_uuid: str | None = None) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class Evidence:
+class Evidence(Struct, frozen=True):
     """Whether a faulty unit may be trusted again, and if not, what still blocks it."""
 
     ok: bool

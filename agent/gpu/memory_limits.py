@@ -8,9 +8,8 @@ up and does not find it). Callers hold an NVML session.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pynvml
+from msgspec import Struct
 
 from agent.gpu.nvml import error_name
 
@@ -23,8 +22,7 @@ class MemoryLimitError(RuntimeError):
         self.code = code
 
 
-@dataclass(frozen=True, slots=True)
-class ReadLimits:
+class ReadLimits(Struct, frozen=True):
     soft: int
     hard: int
     used: int  # what the cgroup's processes use on the GPU now

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from ctypes import byref
-from dataclasses import dataclass
 from typing import Any
 
 import pynvml
+from msgspec import Struct
 
 from agent.core.inventory import Placement
 from agent.gpu.nvml import error_name, nvml_session
@@ -34,8 +34,7 @@ def set_mig_mode(gpu_index: int, enabled: bool) -> bool:
         return bool(current) == enabled
 
 
-@dataclass(frozen=True, slots=True)
-class MigModeState:
+class MigModeState(Struct, frozen=True):
     """A GPU's MIG mode now, its architecture (as discovery names it) and how many MIG devices it holds."""
 
     enabled: bool
@@ -150,8 +149,7 @@ def destroy_empty_instances(gpu_index: int) -> int:
         return destroyed
 
 
-@dataclass(frozen=True, slots=True)
-class MigInstance:
+class MigInstance(Struct, frozen=True):
     """A MIG device as NVML names it: its GPU and compute instance IDs and its UUID."""
 
     gi_id: int

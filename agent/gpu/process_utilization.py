@@ -20,24 +20,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import pynvml
+from msgspec import Struct
 
 from agent.gpu.nvml import error_name, is_error
 
 Load = tuple[float, float, float, float]  # SM, memory, encoder, decoder utilization in percent
 
 
-@dataclass(frozen=True, slots=True)
-class Sample:
+class Sample(Struct, frozen=True):
     pid: int
     timestamp_us: int  # CPU time (µs since the epoch) the sample was recorded
     load: Load
 
 
-@dataclass(frozen=True, slots=True)
-class UtilizationRead:
+class UtilizationRead(Struct, frozen=True):
     """One GPU's samples since its previous read, or the NVML error why there are none to trust."""
 
     samples: tuple[Sample, ...] = ()

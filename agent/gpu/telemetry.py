@@ -7,22 +7,19 @@ NVML never reports it for a MIG device, so it is not asked there (four calls per
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pynvml
+from msgspec import Struct, field
 
 from agent.core.inventory import Inventory
 from agent.gpu.nvml import error_name, is_error, nvml_session
 
 
-@dataclass(frozen=True, slots=True)
-class ProcessStat:
+class ProcessStat(Struct, frozen=True):
     pid: int
     used_bytes: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceStats:
+class DeviceStats(Struct, frozen=True):
     uuid: str
     memory_total_bytes: int
     memory_used_bytes: int
@@ -30,8 +27,7 @@ class DeviceStats:
     processes: tuple[ProcessStat, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class GpuStats:
+class GpuStats(Struct, frozen=True):
     uuid: str
     error: str | None = None
     gpu: DeviceStats | None = None

@@ -22,8 +22,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
+
+from msgspec import Struct
 
 from agent.core.memlimits import ContainerRef
 
@@ -36,8 +37,7 @@ MAX_LINKS = 100_000  # a node runs at most a few hundred containers; more entrie
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class ContainerCgroup:
+class ContainerCgroup(Struct, frozen=True):
     container: ContainerRef
     pod_uid: str
     container_id: str

@@ -29,9 +29,10 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+from msgspec import Struct
 
 from agent.core.memlimits import (
     NO_LIMIT,
@@ -68,15 +69,13 @@ RETRY_SECONDS = (0.2, 30.0)  # backoff of a look that failed (NVML or the kubele
 SETTLED_READS = frozenset({"NOT_FOUND", "FUNCTION_NOT_FOUND", "NOT_SUPPORTED"})
 
 
-@dataclass(frozen=True, slots=True)
-class LimitsReported:
+class LimitsReported(Struct, frozen=True):
     """The room's news for the loop: where the driver holds containers now (after a look that changed it)."""
 
     report: DriverReport
 
 
-@dataclass(frozen=True, slots=True)
-class HeldLimit:
+class HeldLimit(Struct, frozen=True):
     """One container on one GPU: what it is held to, how, and where (its cgroups; none until it started)."""
 
     container: ContainerRef

@@ -8,19 +8,18 @@ also when limits changed behind the agent's back (NVML announces no such change)
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+from msgspec import Struct
 
 from agent.fswatch import ENTRY_CHANGES, InotifyWatcher, Watch, plan_for
 
 
-@dataclass(frozen=True, slots=True)
-class ContainersChanged:
+class ContainersChanged(Struct, frozen=True):
     reason: str  # "start", "containers", "re-check"
 
 
-@dataclass(frozen=True, slots=True)
-class LimitsChanged:
+class LimitsChanged(Struct, frozen=True):
     """The room's picture changed (a container limited, a fallback): the loop publishes the status again, and the
     Node Events it calls for (a fallback is announced once)."""
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import yaml
+from msgspec import Struct
 
 from agent.config.model import ConfigError
 from agent.core.drain import Drain, busy_reasons, mig_drain
@@ -60,8 +60,7 @@ EXIT_NOT_APPLIED = 5
 _LAYOUT_SUFFIXES = (".yaml", ".yml", ".json")
 
 
-@dataclass(frozen=True, slots=True)
-class SelectedLayout:
+class SelectedLayout(Struct, frozen=True):
     """The layout a command applies: per GPU index, and what it is called where it came from."""
 
     name: str
@@ -343,8 +342,7 @@ class _Resettable(Protocol):
     def reset_gpu(self, index: int) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class GpuChange:
+class GpuChange(Struct, frozen=True):
     """One GPU under the layout: as it is, as it will be, and the operations between."""
 
     index: int
@@ -364,8 +362,7 @@ class GpuChange:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class MigPreview:
+class MigPreview(Struct, frozen=True):
     """What a layout does to a node, for ``tessera plan``."""
 
     name: str

@@ -32,10 +32,10 @@ Whether a profile exists on a GPU model, and whether a layout fits, is ``agent.c
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from msgspec import Struct
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -66,8 +66,7 @@ class LayoutFileError(ValueError):
         self.problems = list(problems) or [message]
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceFilter:
+class DeviceFilter(Struct, frozen=True):
     """One ``device-filter`` value: ``0xDDDDVVVV`` (device << 16 | vendor) and an optional subsystem id."""
 
     device_id: int  # 0xDDDDVVVV, as NVML's pciDeviceId

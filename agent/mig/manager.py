@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
+
+from msgspec import Struct
 
 from agent.core.drain import Drain, mig_drain
 from agent.core.inventory import Inventory
@@ -57,14 +58,12 @@ class MigState(StrEnum):
     RESET_REQUIRED = "reset-required"
 
 
-@dataclass(frozen=True, slots=True)
-class MigBusyChecked:
+class MigBusyChecked(Struct, frozen=True):
     generation: int
     busy: tuple[str, ...]  # "MIG-… held by default/pod (container)", "GPU-… runs 2 process(es)", "cannot tell …"
 
 
-@dataclass(frozen=True, slots=True)
-class MigApplied:
+class MigApplied(Struct, frozen=True):
     generation: int
     error: str | None = None
     reset_required: tuple[int, ...] = ()

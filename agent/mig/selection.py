@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from msgspec import Struct, field
 
 from agent.core.inventory import Gpu
 
@@ -23,8 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class LayoutSelection:
+class LayoutSelection(Struct):
     """Where the layouts come from (``--mig-config`` / ``--mig-config-name``); what was said of GPUs left alone."""
 
     mig_config: Path | None = None

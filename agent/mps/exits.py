@@ -15,13 +15,13 @@ import os
 import select
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class ProcessExited:
+class ProcessExited(Struct, frozen=True):
     key: str
     pid: int
 

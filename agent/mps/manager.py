@@ -33,9 +33,10 @@ import logging
 import shutil
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from msgspec import Struct
 
 from agent.core.ledger import Drain
 from agent.core.mps import MpsDaemonSpec
@@ -64,36 +65,31 @@ DRAIN_CHECK_INTERVAL = 1.0  # how often a retiring daemon looks again whether it
 SAFETY_CHECK_INTERVAL = 30.0  # a missed exit (no pidfd) is found by this slow re-check
 
 
-@dataclass(frozen=True, slots=True)
-class MpsDaemonReady:
+class MpsDaemonReady(Struct, frozen=True):
     key: str
     generation: int
     pid: int | None
     adopted: bool
 
 
-@dataclass(frozen=True, slots=True)
-class MpsDaemonFailed:
+class MpsDaemonFailed(Struct, frozen=True):
     key: str
     generation: int
     error: str
 
 
-@dataclass(frozen=True, slots=True)
-class MpsDaemonStopped:
+class MpsDaemonStopped(Struct, frozen=True):
     key: str
 
 
-@dataclass(frozen=True, slots=True)
-class MpsDrainChecked:
+class MpsDrainChecked(Struct, frozen=True):
     """A retiring daemon's devices are still in use (``busy`` says by what): nothing was done."""
 
     key: str
     busy: tuple[str, ...]
 
 
-@dataclass
-class _Daemon:
+class _Daemon(Struct):
     spec: MpsDaemonSpec
     control: MpsControl | None
     generation: int = 0  # bumped per start attempt, so a late result of an old attempt is ignored
@@ -108,8 +104,7 @@ class _Daemon:
     pid: int | None = None  # the daemon's PID once ready
 
 
-@dataclass
-class _Retiring:
+class _Retiring(Struct):
     """A daemon on its way out: withdrawn, waiting for its clients to be gone before it is quit."""
 
     spec: MpsDaemonSpec

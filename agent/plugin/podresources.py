@@ -16,11 +16,11 @@ The answer is read from protobuf's wire format by :mod:`agent.plugin.podresource
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+from msgspec import Struct, field
 
 if TYPE_CHECKING:
     from agent.plugin.podresources_wire import ListPodResourcesResponse
@@ -39,8 +39,7 @@ class PodResourcesError(RuntimeError):
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceHolder:
+class DeviceHolder(Struct, frozen=True):
     namespace: str
     pod: str
     container: str
@@ -52,8 +51,7 @@ PodName = tuple[str, str]  # namespace, name
 ContainerName = tuple[str, str, str]  # namespace, pod, container
 
 
-@dataclass(frozen=True, slots=True)
-class PodAllocations:
+class PodAllocations(Struct, frozen=True):
     """One PodResources List: ``devices`` as ``allocated_devices`` gives them, and ``claims``: each DRA claim
     device a container uses -> the pods using it (empty when the kubelet does not report dynamic resources)."""
 

@@ -3,13 +3,13 @@
 The agent lists the kubelet's pod resources once its devices are in use (metrics attribution, drains): the
 generated classes would load the protobuf runtime with the first call, ~2.4 MB that stay for the process's life.
 This reads the few fields the agent uses of ``ListPodResourcesResponse`` (``proto/podresources/v1/api.proto``)
-into frozen dataclasses with the generated classes' field names; every other field is skipped, as protobuf skips
+into frozen structs with the generated classes' field names; every other field is skipped, as protobuf skips
 an unknown one. ``tests/unit/test_podresources_wire.py`` holds it equal to the generated classes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from msgspec import Struct
 
 from agent.plugin.wire import WireError, _fields, _text
 
@@ -18,41 +18,35 @@ LIST_METHOD = "/v1.PodResourcesLister/List"  # package v1, service PodResourcesL
 __all__ = ["LIST_METHOD", "ListPodResourcesResponse", "WireError", "list_response"]
 
 
-@dataclass(frozen=True, slots=True)
-class ContainerDevices:
+class ContainerDevices(Struct, frozen=True):
     resource_name: str = ""
     device_ids: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class ClaimResource:
+class ClaimResource(Struct, frozen=True):
     pool_name: str = ""
     device_name: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class DynamicResource:
+class DynamicResource(Struct, frozen=True):
     claim_name: str = ""
     claim_namespace: str = ""
     claim_resources: tuple[ClaimResource, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class ContainerResources:
+class ContainerResources(Struct, frozen=True):
     name: str = ""
     devices: tuple[ContainerDevices, ...] = ()
     dynamic_resources: tuple[DynamicResource, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class PodResources:
+class PodResources(Struct, frozen=True):
     name: str = ""
     namespace: str = ""
     containers: tuple[ContainerResources, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class ListPodResourcesResponse:
+class ListPodResourcesResponse(Struct, frozen=True):
     pod_resources: tuple[PodResources, ...] = ()
 
 

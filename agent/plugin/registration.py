@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import grpc.aio
+from msgspec import Struct
 
 from agent.grpc_loop import GrpcLoop, grpc_loop
 from agent.plugin import wire
@@ -72,8 +72,7 @@ def register_soon(
     register_batch_soon(kubelet_socket, endpoints, lambda batch: answered(batch.answers), loop=loop)
 
 
-@dataclass(frozen=True, slots=True)
-class Answered:
+class Answered(Struct, frozen=True):
     """The kubelet's answers to one batch of Registers, and which ``kubelet.sock`` gave them."""
 
     answers: dict[str, str | None]  # resource -> None (accepted) or why not

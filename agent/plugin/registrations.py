@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+from msgspec import Struct, field
 
 from agent.plugin.registration import Answered, register_batch_soon
 from agent.plugin.watch import SocketIdentity, socket_identity
@@ -43,8 +44,7 @@ MAX_BACKOFF = 30.0
 NO_ANSWER = "no answer from the kubelet"
 
 
-@dataclass(frozen=True, slots=True)
-class RegistrationDone:
+class RegistrationDone(Struct, frozen=True):
     """The kubelet's answer to one resource's Register."""
 
     resource: str
@@ -70,8 +70,7 @@ class Served(Protocol):
 Register = Callable[[Path, list[tuple[str, str]], Callable[[Answered], None]], None]
 
 
-@dataclass
-class _Resource:
+class _Resource(Struct):
     """One resource's standing with the kubelet."""
 
     due_at: float | None = None  # then: registered unless registered with the kubelet of then

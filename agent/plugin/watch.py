@@ -19,8 +19,9 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+from msgspec import Struct
 
 from agent.fswatch import (
     ENTRY_CHANGES,
@@ -40,22 +41,19 @@ _Identity = tuple[int, int, int]
 _UNKNOWN: object = object()  # nothing posted yet
 
 
-@dataclass(frozen=True, slots=True)
-class KubeletSocketChanged:
+class KubeletSocketChanged(Struct, frozen=True):
     """The kubelet socket appeared, was replaced (a kubelet restart), or went away."""
 
     present: bool
 
 
-@dataclass(frozen=True, slots=True)
-class PluginSocketRemoved:
+class PluginSocketRemoved(Struct, frozen=True):
     """A socket other than the kubelet's (``name``, in the device-plugin directory) was deleted or moved away."""
 
     name: str
 
 
-@dataclass(frozen=True, slots=True)
-class PluginDirChanged:
+class PluginDirChanged(Struct, frozen=True):
     """The device-plugin directory appeared or went away."""
 
     present: bool

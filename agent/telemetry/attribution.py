@@ -12,8 +12,9 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+from msgspec import Struct
 
 from agent.config.bounded import read_bounded
 from agent.config.model import ConfigError
@@ -22,8 +23,7 @@ CHECKPOINT = "kubelet_internal_checkpoint"
 MAX_CHECKPOINT_BYTES = 64 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
+class Checkpoint(Struct, frozen=True):
     """What the kubelet's device checkpoint says: pod UID -> the device IDs (any resource) its containers hold.
 
     ``complete`` is False when some entry was not understood: the IDs read are then not all the kubelet handed out.

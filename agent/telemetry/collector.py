@@ -23,9 +23,10 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from msgspec import Struct
 
 from agent.gpu.nvml import nvml_session
 from agent.gpu.process_utilization import ProcessUtilization, UtilizationRead
@@ -49,8 +50,7 @@ MIG_STATES = ("pending", "applying", "success", "failed", "reset-required")
 _NO_HOLDER = ("", "", "")
 
 
-@dataclass(frozen=True, slots=True)
-class TelemetryOptions:
+class TelemetryOptions(Struct, frozen=True):
     hostname: str
     interval: float = 10.0
     idle_threshold_percent: float = 5.0
@@ -93,8 +93,7 @@ class LastCollection:
             self.collected_at = time.time()
 
 
-@dataclass(frozen=True, slots=True)
-class _DeviceRow:
+class _DeviceRow(Struct, frozen=True):
     """A device's labels that come from its resource snapshot (the holder's are added per collection)."""
 
     device_id: str

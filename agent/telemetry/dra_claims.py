@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from msgspec import Struct
 
 from agent.config.bounded import read_bounded
 from agent.config.model import ConfigError
@@ -39,8 +40,7 @@ KUBELET_DRA_STATE = "dra_manager_state"
 MAX_STATE_BYTES = 64 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class ClaimDevice:
+class ClaimDevice(Struct, frozen=True):
     """One device of a prepared claim."""
 
     claim_uid: str
@@ -66,8 +66,7 @@ def claim_devices(checkpoint: Checkpoint) -> tuple[ClaimDevice, ...]:
     )  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class PhysicalClaim:
+class PhysicalClaim(Struct, frozen=True):
     """A claim device resolved on the node: the physical UUID it is, and its MIG profile ("" for a whole GPU)."""
 
     claim: ClaimDevice

@@ -16,7 +16,8 @@ import functools
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+
+from msgspec import Struct, field
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -25,8 +26,7 @@ _KINDS = ("gauge", "counter", "histogram")
 Values = tuple[str, ...]
 
 
-@dataclass(slots=True)
-class Family:
+class Family(Struct):
     """One metric family: its label names, then a (label values, value) pair per series, in order."""
 
     name: str
@@ -73,8 +73,7 @@ def histogram(name: str, documentation: str, labels: Sequence[str]) -> Family:
     return Family(name, "histogram", documentation, tuple(labels))
 
 
-@dataclass(frozen=True, slots=True)
-class Buckets:
+class Buckets(Struct, frozen=True):
     """One histogram series: cumulative counts per upper bound (the last is +Inf: the count) and the sum."""
 
     bounds: tuple[float, ...]  # upper bounds, ascending, without +Inf
@@ -82,8 +81,7 @@ class Buckets:
     total: float
 
 
-@dataclass(frozen=True, slots=True)
-class _Layout:
+class _Layout(Struct, frozen=True):
     """How a family's series are written: the sample name and the label names in the order they are written."""
 
     header: str

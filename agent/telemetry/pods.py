@@ -19,8 +19,9 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from msgspec import Struct
 
 from agent.gpu.process_utilization import UtilizationRead
 from agent.telemetry.claim_series import claim_series
@@ -57,8 +58,7 @@ POD_LABELS = (
 UNATTRIBUTED_LABELS = ("gpu", "UUID", "device", "modelName", "GPU_I_PROFILE", "GPU_I_ID", "reason", "Hostname")
 
 
-@dataclass(frozen=True, slots=True)
-class HeldDevice:
+class HeldDevice(Struct, frozen=True):
     """An advertised device a pod holds, as the collector saw it this collection."""
 
     resource: str

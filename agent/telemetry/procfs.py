@@ -22,9 +22,10 @@ import os
 import re
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+
+from msgspec import Struct
 
 HZ = os.sysconf("SC_CLK_TCK")  # the unit of /proc/<pid>/stat's start time
 _KUBEPODS_POD = re.compile(
@@ -45,8 +46,7 @@ class Unattributed(StrEnum):
     UNKNOWN_POD = "unknown_pod"  # a pod's, but the kubelet's assignments do not name the pod (yet)
 
 
-@dataclass(frozen=True, slots=True)
-class Owner:
+class Owner(Struct, frozen=True):
     """A process as /proc tells it: its start (seconds since boot) and pod UID, or why it has none."""
 
     pid: int

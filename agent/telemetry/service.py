@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from msgspec import Struct
 
 if TYPE_CHECKING:
     from agent.core.inventory import Inventory
@@ -27,8 +28,7 @@ FEATURE_FILE = "tessera"
 LOOP_ANSWER_SECONDS = 2.0  # /healthz asks the loop; an idle loop answers at once, a stuck one not
 
 
-@dataclass(frozen=True, slots=True)
-class TelemetrySettings:
+class TelemetrySettings(Struct, frozen=True):
     hostname: str
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     interval: float = 10.0

@@ -15,7 +15,8 @@ utilization is the sum over its processes, at most 100 %. Where NVML cannot say 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+
+from msgspec import Struct, field
 
 from agent.gpu.process_utilization import Load, Sample
 from agent.telemetry.procfs import Owner, Unattributed
@@ -26,14 +27,12 @@ Holdings = Mapping[str, Mapping[str, Holder]]  # pod UID -> physical UUID -> who
 IDLE_LOAD: Load = (0.0, 0.0, 0.0, 0.0)
 
 
-@dataclass(frozen=True, slots=True)
-class ListedProcess:
+class ListedProcess(Struct, frozen=True):
     pid: int
     used_bytes: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceProcesses:
+class DeviceProcesses(Struct, frozen=True):
     """What NVML said about one physical device: a GPU not in MIG mode, or a MIG device."""
 
     uuid: str
@@ -41,8 +40,7 @@ class DeviceProcesses:
     samples: Sequence[Sample] | None  # None: per-process utilization unknown here (MIG, NOT_SUPPORTED, an error)
 
 
-@dataclass(slots=True)
-class Usage:
+class Usage(Struct):
     processes: int = 0
     memory_bytes: int = 0
     load: list[float] | None = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])  # None: unknown
@@ -54,8 +52,7 @@ class Usage:
             self.load = [min(100.0, a + b) for a, b in zip(self.load, load, strict=True)]
 
 
-@dataclass(frozen=True, slots=True)
-class Attribution:
+class Attribution(Struct, frozen=True):
     by_holder: dict[tuple[Holder, str], Usage]  # (holder, physical UUID) -> its processes there
     unattributed: dict[tuple[str, Unattributed], Usage]  # (physical UUID, reason) -> processes nobody owns
 

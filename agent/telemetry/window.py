@@ -7,8 +7,9 @@ kind of device are judged alike.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from msgspec import Struct
 
 if TYPE_CHECKING:
     from agent.gpu.process_utilization import UtilizationRead
@@ -23,8 +24,7 @@ ENGINES = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Physical:
+class Physical(Struct, frozen=True):
     """A physical device's dcgm-exporter labels: gpu, UUID (the GPU's), device, modelName, GPU_I_PROFILE, GPU_I_ID."""
 
     labels: tuple[str, str, str, str, str, str]
@@ -34,8 +34,7 @@ class Physical:
     memory_mib: int  # the device's own: the GPU's, or the MIG device's
 
 
-@dataclass(frozen=True, slots=True)
-class IdleDevice:
+class IdleDevice(Struct, frozen=True):
     """One held device in ``tessera status --idle``: its pod, how long it has been idle, its pod's utilization."""
 
     resource: str
@@ -47,8 +46,7 @@ class IdleDevice:
     utilization_percent: float | None  # the pod's SM utilization on the device; None when NVML cannot say
 
 
-@dataclass(frozen=True, slots=True)
-class Window:
+class Window(Struct, frozen=True):
     """What one collection read, and the idle threshold it is judged by."""
 
     physical: Mapping[str, Physical]  # physical UUID -> its labels

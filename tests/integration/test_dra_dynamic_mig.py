@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
+from msgspec.structs import replace
 
 from agent.core.dra.checkpoint import CHECKPOINT_FILE, PREPARE_STARTED, decode, encode
 from agent.sim.apiserver import ApiServer

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import pytest
+from msgspec.structs import replace
 
 from agent.core.dra.devices import DraDevice, dra_devices
 from agent.core.dra.taints import DeviceTaint

@@ -10,11 +10,11 @@ stand-in (``test_dra_e2e``'s world).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
+from msgspec.structs import replace
 
 from agent.api.dra.v1 import api_pb2 as v1
 from agent.core.dra.checkpoint import CHECKPOINT_FILE, PREPARE_STARTED, decode, encode

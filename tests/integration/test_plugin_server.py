@@ -11,7 +11,6 @@ import stat
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -262,7 +261,7 @@ def test_start_replaces_a_stale_standby_name(serve, plugin_dir):
 
 def test_register_all_registers_every_resource_and_reports_each_refusal(kubelet, serve):
     gpu = serve(snapshot())
-    shared = serve(replace(snapshot("nvidia.com/gpu.shared")))
+    shared = serve(snapshot("nvidia.com/gpu.shared"))
     results = register_all(
         kubelet.kubelet_socket,
         [(gpu.socket_path.name, GPU), (shared.socket_path.name, "nvidia.com/gpu.shared"), ("x.sock", "gpu")],

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
+from msgspec.structs import replace
 
 from agent.agent import AgentStatus
 from agent.core.announce import Announcement, announcements

@@ -4,11 +4,11 @@ and NVIDIA's DeviceClass selectors evaluated against them."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import pynvml
 import pytest
+from msgspec.structs import replace
 
 from agent.core.dra.devices import (
     DEFAULT_DRIVER,

@@ -4,9 +4,9 @@ dynamic-MIG GPUs are partitioned, which are whole, and the placements MIG device
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 import pytest
+from msgspec.structs import replace
 
 from agent.core.dra.partitions import counter_sets, partitionable_devices
 from agent.core.dra.pool import dra_pool

@@ -4,10 +4,10 @@ what holds those limits."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
+from msgspec.structs import replace
 
 from agent.core.dra.claims import ClaimRef, plan_prepare
 from agent.core.dra.devices import DraDevice, RequestPolicy

@@ -263,7 +263,7 @@ def test_counter_errors_name_the_device_or_set():
 
 
 def _fields(device: DraDevice) -> dict[str, Any]:
-    return {f: getattr(device, f) for f in DraDevice.__dataclass_fields__}
+    return {f: getattr(device, f) for f in DraDevice.__struct_fields__}
 
 
 def broken(**changes: Any) -> DraDevice:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import MISSING, fields
 
 import pytest
+from msgspec import NODEFAULT
+from msgspec.structs import fields
 
 from agent.config import model
 from agent.config.model import ConfigModel, parse_config
@@ -164,9 +165,9 @@ def test_the_config_dataclasses_mirror_the_schema_field_by_field():
         for name, info in schema_class.model_fields.items():
             held = value_fields[name]
             if info.is_required():
-                assert held.default is MISSING and held.default_factory is MISSING, (schema_class.__name__, name)
+                assert held.default is NODEFAULT and held.default_factory is NODEFAULT, (schema_class.__name__, name)
                 continue
-            default = held.default_factory() if held.default_factory is not MISSING else held.default
+            default = held.default_factory() if held.default_factory is not NODEFAULT else held.default
             assert default == schema.as_value(info.get_default(call_default_factory=True)), (
                 schema_class.__name__,
                 name,

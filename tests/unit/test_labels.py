@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import pytest
 import yaml
+from msgspec.structs import replace
 
 from agent.config.effective import FlagOverrides, effective
 from agent.config.model import parse_config

@@ -11,9 +11,9 @@ import itertools
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 
 import pytest
+from msgspec.structs import replace
 
 from agent.core.inventory import Gpu, MigDevice, Placement
 from agent.core.mig_catalog import MigCatalog, mig_catalog, mig_catalogs, parse_profile_name

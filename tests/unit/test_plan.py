@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
+from msgspec.structs import replace
 
 from agent.core.inventory import Gpu, GpuFailure, Inventory, MigDevice, Placement
 from agent.core.plan import plan

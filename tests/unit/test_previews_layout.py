@@ -8,10 +8,10 @@ GPU has 7`` instead of one sentence repeated for eight GPUs on one long line.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
 from agent import cli
 from agent.config import validate

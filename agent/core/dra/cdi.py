@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from msgspec import Struct
 
 CDI_VERSION = "0.5.0"
 CDI_VENDOR = "k8s.gpu.nvidia.com"
@@ -62,8 +63,7 @@ class CdiError(ValueError):
     """A name that cannot be used in a CDI spec (it could escape the CDI directory or break the spec)."""
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceNode:
+class DeviceNode(Struct, frozen=True):
     """One CDI ``deviceNodes`` entry."""
 
     path: str  # the path in the container

@@ -51,9 +51,11 @@ import hashlib
 import hmac
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
+
+from msgspec import Struct, field
+from msgspec.structs import replace
 
 from agent.core.dra.claims import ClaimRef, PlannedDevice, PreparePlan
 from agent.core.dra.mps import MpsRecord, ShareLimits
@@ -73,8 +75,7 @@ class CheckpointError(ValueError):
     """The checkpoint cannot be trusted; the message says why. The caller starts empty and logs it."""
 
 
-@dataclass(frozen=True, slots=True)
-class CreatedMig:
+class CreatedMig(Struct, frozen=True):
     """A MIG device Prepare creates for a dynamic-MIG partition. Where it goes is recorded before it is created
     (``PrepareStarted``), what it became once it exists (``PrepareCompleted``): an agent that dies in between finds
     the placement in the record and removes what it may have created there."""
@@ -88,16 +89,14 @@ class CreatedMig:
     uuid: str | None = None  # the MIG device's UUID
 
 
-@dataclass(frozen=True, slots=True)
-class Timeslice:
+class Timeslice(Struct, frozen=True):
     """The compute time-slice Prepare sets on a GPU whose config time-slices it (recorded before it is set)."""
 
     gpu_uuid: str
     level: int  # 0 Default, 1 Short, 2 Medium, 3 Long
 
 
-@dataclass(frozen=True, slots=True)
-class PreparedDevice:
+class PreparedDevice(Struct, frozen=True):
     """One device of a prepared claim, as the kubelet is told about it."""
 
     pool: str
@@ -111,8 +110,7 @@ class PreparedDevice:
     share: Share | None = None  # what the claim takes of a GPU shared by memory
 
 
-@dataclass(frozen=True, slots=True)
-class PreparedClaim:
+class PreparedClaim(Struct, frozen=True):
     state: State
     namespace: str
     name: str
@@ -120,8 +118,7 @@ class PreparedClaim:
     mps: MpsRecord | None = None  # the MPS daemon its devices are served by (MPS sharing)
 
 
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
+class Checkpoint(Struct, frozen=True):
     boot_id: str
     claims: Mapping[str, PreparedClaim] = field(default_factory=lambda: MappingProxyType({}))  # by claim UID
 

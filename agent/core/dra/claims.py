@@ -43,8 +43,9 @@ Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
+
+from msgspec import Struct
 
 from agent.core.dra.opaque import (
     GPU_CONFIG,
@@ -104,8 +105,7 @@ class ClaimRef(NamedTuple):
         return f"{self.namespace}/{self.name} (uid {self.uid})"
 
 
-@dataclass(frozen=True, slots=True)
-class PlannedDevice:
+class PlannedDevice(Struct, frozen=True):
     """One allocation result to prepare, with the config that applies to it."""
 
     request: str  # the result's request as allocated: "gpu", or "gpu/a100" for a firstAvailable subrequest
@@ -147,16 +147,14 @@ class PlannedDevice:
         return self.share if self.share is not None and not whole(self.info, self.share) else None
 
 
-@dataclass(frozen=True, slots=True)
-class PreparePlan:
+class PreparePlan(Struct, frozen=True):
     """Everything Prepare does for one claim, decided before anything is done."""
 
     claim: ClaimRef
     devices: tuple[PlannedDevice, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class ClaimError:
+class ClaimError(Struct, frozen=True):
     """Why one claim cannot be prepared; goes in that claim's ``error`` in the response, the batch goes on."""
 
     claim: ClaimRef

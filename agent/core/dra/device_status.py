@@ -17,8 +17,9 @@ check.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from msgspec import Struct
 
 READY = "Ready"
 PREPARED = "Prepared"
@@ -29,8 +30,7 @@ class TooManyDeviceStatuses(ValueError):
     """The claim's ``status.devices`` with this report would hold more entries than the API server accepts."""
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceStatus:
+class DeviceStatus(Struct, frozen=True):
     """What the driver reports for one prepared device."""
 
     pool: str

@@ -40,9 +40,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
+
+from msgspec import Struct, field
 
 from agent.core.inventory import Gpu, Inventory, MigDevice
 from agent.core.mig_catalog import mig_catalog
@@ -89,8 +90,7 @@ def attribute_kind(value: AttributeValue) -> AttributeKind:
     raise TypeError(f"a DRA attribute is a bool, an int, a str or a Version, not {type(value).__name__}")
 
 
-@dataclass(frozen=True, slots=True)
-class RequestPolicy:
+class RequestPolicy(Struct, frozen=True):
     """A consumable capacity's ``requestPolicy``: what a claim that does not ask consumes (``default``), and the
     valid range requests are rounded up into (``minimum + n * step``, at most ``maximum``) — or, when
     ``valid_values`` is given, those values instead of a range."""
@@ -102,8 +102,7 @@ class RequestPolicy:
     valid_values: tuple[int, ...] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class DraDevice:
+class DraDevice(Struct, frozen=True):
     """One device of this node's pool, as a ResourceSlice lists it."""
 
     name: str  # unique in the pool, a DNS label

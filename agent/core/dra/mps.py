@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+
+from msgspec import Struct
+from msgspec.structs import replace
 
 from agent.core.dra.opaque import MpsConfig, pinned_memory_limits
 from agent.core.dra.shares import Enforcement, Limits, client_env, enforced_by, enforcement_note, server_limits
@@ -36,8 +38,7 @@ RESOURCE = "dra"  # the daemons' resource name in the MPS manager (no device-plu
 NO_THREAD_LIMIT = 100  # the daemon's own default: its clients' env sets each claim's
 
 
-@dataclass(frozen=True, slots=True)
-class ShareLimits:
+class ShareLimits(Struct, frozen=True):
     """A share's limits (``agent.core.dra.shares.limits``) and its device's memory, as its MPS record keeps them."""
 
     memory_mib: int | None  # None: no memory limit
@@ -49,8 +50,7 @@ class ShareLimits:
         return Limits(self.memory_mib, self.threads)
 
 
-@dataclass(frozen=True, slots=True)
-class MpsRecord:
+class MpsRecord(Struct, frozen=True):
     """The daemon a prepared claim uses: its key and the devices (GPU or MIG UUIDs) it serves."""
 
     key: str
@@ -68,8 +68,7 @@ class MpsRecord:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class ShareEnforcement:
+class ShareEnforcement(Struct, frozen=True):
     """How a share's limits are held (``agent.core.dra.shares.enforced_by``), with the server defaults they meet."""
 
     limits: Limits

@@ -51,9 +51,10 @@ import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from math import ceil
 from typing import Any, Literal
+
+from msgspec import Struct, field
 
 from agent.core.quantity import QuantityError, parse_quantity
 
@@ -88,8 +89,7 @@ class OpaqueConfigError(ValueError):
     """The parameters cannot be used; the message says which field and why."""
 
 
-@dataclass(frozen=True, slots=True)
-class MpsConfig:
+class MpsConfig(Struct, frozen=True):
     """``sharing.mpsConfig``; limits already in NVIDIA's ``<MiB>M`` form."""
 
     default_active_thread_percentage: int | None = None
@@ -99,8 +99,7 @@ class MpsConfig:
     multi_user: bool | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Sharing:
+class Sharing(Struct, frozen=True):
     """``sharing``, normalised: TimeSlicing on a GPU always has an interval, MPS always has an ``MpsConfig``."""
 
     strategy: Strategy
@@ -113,8 +112,7 @@ class Sharing:
         return None if self.interval is None else INTERVALS[self.interval]
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceConfig:
+class DeviceConfig(Struct, frozen=True):
     """One decoded config: a ``GpuConfig`` or ``MigDeviceConfig``, or one of NVIDIA's kinds for devices Tessera
     does not publish (vfio, compute domains), which never applies to a device here."""
 

@@ -9,8 +9,10 @@ ever offered twice.
 from __future__ import annotations
 
 from collections.abc import Sequence, Set
-from dataclasses import dataclass, replace
 from typing import Literal
+
+from msgspec import Struct
+from msgspec.structs import replace
 
 from agent.core.inventory import Gpu, Inventory
 from agent.core.resources import PlanError
@@ -105,8 +107,7 @@ def without(inventory: Inventory, uuids: Set[str]) -> Inventory:
     return replace(inventory, gpus=tuple(g for g in inventory.gpus if g.uuid not in uuids))
 
 
-@dataclass(frozen=True, slots=True)
-class Transition:
+class Transition(Struct, frozen=True):
     """Where each GPU is served now, and the moves that wait because the GPU is in use."""
 
     dra: frozenset[str]  # served by DRA now

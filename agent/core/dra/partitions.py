@@ -29,8 +29,9 @@ it under claims: with MIG mode off it is published whole, as a plain GPU, and wi
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
+
+from msgspec import Struct
 
 from agent.core.dra.devices import GPU, MIG, AttributeValue, DraDevice, canonical_profile
 from agent.core.inventory import GiProfileCounts, Gpu, MigDevice
@@ -180,8 +181,7 @@ def _ordered(counters: Mapping[str, int]) -> dict[str, int]:
     return {name: counters[name] for name in (*dimensions, *memory_slices, *rest)}
 
 
-@dataclass(frozen=True, slots=True)
-class Unclaimed:
+class Unclaimed(Struct, frozen=True):
     """A GPU instance on a dynamic-MIG GPU that no recorded claim made: made by hand, or left by a claim whose record
     was lost (a lost or corrupt checkpoint). Its placement is not offered, and it is destroyed once nothing holds it:
     on a dynamic-MIG GPU every MIG device is a claim's."""

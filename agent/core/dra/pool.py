@@ -8,15 +8,15 @@ claim made takes away) lives in only one of them.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 from agent.core.dra.devices import DraDevice, dra_devices
 from agent.core.dra.partitions import Unclaimed, counter_sets, partitioned, unclaimed_instances, without_overlaps
 from agent.core.inventory import Inventory
 
 
-@dataclass(frozen=True, slots=True)
-class Pool:
+class Pool(Struct, frozen=True):
     devices: tuple[DraDevice, ...]  # every device DRA serves (Prepare and health read these)
     offered: tuple[DraDevice, ...]  # the ones the slices list
     counters: dict[str, dict[str, int]]  # the counter sets of the offered devices' GPUs (from every device served)

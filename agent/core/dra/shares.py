@@ -45,10 +45,12 @@ Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
+
+from msgspec import Struct
+from msgspec.structs import replace
 
 from agent.core.dra.devices import GPU, MIG, DraDevice, RequestPolicy
 
@@ -68,8 +70,7 @@ MAX_SHARES = 1024  # a sane bound on N; an MPS server serves at most 48 clients 
 UNSPLIT = RequestPolicy(default=0, minimum=0, maximum=0, step=1, valid_values=(0,))  # a MIG device's engines
 
 
-@dataclass(frozen=True, slots=True)
-class Share:
+class Share(Struct, frozen=True):
     """What one claim's allocation result takes of a shared device (its ``consumedCapacity``)."""
 
     memory: int  # bytes; 0: none asked for (unlimited and integer modes)
@@ -81,8 +82,7 @@ class Share:
         return self.memory >> 20
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
+class Limits(Struct, frozen=True):
     """What a share's clients are held to: memory in MiB and the active thread percentage; None: no limit."""
 
     memory_mib: int | None

@@ -27,8 +27,9 @@ one, as the Go helper's ``copyTaintTimeAdded`` does; a changed XID is a new tain
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
+
+from msgspec import Struct
 
 from agent.core.dra.devices import DEFAULT_DRIVER, DraDevice
 from agent.core.health import Fault, HealthState
@@ -42,8 +43,7 @@ NONE = "None"  # not valid in the 1.34 API
 EFFECTS = (NONE, NO_SCHEDULE, NO_EXECUTE)
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceTaint:
+class DeviceTaint(Struct, frozen=True):
     """One ``spec.devices[].taints[]`` entry."""
 
     key: str  # a label name, e.g. "gpu.nvidia.com/xid"

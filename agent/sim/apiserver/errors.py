@@ -7,8 +7,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
+
+from msgspec import Struct
 
 from agent.sim.apiserver.kinds import Kind
 
@@ -125,8 +126,7 @@ def _go_value(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-@dataclass
-class FieldError:
+class FieldError(Struct):
     type: str  # "Invalid value", "Required value", ...
     reason: str  # the Status cause reason: FieldValueInvalid, ...
     field: str

@@ -4,11 +4,11 @@ with an HTTP status (the refused-connection outage is the server's listener bein
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 
-@dataclass
-class _Failure:
+class _Failure(Struct):
     verb: str  # "*" for any
     resource: str  # "*" for any
     status: int  # 0: drop the connection without answering

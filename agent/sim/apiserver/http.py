@@ -19,11 +19,11 @@ import select
 import socket
 import sys
 import threading
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
+from msgspec import Struct, field
 
 from agent.sim.apiserver import patch as patches
 from agent.sim.apiserver import watch as watches
@@ -40,8 +40,7 @@ _GO_TRUE = {"1", "t", "T", "TRUE", "true", "True"}  # strconv.ParseBool's true v
 _NOT_FOUND = "the server could not find the requested resource"
 
 
-@dataclass
-class Context:
+class Context(Struct):
     """What the handlers reach: set up by ``ApiServer``."""
 
     registry: Registry
@@ -52,8 +51,7 @@ class Context:
     discovery_address: list[str] = field(default_factory=lambda: ["127.0.0.1:0"])
 
 
-@dataclass
-class Target:
+class Target(Struct):
     verb: str
     resource: str
     kind: Kind | None = None

@@ -7,13 +7,12 @@ Field selectors: every kind takes ``metadata.name`` (and ``metadata.namespace`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from msgspec import Struct
 
 RESOURCE_GROUP = "resource.k8s.io"
 
 
-@dataclass(frozen=True)
-class Kind:
+class Kind(Struct, frozen=True):
     kind: str  # "ResourceSlice"
     plural: str  # "resourceslices"
     group: str  # "" for the core group

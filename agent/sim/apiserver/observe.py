@@ -8,11 +8,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(Struct, frozen=True):
     time: float  # time.monotonic() when answered (a watch: when its stream was open)
     method: str
     verb: str  # get | list | watch | create | update | patch | delete | deletecollection | discovery

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 from agent.sim.apiserver.errors import bad_request
 from agent.sim.apiserver.kinds import Kind, field_value
@@ -32,8 +33,7 @@ def _split_top(text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-@dataclass(frozen=True)
-class FieldSelector:
+class FieldSelector(Struct, frozen=True):
     kind: Kind
     terms: tuple[tuple[str, bool, str], ...]  # (label, equal?, value)
 
@@ -60,8 +60,7 @@ class FieldSelector:
 _KEY = r"[A-Za-z0-9][-A-Za-z0-9_./]*"
 
 
-@dataclass(frozen=True)
-class LabelSelector:
+class LabelSelector(Struct, frozen=True):
     tests: tuple[Callable[[dict], bool], ...]
 
     @classmethod

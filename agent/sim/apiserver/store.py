@@ -14,8 +14,9 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
+
+from msgspec import Struct
 
 from agent.sim.apiserver.errors import already_exists, not_found
 from agent.sim.apiserver.kinds import Kind
@@ -25,8 +26,7 @@ T = TypeVar("T")
 DEFAULT_HISTORY = 2000
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(Struct, frozen=True):
     rv: int
     kind: Kind
     type: str  # ADDED | MODIFIED | DELETED

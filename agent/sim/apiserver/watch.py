@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 from agent.sim.apiserver.errors import status_body
 from agent.sim.apiserver.kinds import Kind
@@ -26,8 +27,7 @@ DEFAULT_TIMEOUT = 1800.0
 _POLL = 0.25  # how often a quiet stream checks whether its client went away
 
 
-@dataclass
-class WatchRequest:
+class WatchRequest(Struct):
     kind: Kind
     namespace: str | None
     fields: FieldSelector

@@ -20,12 +20,12 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
+from msgspec import Struct
 
-@dataclass(frozen=True, slots=True)
-class StartedContainer:
+
+class StartedContainer(Struct, frozen=True):
     namespace: str
     pod: str
     pod_uid: str

@@ -14,10 +14,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from msgspec import Struct, field
 
 from agent.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
@@ -146,8 +146,7 @@ class PluginClient:
             channel.close()
 
 
-@dataclass
-class Endpoint:
+class Endpoint(Struct):
     """``endpointInfo``: the current connection for a resource plus the options GetDevicePluginOptions returned."""
 
     client: PluginClient | None  # None: restored from the checkpoint (newStoppedEndpointImpl)
@@ -195,8 +194,7 @@ class DeviceManagerError(Exception):
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ContainerAllocation:
+class ContainerAllocation(Struct, frozen=True):
     """The device manager's cache entry for one (pod, container, resource): ``pod_devices.go`` insert."""
 
     device_ids: list[str]
@@ -204,8 +202,7 @@ class ContainerAllocation:
     numa: dict[str, list[int]] = field(default_factory=dict)  # device ID -> NUMA nodes at allocation; [] = none
 
 
-@dataclass
-class Pod:
+class Pod(Struct):
     """An admitted pod. ``containers`` holds the app containers, ``init_containers`` the init containers
     (``sidecars`` names the restartable ones); each maps container -> resource -> ContainerAllocation."""
 
@@ -234,8 +231,7 @@ class Pod:
         )
 
 
-@dataclass
-class RunContainerOptions:
+class RunContainerOptions(Struct):
     """What the cached Allocate responses turn into for the CRI (``pod_devices.go`` deviceRunContainerOptions)."""
 
     envs: dict[str, str] = field(default_factory=dict)

@@ -45,13 +45,14 @@ Choices beyond the kubelet's rules:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from agent.sim.kubelet.dra_common import (
     CALL_TIMEOUT,
@@ -488,7 +489,7 @@ class DraKubeletEmulator(DraPluginsMixin, DraPodsMixin):
 
 
 def _replace(pod: DraPod, **changes: Any) -> DraPod:
-    return dataclasses.replace(pod, **changes)
+    return msgspec.structs.replace(pod, **changes)
 
 
 def _claim_state(info: _ClaimInfo) -> ClaimState:

@@ -8,7 +8,8 @@ sources it names (``pluginmanager/operationexecutor/operation_generator.go``, ``
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+
+from msgspec import Struct, field
 
 from agent.sim.kubelet.common import go_quote
 
@@ -100,8 +101,7 @@ class KubeletError(Exception):
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RegistrationEvent:
+class RegistrationEvent(Struct, frozen=True):
     """One outcome of the plugin watcher. ``kind``: ``registered`` (NotifyRegistrationStatus true), ``refused``
     (told false with ``error``), ``failed`` (dial or GetInfo failed: the plugin was told nothing),
     ``deregistered`` (its socket went). ``notify_error`` is set when NotifyRegistrationStatus itself failed."""
@@ -116,8 +116,7 @@ class RegistrationEvent:
     at: float = 0.0
 
 
-@dataclass(frozen=True)
-class PreparedDevice:
+class PreparedDevice(Struct, frozen=True):
     """``state.Device`` of the kubelet's claim info: one device a NodePrepareResources answer named."""
 
     driver: str
@@ -128,8 +127,7 @@ class PreparedDevice:
     share_id: str | None = None
 
 
-@dataclass(frozen=True)
-class ClaimState:
+class ClaimState(Struct, frozen=True):
     """A claim in the kubelet's claim info cache: the pods referencing it, its devices, whether it is prepared."""
 
     uid: str
@@ -141,8 +139,7 @@ class ClaimState:
     prepared: bool
 
 
-@dataclass(frozen=True)
-class DraCall:
+class DraCall(Struct, frozen=True):
     """One NodePrepareResources / NodeUnprepareResources RPC the emulator made. ``errors`` holds the non-empty
     per-claim errors of the answer by claim UID, ``answered`` the UIDs the answer had an entry for, ``error`` the
     RPC's own failure (Go text) if it failed, ``outcome`` the kubelet's error for the whole batch ("" if none)."""
@@ -161,8 +158,7 @@ class DraCall:
     at: float = 0.0
 
 
-@dataclass(frozen=True)
-class WipeRecord:
+class WipeRecord(Struct, frozen=True):
     """A DeleteCollection of ResourceSlices. ``reason``: ``start`` (every slice of the node) or ``driver`` (a
     driver without a connected endpoint); ``state``: ``scheduled`` (fires at ``fire_at``, monotonic),
     ``cancelled``, ``done`` or ``abandoned`` (stopped or out of retries); ``attempts`` DeleteCollection tries."""
@@ -177,8 +173,7 @@ class WipeRecord:
     at: float = 0.0
 
 
-@dataclass(frozen=True)
-class PluginView:
+class PluginView(Struct, frozen=True):
     """A registered endpoint of a driver: its socket, the service the kubelet chose, whether it is connected."""
 
     driver: str
@@ -187,8 +182,7 @@ class PluginView:
     connected: bool
 
 
-@dataclass(frozen=True)
-class DraPod:
+class DraPod(Struct, frozen=True):
     """A pod the emulator was asked to run. ``claims``: (pod claim name, ResourceClaim name or None when no
     claim was generated); ``containers``: container -> [(pod claim name, request or None)]; ``cdi``: container
     -> CDI device IDs once running; ``running`` False while its preparation has not succeeded (or it stops)."""

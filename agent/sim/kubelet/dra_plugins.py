@@ -38,11 +38,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from msgspec import Struct, field
 
 from agent.api.dra.v1 import api_pb2 as dra_v1
 from agent.api.dra.v1 import api_pb2_grpc as dra_v1_grpc
@@ -171,8 +171,7 @@ class RegistryWatcher(InotifyWatcher):
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _SocketOps:
+class _SocketOps(Struct):
     """The operations queued for one registration socket and the retry of a failed registration."""
 
     queue: deque[str] = field(default_factory=deque)
@@ -181,8 +180,7 @@ class _SocketOps:
     backoff: float = 0.0
 
 
-@dataclass(eq=False)
-class _Plugin:
+class _Plugin(Struct, eq=False):
     """``monitoredPlugin``: one registered endpoint of a driver with its channel, connectivity and health stream."""
 
     driver: str
@@ -241,16 +239,14 @@ class _V1alpha4Stub:
             setattr(self, method, call)
 
 
-@dataclass
-class _DeviceHealth:
+class _DeviceHealth(Struct):
     health: str
     received: float  # monotonic
     timeout: float
     message: str
 
 
-@dataclass
-class _PendingWipe:
+class _PendingWipe(Struct):
     timer: threading.Timer
     cancel: threading.Event
     fire_at: float

@@ -40,7 +40,8 @@ patch releases of 1.34 and 1.36 (#140953, #140955): ``appends_devices`` holds up
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 from agent.sim.kubelet.common import go_quote
 from agent.sim.kubelet.dra_common import (
@@ -57,8 +58,7 @@ _KUBELET_VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.\d+)?")
 _GO_VERSION = re.compile(r"^\s*v?([0-9]+(?:\.[0-9]+)*)(.*)$")
 
 
-@dataclass(frozen=True)
-class DraRules:
+class DraRules(Struct, frozen=True):
     """The rules of one kubelet minor release (see the module docstring)."""
 
     minor: int

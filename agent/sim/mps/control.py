@@ -81,10 +81,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO, TextIO
+
+from msgspec import Struct, field
 
 PROG = "nvidia-cuda-mps-control"
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # noqa: S108 - NVIDIA's default, not a temp file of ours
@@ -161,8 +162,7 @@ def _pid(token: str) -> int:
     return int(token)
 
 
-@dataclass
-class Server:
+class Server(Struct):
     pid: int
     uid: int
     ident: int
@@ -172,8 +172,7 @@ class Server:
     clients: list[int] = field(default_factory=list)
 
 
-@dataclass
-class Client:
+class Client(Struct):
     """A connected client: its server and what it is held to (memory in MiB, None: unlimited)."""
 
     pid: int
@@ -210,8 +209,7 @@ def _client_limits(text: str | None) -> dict[str, int]:
     return limits
 
 
-@dataclass
-class Reply:
+class Reply(Struct):
     text: str = ""
     quit: bool = False
     log: list[tuple[int, str]] = field(default_factory=list)  # extra (pid, message) log lines, before the reply

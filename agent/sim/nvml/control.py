@@ -15,9 +15,10 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from msgspec.structs import asdict
 
 from agent.sim.nvml.codes import Return
 from agent.sim.nvml.driver import SimDriver

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+import msgspec
+
 from agent.sim.nvml.codes import (
     ARCH_AMPERE,
     COMPUTE_MODES,
@@ -103,8 +105,7 @@ class MemoryLimit:
     set_at: float = field(default=0.0, compare=False)  # time.monotonic() of the call that set it
 
 
-@dataclass(eq=False)
-class SimComputeInstance:
+class SimComputeInstance(msgspec.Struct, eq=False):
     id: int
     profile: CiProfile
     placement: tuple[int, int]
@@ -112,27 +113,25 @@ class SimComputeInstance:
     compute_mode: int = 0
 
 
-@dataclass(eq=False)
-class SimGpuInstance:
+class SimGpuInstance(msgspec.Struct, eq=False):
     id: int
     profile: GiProfile
     placement: tuple[int, int]
-    cis: dict[int, SimComputeInstance] = field(default_factory=dict)
+    cis: dict[int, SimComputeInstance] = msgspec.field(default_factory=dict)
 
     def memory_slices(self) -> set[int]:
         start, size = self.placement
         return set(range(start, start + size))
 
 
-@dataclass(eq=False)
-class SimProcess:
+class SimProcess(msgspec.Struct, eq=False):
     pid: int
     used_mib: int
     gi_id: int = INVALID_INSTANCE_ID
     ci_id: int = INVALID_INSTANCE_ID
     kind: str = "compute"  # one of PROCESS_KINDS
-    started: float = field(default_factory=time.time)  # wall clock, as NVML's sample timestamps
-    loads: list[tuple[float, Load]] = field(default_factory=list)  # (since, load), oldest first; none: idle
+    started: float = msgspec.field(default_factory=time.time)  # wall clock, as NVML's sample timestamps
+    loads: list[tuple[float, Load]] = msgspec.field(default_factory=list)  # (since, load), oldest first; none: idle
     ended: float | None = None  # set when it exits; its samples stay in the driver's buffer a while
     cgroup: str | None = None  # its cgroup (v2) directory, as a full path; None: not in any container
 
@@ -168,8 +167,7 @@ class SimProcess:
         return last_busy, tuple(round(total / span) for total in totals)  # type: ignore[return-value]
 
 
-@dataclass(eq=False)
-class SimGpu:
+class SimGpu(msgspec.Struct, eq=False):
     index: int
     model: GpuModel
     uuid: str
@@ -183,9 +181,9 @@ class SimGpu:
     mig_needs_reset: bool = False  # a MIG mode change only takes effect at the next GPU reset
     compute_mode: int = 0
     timeslice: int = 0  # nvidia-smi compute-policy --set-timeslice: 0 Default, 1 Short, 2 Medium, 3 Long
-    gis: dict[int, SimGpuInstance] = field(default_factory=dict)
-    processes: dict[int, SimProcess] = field(default_factory=dict)
-    exited: list[SimProcess] = field(default_factory=list)  # recently ended, still in the sample buffer
+    gis: dict[int, SimGpuInstance] = msgspec.field(default_factory=dict)
+    processes: dict[int, SimProcess] = msgspec.field(default_factory=dict)
+    exited: list[SimProcess] = msgspec.field(default_factory=list)  # recently ended, still in the sample buffer
     utilization: tuple[int, int] | None = None  # set_utilization's override; None: from the processes' loads
     lost: bool = False
     nvlink_peers: frozenset[int] = frozenset()
@@ -221,15 +219,13 @@ class SimGpu:
         return self.model.architecture_id >= ARCH_AMPERE
 
 
-@dataclass(eq=False)
-class SimEventSet:
-    registrations: dict[int, int] = field(default_factory=dict)  # GPU index -> event mask
-    queue: deque[SimEvent] = field(default_factory=lambda: deque(maxlen=EVENT_QUEUE_LIMIT))
+class SimEventSet(msgspec.Struct, eq=False):
+    registrations: dict[int, int] = msgspec.field(default_factory=dict)  # GPU index -> event mask
+    queue: deque[SimEvent] = msgspec.field(default_factory=lambda: deque(maxlen=EVENT_QUEUE_LIMIT))
     freed: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class SimEvent:
+class SimEvent(msgspec.Struct, frozen=True):
     gpu_index: int
     event_type: int
     data: int
@@ -237,8 +233,7 @@ class SimEvent:
     ci_id: int = INVALID_INSTANCE_ID
 
 
-@dataclass(frozen=True, slots=True)
-class DestructiveCall:
+class DestructiveCall(msgspec.Struct, frozen=True):
     """One call that could destroy work, as the driver saw it when it arrived.
 
     ``processes`` counts processes of any kind on the affected scope at that moment: the whole GPU for a
@@ -255,22 +250,19 @@ class DestructiveCall:
     gpu_instance_id: int | None = None
 
 
-@dataclass
-class _InjectedFault:
+class _InjectedFault(msgspec.Struct):
     symbol: str
     code: Return
     remaining: int | None  # None: until cleared
     gpu_index: int | None
 
 
-@dataclass
-class _InitFailure:
+class _InitFailure(msgspec.Struct):
     code: Return
     remaining: int | None  # None: until fail_init(None)
 
 
-@dataclass
-class _FaultRate:
+class _FaultRate(msgspec.Struct):
     rate: float
     code: Return
     symbols: frozenset[str] | None  # None: every symbol but nvmlInit

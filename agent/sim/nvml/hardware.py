@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from typing import Any
 
 import yaml
+from msgspec import Struct
 
 try:  # libyaml, in the wheels PyYAML publishes: the table parses in a fraction of the time
     from yaml import CSafeLoader as _SafeLoader
@@ -21,8 +21,7 @@ _ARCHITECTURE_IDS = {"Volta": 5, "Turing": 6, "Ampere": 7, "Ada": 8, "Hopper": 9
 _BRAND_IDS = {"QUADRO": 1, "TESLA": 2, "GEFORCE": 5, "NVIDIA_RTX": 13, "NVIDIA": 14}
 
 
-@dataclass(frozen=True, slots=True)
-class CiProfile:
+class CiProfile(Struct, frozen=True):
     index: int  # NVML_COMPUTE_INSTANCE_PROFILE_* constant
     id: int
     slice_count: int
@@ -31,8 +30,7 @@ class CiProfile:
     placements: tuple[tuple[int, int], ...]  # (start, size) in compute slices of the GPU instance
 
 
-@dataclass(frozen=True, slots=True)
-class GiProfile:
+class GiProfile(Struct, frozen=True):
     index: int  # NVML_GPU_INSTANCE_PROFILE_* constant
     id: int  # what nvidia-smi shows as ID and what Create/Get calls take
     name: str  # the table's name, e.g. "1g.10gb+me" (the driver's struct says "MIG 1g.10gb+me")
@@ -59,8 +57,7 @@ class GiProfile:
         return next(ci for ci in self.ci_profiles if ci.slice_count == self.slice_count)
 
 
-@dataclass(frozen=True, slots=True)
-class GpuModel:
+class GpuModel(Struct, frozen=True):
     key: str  # the table key used in node specs, e.g. "A100-SXM4-80GB"
     nvml_name: str
     memory_mib: int

@@ -21,10 +21,11 @@ previous entry when it has room (as mig-parted does), otherwise to a new one.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
+
+from msgspec import Struct, field
 
 from agent.config.bounded import read_bounded
 from agent.config.model import ConfigError
@@ -42,13 +43,11 @@ class SimSpecError(ValueError):
     """The node spec is not valid; the message names the field and the fix."""
 
 
-@dataclass(frozen=True, slots=True)
-class MigSpec:
+class MigSpec(Struct, frozen=True):
     instances: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class GpuGroupSpec:
+class GpuGroupSpec(Struct, frozen=True):
     model: str
     count: int = 1
     mig: MigSpec | None = None
@@ -57,8 +56,7 @@ class GpuGroupSpec:
     compute_mode: Literal["DEFAULT", "PROHIBITED", "EXCLUSIVE_PROCESS"] = "DEFAULT"
 
 
-@dataclass(frozen=True, slots=True)
-class NodeSpec:
+class NodeSpec(Struct, frozen=True):
     name: str = "sim-node"
     driver_version: str = "580.95.05"
     cuda_driver_version: int = 13000

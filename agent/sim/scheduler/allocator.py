@@ -11,9 +11,10 @@ import copy
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Literal
+
+from msgspec import Struct, field
 
 from agent.sim.scheduler.capacity import amount, consumption, quantity_text
 from agent.sim.scheduler.errors import CELCompileError, CELRuntimeError, Unschedulable
@@ -27,8 +28,7 @@ DeviceID = tuple[str, str, str]  # (driver, pool, device)
 CelErrors = Literal["abort", "skip"]
 
 
-@dataclass
-class Diagnostics:
+class Diagnostics(Struct):
     """What one ``allocate`` call saw, for tests and the demo: pass one in to read it afterwards."""
 
     cel_errors: list[str] = field(default_factory=list)  # every selector that failed to evaluate, in order
@@ -45,8 +45,7 @@ class _Abort(Exception):
     """Allocation stops with an error (the scheduler reports it as is)."""
 
 
-@dataclass(eq=False)
-class _Pool:
+class _Pool(Struct, eq=False):
     driver: str
     name: str
     generation: int
@@ -64,8 +63,7 @@ class _Pool:
         return len(self.slices) != self.expected
 
 
-@dataclass(eq=False)
-class _Device:
+class _Device(Struct, eq=False):
     id: DeviceID
     spec: Mapping[str, Any]
     slice: Mapping[str, Any]
@@ -83,8 +81,7 @@ class _Device:
         return self.spec.get("allowMultipleAllocations") is True
 
 
-@dataclass(eq=False)
-class _Request:
+class _Request(Struct, eq=False):
     name: str
     parent: str | None
     class_name: str

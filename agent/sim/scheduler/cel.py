@@ -42,13 +42,13 @@ import functools
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import celpy
 import re2
 from celpy import celtypes as ct
 from celpy.evaluation import Activation, CELEvalError, Evaluator, base_functions
+from msgspec import Struct
 
 from agent.sim.scheduler.errors import CELCompileError, CELRuntimeError
 from agent.sim.scheduler.values import INT64_MAX, INT64_MIN, Quantity, Semver
@@ -75,8 +75,7 @@ class _Domains(ct.MapType):
             return ct.MapType()
 
 
-@dataclass(frozen=True)
-class CelDevice:
+class CelDevice(Struct, frozen=True):
     """One device as selectors see it, built once per device (``device_variable``)."""
 
     value: ct.MapType | None
@@ -536,8 +535,7 @@ class _Evaluator(Evaluator):
 _ENVIRONMENT = celpy.Environment()
 
 
-@dataclass(frozen=True)
-class Selector:
+class Selector(Struct, frozen=True):
     """A compiled selector: ``matches(device)`` is True or False, or raises ``CELRuntimeError``."""
 
     expression: str
