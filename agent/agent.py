@@ -409,6 +409,7 @@ class Agent:
         """The kubelet is served (or waited for long enough): what comes second starts."""
         self._settling = False
         self.served.set()  # what waits for the kubelet to be served (the collector, metrics, Events) goes on
+        self._node.follow()  # the Node's watch, from the start's GET: a change made meanwhile is its first event
         self._node.release_events()
         if self.options.telemetry is not None:
             threading.Thread(target=self._start_telemetry, name="metrics-start", daemon=True).start()

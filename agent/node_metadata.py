@@ -3,7 +3,8 @@ annotations, and the Events an operator reads with ``kubectl describe node``.
 
 All of it needs a node name and an API to ask; without them (a node outside a cluster, a test) it is off, and the
 other config selectors still work. The labels and annotations are read once before anything is advertised, so a
-cordoned GPU is never offered, not even for a moment; then a watch stream posts each change to the loop. Events go
+cordoned GPU is never offered, not even for a moment; once the kubelet is served a watch stream, from that read's
+resourceVersion, posts each change to the loop. Events go
 out from a thread of their own, rate-limited and aggregated: the loop never waits for the API server.
 """
 
@@ -26,6 +27,10 @@ log = logging.getLogger(__name__)
 
 class Stoppable(Protocol):
     def stop(self, timeout: float | None = ...) -> None: ...
+
+
+class Follower(Stoppable, Protocol):
+    def start(self) -> None: ...
 
 
 class Recorder(Stoppable, Protocol):
@@ -51,7 +56,8 @@ class NodeMetadata:
         self.mig_label: str | None = None  # nvidia.com/mig.config
         self.cordon: Cordon = NO_CORDON
         self._cordon_values: dict[str, str | None] = {}  # cordon annotation key -> value (None: absent)
-        self._watcher: Stoppable | None = None
+        self._watcher: Follower | None = None
+        self._following = False
         self._recorder: Recorder | None = None
         self._hold_events_seconds = hold_events_seconds
 
@@ -71,13 +77,15 @@ class NodeMetadata:
         self.api = api
         self._start_recorder(api)
         try:
-            labels, annotations = read_node_metadata(api, self._node_name)
+            known = read_node_metadata(api, self._node_name)
         except NodeLabelError as error:
             log.warning("cannot read the node's labels; trying again in the background error=%r", str(error))
+            known = None
         else:
             if self._follow_labels:
-                self.config_label, self.mig_label = labels.get(CONFIG_LABEL), labels.get(MIG_CONFIG_LABEL)
-            self._cordon_values = {key: annotations.get(key) for key in CORDON_ANNOTATIONS}
+                self.config_label = known.labels.get(CONFIG_LABEL)
+                self.mig_label = known.labels.get(MIG_CONFIG_LABEL)
+            self._cordon_values = {key: known.annotations.get(key) for key in CORDON_ANNOTATIONS}
             self.recut_cordon(inventory)
         self._watcher = NodeLabelWatcher(
             api,
@@ -85,8 +93,18 @@ class NodeMetadata:
             [CONFIG_LABEL, MIG_CONFIG_LABEL] if self._follow_labels else [],
             post,
             annotation_keys=CORDON_ANNOTATIONS,
+            known=known,
         )
-        self._watcher.start()
+        if known is None:  # nothing read: the watcher's own GETs retry now, in the background
+            self.follow()
+
+    def follow(self) -> None:
+        """Follow the labels and annotations from here on: the watch opens (once; later calls do nothing). Called
+        when the start is over (the kubelet is served): the watch starts from the start's GET, so a change made in
+        between is its first event, and opening it does not compete with the first registration."""
+        if self._watcher is not None and not self._following:
+            self._following = True
+            self._watcher.start()
 
     def _start_recorder(self, api: NodeApi) -> None:
         from agent.events import EventRecorder

@@ -29,6 +29,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+from msgspec import Struct
+
 from agent.config.labels import (
     CONFIG_LABEL,
     MIG_CONFIG_LABEL,
@@ -200,14 +202,22 @@ def _get_node(api: NodeApi, node_name: str) -> tuple[dict[str, str], dict[str, s
 
 def read_node_labels(api: NodeApi, node_name: str) -> dict[str, str]:
     """The node's labels from one GET; :class:`NodeLabelError` naming the node, status and fix if it fails."""
-    return read_node_metadata(api, node_name)[0]
+    return read_node_metadata(api, node_name).labels
 
 
-def read_node_metadata(api: NodeApi, node_name: str) -> tuple[dict[str, str], dict[str, str]]:
-    """The node's labels and annotations from one GET (:class:`NodeLabelError` if it fails)."""
+def read_node_metadata(api: NodeApi, node_name: str) -> NodeRead:
+    """The node's labels and annotations from one GET, with its resourceVersion (:class:`NodeLabelError` if it
+    fails): a :class:`NodeLabelWatcher` given it watches from there, with no GET of its own."""
     validate_node_name(node_name)
-    labels, annotations, _ = _get_node(api, node_name)
-    return labels, annotations
+    return NodeRead(*_get_node(api, node_name))
+
+
+class NodeRead(Struct, frozen=True):
+    """One GET of the node: what a watch given it starts from."""
+
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    resource_version: str | None
 
 
 class _WatchFailed(Exception):
@@ -219,7 +229,12 @@ class _Stopped(Exception):
 
 
 class NodeLabelWatcher:
-    """Posts :class:`NodeLabelChanged` for ``keys`` of one node: their initial values, then every change."""
+    """Posts :class:`NodeLabelChanged` for ``keys`` of one node: their initial values, then every change.
+
+    ``known``: the caller's own GET of the node (:func:`read_node_metadata`). Its values are posted first, as a
+    GET's would be, and the first watch starts from its resourceVersion: nothing is read twice, and a change made
+    between that GET and the watch (started as late as the caller likes) comes as the watch's first event.
+    """
 
     def __init__(
         self,
@@ -229,6 +244,7 @@ class NodeLabelWatcher:
         post: Callable[[object], None],
         *,
         annotation_keys: Sequence[str] = (),
+        known: NodeRead | None = None,
         timeout_seconds: int = 300,
         backoff_max: float = 30.0,
         backoff_initial: float = BACKOFF_INITIAL,
@@ -245,6 +261,7 @@ class NodeLabelWatcher:
         self._keys = tuple(dict.fromkeys(keys))
         self._annotation_keys = tuple(dict.fromkeys(annotation_keys))
         self._post = post
+        self._known = known  # the caller's GET: the first watch starts from it, with no GET of its own
         self._timeout = int(timeout_seconds)
         self._backoff_max = float(backoff_max)
         self._backoff_initial = min(float(backoff_initial), self._backoff_max)
@@ -280,6 +297,9 @@ class NodeLabelWatcher:
 
     def _run(self) -> None:
         resource_version: str | None = None  # None: (re)list before watching
+        if self._known is not None:  # what the caller's GET found is posted as a GET's would be, then watched from
+            self._apply(self._known.labels, self._known.annotations)
+            resource_version = self._known.resource_version
         while not self._stop.is_set():
             verb = "get"
             try:

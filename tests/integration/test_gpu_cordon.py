@@ -124,6 +124,14 @@ def test_a_gpu_cordoned_before_the_agent_starts_is_never_offered_healthy(node):
     assert n.unhealthy() == {n.device_of(3)}
 
 
+def test_the_start_reads_the_node_once_and_then_follows_it_from_that_read(node):
+    n = node()
+    n.kube.wait_for_requests("watch", 1)  # opened once the kubelet is served, from the start's GET
+    assert n.kube.count("get") == 1  # the labels and annotations the start chose by: read once, not again
+    n.annotate(tessera="5")
+    n.wait(lambda: n.unhealthy() == {n.device_of(5)}, "the cordon, through the watch")
+
+
 def test_junk_entries_are_reported_and_the_valid_ones_still_apply(node):
     n = node()
     n.annotate(tessera="GPU-nope, 42, 2, \x07")

@@ -28,6 +28,7 @@ from agent.config.node_label import (
     NodeLabelWatcher,
     load_kube_api,
     read_node_labels,
+    read_node_metadata,
 )
 from tests.fake_kube import FakeKube, serving, write_kubeconfig
 
@@ -192,6 +193,32 @@ def test_load_kube_api_with_a_missing_kubeconfig_raises(tmp_path: Path) -> None:
 def test_initial_values_are_posted_for_every_key(fake: FakeKube, watch) -> None:
     _, events = watch()
     expect_initial(events, config="mps-4", mig=None)  # the absent MIG label is None
+
+
+def test_a_watcher_given_the_callers_get_reads_nothing_again_and_misses_no_change_made_since(
+    fake: FakeKube, api, watch
+) -> None:
+    """The agent's start reads the node once (its labels pick the config before anything is advertised) and opens
+    the watch later, from that read: the watch is the only request after it, and a label changed in between is
+    its first event."""
+    known = read_node_metadata(api, NODE)
+    assert known.labels[CONFIG_LABEL] == "mps-4" and known.resource_version == str(fake.rv)
+    fake.update({CONFIG_LABEL: "time-slicing-8"})  # after the read, before the watch
+
+    _, events = watch(known=known)
+    expect_initial(events, config="mps-4")  # what the read found, as a GET's values are posted
+    assert next_event(events) == NodeLabelChanged(CONFIG_LABEL, "time-slicing-8")
+    assert fake.count("get") == 1  # the caller's read; the watcher made none
+    assert fake.count("watch") == 1
+
+
+def test_a_watcher_given_a_read_without_a_resource_version_gets_the_node_itself(fake: FakeKube, watch) -> None:
+    _, events = watch(known=node_label.NodeRead({CONFIG_LABEL: "old"}, {}, None))
+    assert next_event(events) == NodeLabelChanged(CONFIG_LABEL, "old")
+    assert next_event(events) == NodeLabelChanged(MIG_CONFIG_LABEL, None)
+    assert next_event(events) == NodeLabelChanged(CONFIG_LABEL, "mps-4")  # its own GET: where to watch from
+    fake.wait_for_requests("watch", 1)
+    assert fake.count("get") == 1
 
 
 def test_changes_are_posted_and_nothing_else(fake: FakeKube, watch) -> None:
