@@ -82,6 +82,7 @@ class NodeMetadata:
             log.warning("cannot read the node's labels; trying again in the background error=%r", str(error))
             known = None
         else:
+            log.debug("node read node=%s resource_version=%s", self._node_name, known.resource_version)
             if self._follow_labels:
                 self.config_label = known.labels.get(CONFIG_LABEL)
                 self.mig_label = known.labels.get(MIG_CONFIG_LABEL)

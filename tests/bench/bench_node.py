@@ -389,7 +389,7 @@ def module_cost(python: str, home: Path) -> ModuleCost:
 MILESTONES = (  # (what, logger, the message's first words): the first such line of a start at debug level
     ("the agent's modules loaded, the simulated driver installed", "agent.run", "using a SIMULATED GPU driver"),
     ("the GPUs discovered", "agent.agent", "discovered"),
-    ("the Node's label read through the API", "agent.config.node_label", "node label initial"),
+    ("the Node read through the API (its labels pick the config)", "agent.node_metadata", "node read"),
     ("the config checker's answer taken", "agent.config.isolated", "config checked"),
     ("the config applied: the plan", "agent.agent", "config applied"),
     ("the resources served", "agent.plugin.server", "serving"),
