@@ -221,6 +221,19 @@ def test_inventory_prints_like_nvidia_smi_list():
     assert {d["gpu"] for d in devices} == {gpu[1]}
 
 
+def test_inventory_as_json_holds_every_gpu_and_mig_device_the_text_lists():
+    inventory = ok_json("inventory", "--node", "a100-mig", "--format", "json")
+    text = tessera_cached("inventory", "--node", "a100-mig").stdout
+    assert [g["index"] for g in inventory["gpus"]] == [0]
+    gpu = inventory["gpus"][0]
+    assert gpu["name"] == "NVIDIA A100-SXM4-80GB" and gpu["mig_enabled"] is True
+    assert f"(UUID: {gpu['uuid']})" in text
+    migs = gpu["mig_devices"]
+    assert len(migs) == 7 and all(f"(UUID: {m['uuid']})" in text for m in migs)
+    assert {m["profile"] for m in migs} == {"1g.10gb"} and migs[0]["placement"] == {"start": 0, "size": 1}
+    assert inventory["driver_version"] and inventory["failures"] == []
+
+
 # --- bad input never prints a traceback -------------------------------------------------------------------------
 
 DEEP = "a: " + "[" * 500 + "]" * 500  # the issue's ~1 kB config bomb
