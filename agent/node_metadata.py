@@ -57,7 +57,6 @@ class NodeMetadata:
         self.cordon: Cordon = NO_CORDON
         self._cordon_values: dict[str, str | None] = {}  # cordon annotation key -> value (None: absent)
         self._watcher: Follower | None = None
-        self._following = False
         self._recorder: Recorder | None = None
         self._hold_events_seconds = hold_events_seconds
 
@@ -94,17 +93,15 @@ class NodeMetadata:
             [CONFIG_LABEL, MIG_CONFIG_LABEL] if self._follow_labels else [],
             post,
             annotation_keys=CORDON_ANNOTATIONS,
-            known=known,
+            known=known,  # None (nothing read): the watcher's own GET comes first
         )
-        if known is None:  # nothing read: the watcher's own GETs retry now, in the background
-            self.follow()
 
     def follow(self) -> None:
-        """Follow the labels and annotations from here on: the watch opens (once; later calls do nothing). Called
-        when the start is over (the kubelet is served): the watch starts from the start's GET, so a change made in
-        between is its first event, and opening it does not compete with the first registration."""
-        if self._watcher is not None and not self._following:
-            self._following = True
+        """Follow the labels and annotations from here on: the watch opens. Called once,
+        when the start is over (the kubelet is served, or at most ``TELEMETRY_WAIT_SECONDS`` after the start): the
+        watch starts from the start's GET, so a change made in between is its first event, and opening it does not
+        compete with the first registration. A start whose GET failed gets the node from the watcher's own."""
+        if self._watcher is not None:
             self._watcher.start()
 
     def _start_recorder(self, api: NodeApi) -> None:

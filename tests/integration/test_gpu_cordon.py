@@ -52,9 +52,10 @@ def node(sim_node) -> Iterator[Callable[..., Node]]:
     events = FakeEventsApi()
     with serving(FakeKube(NODE, {"kubernetes.io/hostname": NODE}), events) as kube:
 
-        def start(annotations: dict[str, str] | None = None) -> Node:
+        def start(annotations: dict[str, str] | None = None, get_status: int | None = None) -> Node:
             driver = sim_node("dgx-a100")
             kube.annotations.update(annotations or {})
+            kube.get_status = get_status
             kubelet = KubeletEmulator(base / "dp", base / "pr" / "kubelet.sock")
             kubelet.start()
             options = AgentOptions(
@@ -130,6 +131,15 @@ def test_the_start_reads_the_node_once_and_then_follows_it_from_that_read(node):
     assert n.kube.count("get") == 1  # the labels and annotations the start chose by: read once, not again
     n.annotate(tessera="5")
     n.wait(lambda: n.unhealthy() == {n.device_of(5)}, "the cordon, through the watch")
+
+
+def test_a_start_whose_node_read_fails_serves_and_catches_up_through_the_watcher(node):
+    """The API server fails the start's GET: the GPUs are served all the same (the cordon unknown yet), and once it
+    answers, the watcher's own GET brings the cordon that was there all along."""
+    n = node({CORDON_ANNOTATION: "3"}, get_status=500)  # every GET answered 500 until told otherwise
+    assert n.kube.count("get", 500) >= 1 and n.unhealthy() == set()  # served, nothing known to be cordoned
+    n.kube.get_status = None
+    n.wait(lambda: n.unhealthy() == {n.device_of(3)}, "the cordon, from the watcher's own GET")
 
 
 def test_junk_entries_are_reported_and_the_valid_ones_still_apply(node):
