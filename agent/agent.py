@@ -825,7 +825,7 @@ class Agent:
         return True
 
     def _load_config(self) -> LoadedConfig | None:
-        """This node's config from the last check of its files (pydantic and yaml stay out of this process); None
+        """This node's config from the last check of its files (PyYAML and the schema stay out of this process); None
         when the files changed since: once the agent runs, their check runs off the loop and ``ConfigChecked``
         brings it (the start waits for its own, before the first advertise)."""
         path = self.options.config_path

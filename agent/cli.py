@@ -770,7 +770,7 @@ def _run(args: argparse.Namespace) -> int:
 def _run_agent(args: argparse.Namespace, *, collector_paused: bool) -> int:
     from agent.config.isolated import start_early
 
-    # The config is checked in a child process (no pydantic here), started first: it runs while the agent loads.
+    # The config is checked in a child process (no PyYAML here), started first: it runs while the agent loads.
     # `main` started it from the command line, unparsed; if that guessed another path, the agent starts its own.
     config_check = args.early_check or start_early(
         args.config or getattr(args, "config_file", None) or os.environ.get("CONFIG_FILE")

@@ -1,9 +1,10 @@
 """The config checker: ``python -m agent.config.check <path>`` validates every config of a file, a directory or a
 ConfigMap manifest and prints the result as one JSON document on stdout.
 
-The agent runs it as a short-lived child (:mod:`agent.config.isolated`) so that its own process never imports
-pydantic (whose model machinery stays in a process's memory for good: ~13 MB and ~100 ms at start) nor PyYAML;
-``tessera plan`` and ``tessera validate`` keep calling :func:`agent.config.model.parse_config` in-process.
+The agent runs it as a short-lived child (:mod:`agent.config.isolated`): a config that would take the parser's
+time or memory (a YAML bomb, a deep document) takes the child's, within bounds, and the agent's own process never
+holds PyYAML (~2 MB that would stay for good); ``tessera plan`` and ``tessera validate`` keep calling
+:func:`agent.config.model.parse_config` in-process.
 
 The answer is either ``{"error": {"origin", "problems"}}`` (the set cannot be read) or the set::
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from types import ModuleType
 
 from agent.config.model import ConfigError
 from agent.config.plain_json import to_plain
@@ -62,28 +62,8 @@ def check(path: Path) -> dict[str, object]:
     }
 
 
-def without_plugin_discovery() -> None:
-    """Spare this process pydantic's search for plugins (the checker uses none).
-
-    pydantic imports its plugin loader when it builds its first model, and the loader imports
-    ``importlib.metadata`` (with it ``email``, ``zipfile``, ``csv``, ``hashlib``: ~14 ms of the checker's ~130)
-    to read every installed distribution's entry points — even when ``PYDANTIC_DISABLE_PLUGINS=__all__``, which
-    the checker sets, makes it return no plugin. Here the loader is one that returns no plugin without looking:
-    the same answer. Its one name, ``get_plugins``, is all pydantic takes from it (``pydantic.plugin.
-    _schema_validator``); a pydantic that took more would fail every check loudly (tests/integration/
-    test_config_check.py), never check differently.
-    """
-    name = "pydantic.plugin._loader"
-    if name in sys.modules:  # pydantic has built a model already: nothing left to spare
-        return
-    loader = ModuleType(name, "pydantic's plugin loader as the config checker has it: no plugins, none looked for")
-    loader.get_plugins = tuple  # type: ignore[attr-defined]  # () — what the real one returns with plugins disabled
-    sys.modules[name] = loader
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    without_plugin_discovery()
     if len(args) != 1:
         print("usage: python -m agent.config.check <config file, directory or ConfigMap manifest>", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """The first step of ``tessera run``: its config checker forked before anything else loads.
 
-The check is the longest step of a start (pydantic and PyYAML load in the checker: ~0.13 s) and the agent waits for
+The check runs beside the agent's own start (PyYAML and the checker's modules load, every config is read: ~0.06 s)
+and the agent waits for
 its answer before its first advertisement, so the sooner it starts, the sooner the kubelet is served. The entry
 point (:mod:`agent.entry`) loads this module first: it reads the config path from the command line, unparsed, and
 forks the checker (:class:`agent.config.forked.ForkedChecker`) before the command line's own modules load —

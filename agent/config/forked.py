@@ -1,6 +1,7 @@
 """The config checker forked from ``tessera run`` at its very start, instead of a new interpreter.
 
-The check is the longest step of a start (pydantic and PyYAML load in the child: ~0.15 s), and the agent waits for
+The check runs beside the agent's own start (PyYAML and the checker's modules load in the child: ~0.06 s), and the
+agent waits for
 it before its first advertisement. Forked before the agent has started a single thread — by
 :mod:`agent.config.early`, before the command line's modules load — the child already holds the interpreter (a
 new one would take ~10 ms to start) and does only what ``python -m agent.config.check`` does: check, answer on its
@@ -126,7 +127,6 @@ def _check_in_child(path: str, parent_ends: tuple[int, int], out: int, err: int)
         for fd in (null, out, err):
             os.close(fd)
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # the agent's own ^C handling is not the child's
-        os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")  # as Check gives a new interpreter
         from agent.config.check import main
 
         code = main([path])

@@ -1,7 +1,7 @@
 """The agent's side of the config checker: run :mod:`agent.config.check` in a child process, read its answer
-within bounds — without importing pydantic or PyYAML here. What the answer means (the checked set and the choice of
-this node's config) is :mod:`agent.config.checked`, loaded once the child has answered: this module imports
-nothing of the agent's config, so ``tessera run`` starts the child before it loads anything else.
+within bounds — without importing PyYAML or the config's schema here. What the answer means (the checked set and
+the choice of this node's config) is :mod:`agent.config.checked`, loaded once the child has answered: this module
+imports nothing of the agent's config, so ``tessera run`` starts the child before it loads anything else.
 
 The child is started with the same interpreter and no shell, as early as the agent knows its config path, and
 runs while the agent discovers its GPUs and reads its Node. It is bounded: ``timeout`` seconds and
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TIMEOUT_SECONDS = 30.0  # pydantic builds its models in ~0.1 s; a loaded node may take many times that
+TIMEOUT_SECONDS = 30.0  # a check takes ~0.06 s; a loaded node may take many times that
 MAX_OUTPUT = 32 << 20  # configs are at most 1 MiB each; their models as JSON are a fraction more
 MAX_STDERR = 4096  # of what the child said on stderr, the tail kept for the message
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # where this `agent` package is imported from
@@ -158,9 +158,6 @@ def _start_child(path: Path, command: Sequence[str] | None) -> subprocess.Popen[
     """The checker's child: this interpreter (or ``command``) running :mod:`agent.config.check`, with no shell. (The
     first check of `tessera run` is forked instead, by the entry point: :mod:`agent.config.early`.)"""
     env = dict(os.environ)
-    # pydantic looks for plugins among every installed package's entry points when it builds its first model
-    # (tens of milliseconds, and third-party code run on the node's configs): the checker uses none
-    env.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
     return subprocess.Popen(
         [*(command or (sys.executable, "-m", "agent.config.check")), str(path)],

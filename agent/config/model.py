@@ -14,9 +14,9 @@ Tessera's extensions are additions NVIDIA's plugin ignores: top-level ``match`` 
 config is for), ``migLayout``, ``health`` (per-XID overrides of the Xid-catalog defaults), and honouring
 ``rename``, ``devices`` and ``resources`` where NVIDIA discards them.
 
-This module holds the config as plain frozen structs (msgspec) and imports no pydantic: the agent builds
-``ConfigModel()`` (every default) when no config is given, at no cost. :func:`parse_config` validates a
-document with the pydantic models of :mod:`agent.config.schema`, imported (and built) only then.
+This module holds the config as plain frozen structs (msgspec): the agent builds ``ConfigModel()`` (every
+default) when no config is given, at no cost. :func:`parse_config` validates a document with
+:mod:`agent.config.schema` (how each field is written in YAML), imported only then.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def quantity_mib(text: str) -> int:
     return mib
 
 
-# ----- the config, as validated by agent.config.schema (field names and defaults are the models') -------
+# ----- the config, as agent.config.schema reads it (the keys, types and rules of each field are there) -----
 
 DeviceListStrategyName = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"]
 
@@ -213,7 +213,17 @@ def share_mode(consumable_shares: int | str | None) -> int | str:
 
 class DraSection(Struct, frozen=True, kw_only=True):
     """Tessera: the DRA front end. ``gpus`` (``all``, or GPU indices and UUIDs) are served to DRA claims as the
-    ResourceSlices of driver ``driver_name``; every other GPU stays with the device plugin. Off by default."""
+    ResourceSlices of driver ``driverName``; every other GPU stays with the device plugin. Off by default.
+    ``dynamicMig`` (``all``: every MIG-capable GPU DRA serves, or indices and UUIDs) lists those GPUs as
+    partitionable devices: MIG devices are created for a claim and destroyed after it. ``gpuShares`` (``all``:
+    every GPU DRA serves outside dynamic MIG, or indices and UUIDs) publishes those GPUs (and their MIG devices) for
+    shares: several claims each take part of the device, enforced through MPS. ``consumableShares`` is NVIDIA's
+    ``--consumable-shares``: ``memory`` (the default: memory in 1Mi steps, a claim that asks for none gets all of
+    it), ``unlimited`` (memory in 1Mi steps, none by default: any number of claims), a number N (plus a ``shares``
+    capacity of N, one per claim by default) or ``disabled``; set without ``gpuShares`` it shares every GPU DRA
+    serves outside dynamic MIG, as NVIDIA's does. ``defaultShare`` (``memory`` mode, whole MiB) is what a claim that
+    asks for no memory gets of such a GPU (default: all of it), so requests by count — an unchanged pod's
+    ``nvidia.com/gpu.shared: 1`` through a DeviceClass — share GPUs too."""
 
     enabled: bool = False
     driver_name: str = "gpu.nvidia.com"

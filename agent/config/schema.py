@@ -1,30 +1,25 @@
-"""The sharing config's validation: pydantic models, built only when a config document is parsed.
+"""The sharing config's validation: one walk of the document that checks every key and builds the structs.
 
-:mod:`agent.config.model` holds the config as plain frozen structs, so that the agent imports no
-pydantic (~200 ms of imports and schema building) when no ``--config`` is given; :func:`parse_config`
-validates a document with the models here (their messages are the contract: tests/unit/test_config_*.py)
-and hands back those structs. Class and field names are the structs' own: the conversion goes by field
-name (pydantic's messages that name a class are said in YAML's terms instead: ``_problem``).
+:mod:`agent.config.model` holds the config as plain frozen structs; this module says how each of their fields is
+written in YAML (its key, its type in YAML's terms, its rules) and :func:`parse_config` walks a document with it:
+every problem is found in one walk, each named by its field path (``sharing.mps.resources[0].replicas: ...``); the
+messages are the contract (tests/unit/test_config_*.py). A walk of a config costs well under a millisecond and the
+module loads in a few, so a start waits for no schema machinery: it replaced pydantic models that took ~70 ms to
+import and build in the config checker, the longest step of a start.
+
+How a key is read follows NVIDIA's plugin (``agent.config.model`` lists the rules): keys of ordinary sections match
+case-insensitively, those NVIDIA reads with exact map lookups (a sharing group, its resources, a naming rule) match
+exactly; an explicit null is the default (a required field keeps it and is reported); a YAML number or boolean
+given for a text field becomes text; text is never a number or a boolean. Unknown keys are kept aside and each is
+warned about with the closest known key.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from typing import Annotated, Any, Literal
-
-from msgspec import Struct
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictInt,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from agent.config import model as values
 from agent.config.model import (
@@ -34,437 +29,628 @@ from agent.config.model import (
     quantity_mib,
     safe_host_path,
 )
-from agent.core.xid_effect import XidEffect, parse_effect, parse_xid_key
+from agent.core.xid_effect import parse_effect, parse_xid_key
 
 _UUID = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
-_GPU_UUID = re.compile(rf"^GPU-{_UUID}$")
-_DEVICE_REF = re.compile(rf"^(\d+|\d+:\d+|GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/\d+/\d+)$")
+_GPU_UUID = rf"^GPU-{_UUID}$"
+_DEVICE_REF = rf"^(\d+|\d+:\d+|GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/\d+/\d+)$"
 
 
-def _go_string(value: object) -> object:
-    """sigs.k8s.io/yaml turns a YAML scalar into text for a text field; we do the same."""
+class _Walk:
+    """What one walk has found: the problems (each ``path: message``) and the unknown keys' warnings."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.warnings: list[str] = []
+
+    def problem(self, path: str, message: str) -> None:
+        self.problems.append(f"{path or '(top level)'}: {message}")
+
+
+class _Bad:
+    """The result of a value that has a problem (reported already): its section is not built."""
+
+
+BAD: Any = _Bad()
+Rule = Callable[[Any, str, _Walk], Any]  # (value, its path, the walk) -> the value as held, or BAD
+
+
+def child(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def leaf(check: Callable[[Any], Any]) -> Rule:
+    """A rule from a function of the value alone that returns it as held or raises ValueError saying why not."""
+
+    def rule(value: Any, path: str, walk: _Walk) -> Any:
+        try:
+            return check(value)
+        except ValueError as error:
+            walk.problem(path, str(error))
+            return BAD
+
+    return rule
+
+
+def then(first: Rule, *checks: Callable[[Any], Any]) -> Rule:
+    """``first``, then each check on what it returned (each returns the value as held or raises ValueError)."""
+
+    def rule(value: Any, path: str, walk: _Walk) -> Any:
+        value = first(value, path, walk)
+        for check in checks:
+            if value is BAD:
+                break
+            value = leaf(check)(value, path, walk)
+        return value
+
+    return rule
+
+
+# ----- YAML's scalars -------------------------------------------------------------------------------
+
+
+def yaml_kind(value: object) -> str:
+    """What a YAML value is, as its writer sees it: ``a list``, ``the text 'abc'``, ``the number 5``."""
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, int | float):
+        return f"the number {value}"
+    if isinstance(value, str):
+        cut = value if len(value) <= 40 else value[:40] + "…"
+        return f"the text {cut!r}"
+    if isinstance(value, list | tuple):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return "nothing (an empty value)" if value is None else f"a {type(value).__name__}"
+
+
+def shown(value: object, width: int = 60) -> str:
+    """``value`` as the writer would recognise it, cut to ``width``: a message quotes it, never a whole document."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _got(value: object) -> str:
+    hint = ": write it without quotes" if isinstance(value, str) else ""
+    return f"got {yaml_kind(value)}{hint}"
+
+
+def boolean(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"expected a boolean (true or false), {_got(value)}")
+
+
+def integer(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"expected a whole number, {_got(value)}")
+
+
+def text(value: object) -> str:
+    """sigs.k8s.io/yaml turns a YAML scalar into text for a text field; so do we (``true``, ``1``, ``1.5``)."""
+    if isinstance(value, str):
+        return value
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
         return str(value)
+    raise ValueError(f"expected text, got {yaml_kind(value)}")
+
+
+def non_empty(value: str) -> str:
+    if not value:
+        raise ValueError("must not be empty")
     return value
 
 
-GoString = Annotated[str, BeforeValidator(_go_string)]
+def one_of(*choices: str) -> Callable[[object], str]:
+    allowed = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}" if len(choices) > 1 else repr(choices[0])
+
+    def check(value: object) -> str:
+        if isinstance(value, str) and value in choices:
+            return value
+        raise ValueError(f"must be {allowed} (got {shown(value)})")
+
+    return check
 
 
-class _Section(BaseModel):
-    """An ordinary section: keys match their field names case-insensitively, unknown keys are kept aside."""
+def between(low: int, high: int) -> Callable[[int], int]:
+    def check(value: int) -> int:
+        if not low <= value <= high:
+            raise ValueError(f"must be from {low} to {high} (got {value})")
+        return value
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True, frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _case_insensitive_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        known = {(f.alias or n).lower(): (f.alias or n) for n, f in cls.model_fields.items()}
-        return _without_nulls(
-            cls, {known.get(str(k).lower(), k) if isinstance(k, str) else k: v for k, v in data.items()}
-        )
+    return check
 
 
-class _Exact(BaseModel):
-    """A section NVIDIA reads with exact map lookups: keys are case-sensitive."""
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True, frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls(cls, data: Any) -> Any:
-        return _without_nulls(cls, data) if isinstance(data, dict) else data
+def one_or_many(rule: Rule) -> Rule:
+    """A list of ``rule``; a single text stands for a list of one (NVIDIA's ``deviceListStrategy: envvar``)."""
+    many = list_of(rule)
+    return lambda value, path, walk: many([value] if isinstance(value, str) else value, path, walk)
 
 
-def _without_nulls(cls: type[BaseModel], data: dict[Any, Any]) -> dict[Any, Any]:
-    """Go's decoder leaves a field alone for an explicit null, so ``flags:`` with every line commented out
-    means the defaults, not an error. A required field keeps its null and is reported."""
-    optional = {f.alias or n for n, f in cls.model_fields.items() if not f.is_required()}
-    return {k: v for k, v in data.items() if not (v is None and k in optional)}
+def list_of(rule: Rule) -> Rule:
+    def check(value: Any, path: str, walk: _Walk) -> Any:
+        if not isinstance(value, list):
+            walk.problem(path, f"expected a list, got {yaml_kind(value)}")
+            return BAD
+        items = [rule(item, f"{path}[{position}]", walk) for position, item in enumerate(value)]
+        return BAD if any(item is BAD for item in items) else items
+
+    return check
+
+
+def mapping(value: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping of keys to values, got {yaml_kind(value)}")
+    odd = [key for key in value if not isinstance(key, str)]
+    if odd:
+        raise ValueError(f"keys must be text: quote {', '.join(repr(str(k)) for k in odd)}")
+    return value
+
+
+# ----- sections -------------------------------------------------------------------------------------
+
+
+class Key(NamedTuple):
+    """One field of a section: the struct's field, its key in YAML and how its value is read."""
+
+    field: str
+    alias: str
+    rule: Rule
+    required: bool = False
+
+
+class Section:
+    """A mapping read into ``struct``: known keys by ``keys`` (case-insensitively unless ``exact``), unknown ones
+    warned about; ``after`` checks the built struct as a whole (ValueError: a problem of the section's path)."""
+
+    def __init__(
+        self,
+        struct: type,
+        keys: Sequence[Key],
+        *,
+        exact: bool = False,
+        after: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.struct, self.keys, self.exact, self.after = struct, tuple(keys), exact, after
+        self.aliases = [k.alias for k in self.keys]
+        self._by_lower = {alias.lower(): alias for alias in self.aliases}
+        self._by_alias = {k.alias: k for k in self.keys}
+
+    def key(self, alias: str) -> Key | None:
+        return self._by_alias.get(alias)
+
+    def known(self, key: object) -> str | None:
+        """The alias ``key`` stands for, or None for an unknown key."""
+        if not isinstance(key, str):
+            return None
+        if self.exact:
+            return key if key in self._by_alias else None
+        return self._by_lower.get(key.lower())
+
+    def __call__(self, value: Any, path: str, walk: _Walk) -> Any:
+        if not isinstance(value, dict):
+            walk.problem(path, f"expected a mapping of keys to values, got {yaml_kind(value)}")
+            return BAD
+        given: dict[str, Any] = {}
+        for key, item in value.items():
+            alias = self.known(key)
+            if alias is None:
+                self._unknown(key, path, walk)
+            else:
+                given[alias] = item  # the last of keys that differ only in case wins, as in Go's decoder
+        held: dict[str, Any] = {}
+        for key in self.keys:
+            if key.alias not in given:
+                if key.required:
+                    walk.problem(child(path, key.alias), "required field is missing; add it")
+                    held[key.field] = BAD
+                continue
+            item = given[key.alias]
+            if item is None and not key.required:
+                continue  # an explicit null is the default, as Go's decoder leaves the field alone
+            held[key.field] = key.rule(item, child(path, key.alias), walk)
+        if any(item is BAD for item in held.values()):
+            return BAD
+        built = self.struct(**held)
+        if self.after is not None:
+            try:
+                self.after(built)
+            except ValueError as error:
+                walk.problem(path, str(error))
+                return BAD
+        return built
+
+    def _unknown(self, key: object, path: str, walk: _Walk) -> None:
+        where = f"{path}." if path else ""
+        close = difflib.get_close_matches(str(key), self.aliases, n=1, cutoff=0.6)
+        hint = f"; did you mean {where}{close[0]}?" if close else f"; known keys here: {', '.join(self.aliases)}"
+        walk.warnings.append(f"unknown key {where}{key} is ignored{hint}")
 
 
 # ----- flags ----------------------------------------------------------------------------------------
 
-DeviceListStrategyName = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"]
+TEXT = leaf(text)
+BOOL = leaf(boolean)
+INT = leaf(integer)
+HOST_PATH = then(TEXT, safe_host_path)
 
+PLUGIN_FLAGS = Section(
+    values.PluginFlags,
+    [
+        Key("pass_device_specs", "passDeviceSpecs", BOOL),
+        Key(
+            "device_list_strategy",
+            "deviceListStrategy",
+            one_or_many(leaf(one_of("envvar", "volume-mounts", "cdi-annotations", "cdi-cri"))),
+        ),
+        Key("device_id_strategy", "deviceIDStrategy", leaf(one_of("uuid", "index"))),
+        Key("cdi_annotation_prefix", "cdiAnnotationPrefix", TEXT),
+        Key("nvidia_ctk_path", "nvidiaCTKPath", TEXT),
+        Key("container_driver_root", "containerDriverRoot", TEXT),
+        Key("shared_devices_allocation_policy", "sharedDevicesAllocationPolicy", leaf(one_of("distributed", "packed"))),
+    ],
+)
 
-class PluginFlags(_Section):
-    pass_device_specs: StrictBool | None = Field(None, alias="passDeviceSpecs")
-    device_list_strategy: list[DeviceListStrategyName] | None = Field(None, alias="deviceListStrategy")
-    device_id_strategy: Literal["uuid", "index"] | None = Field(None, alias="deviceIDStrategy")
-    cdi_annotation_prefix: GoString | None = Field(None, alias="cdiAnnotationPrefix")
-    nvidia_ctk_path: GoString | None = Field(None, alias="nvidiaCTKPath")
-    container_driver_root: GoString | None = Field(None, alias="containerDriverRoot")
-    shared_devices_allocation_policy: Literal["distributed", "packed"] | None = Field(
-        None, alias="sharedDevicesAllocationPolicy"
-    )
+GFD_FLAGS = Section(
+    values.GfdFlags,
+    [
+        Key("oneshot", "oneshot", BOOL),
+        Key("no_timestamp", "noTimestamp", BOOL),
+        Key("sleep_interval", "sleepInterval", TEXT),
+        Key("output_file", "outputFile", TEXT),
+        Key("machine_type_file", "machineTypeFile", TEXT),
+    ],
+)
 
-    @field_validator("device_list_strategy", mode="before")
-    @classmethod
-    def _string_or_list(cls, value: object) -> object:
-        return [value] if isinstance(value, str) else value
-
-
-class GfdFlags(_Section):
-    oneshot: StrictBool | None = None
-    no_timestamp: StrictBool | None = Field(None, alias="noTimestamp")
-    sleep_interval: GoString | None = Field(None, alias="sleepInterval")
-    output_file: GoString | None = Field(None, alias="outputFile")
-    machine_type_file: GoString | None = Field(None, alias="machineTypeFile")
-
-
-class Flags(_Section):
-    mig_strategy: Literal["none", "single", "mixed"] | None = Field(None, alias="migStrategy")
-    fail_on_init_error: StrictBool | None = Field(None, alias="failOnInitError")
-    mps_root: GoString | None = Field(None, alias="mpsRoot")
-    nvidia_driver_root: GoString | None = Field(None, alias="nvidiaDriverRoot")
-    nvidia_dev_root: GoString | None = Field(None, alias="nvidiaDevRoot")
-    gdrcopy_enabled: StrictBool | None = Field(None, alias="gdrcopyEnabled")
-    gds_enabled: StrictBool | None = Field(None, alias="gdsEnabled")
-    mofed_enabled: StrictBool | None = Field(None, alias="mofedEnabled")
-    use_node_feature_api: StrictBool | None = Field(None, alias="useNodeFeatureAPI")
-    device_discovery_strategy: Literal["auto", "nvml", "tegra", "vfio"] | None = Field(
-        None, alias="deviceDiscoveryStrategy"
-    )
-
-    @field_validator("mps_root", "nvidia_driver_root", "nvidia_dev_root")
-    @classmethod
-    def _host_path(cls, value: str | None) -> str | None:
-        return None if value is None else safe_host_path(value)
-
-    plugin: PluginFlags | None = None
-    gfd: GfdFlags | None = None
+FLAGS = Section(
+    values.Flags,
+    [
+        Key("mig_strategy", "migStrategy", leaf(one_of("none", "single", "mixed"))),
+        Key("fail_on_init_error", "failOnInitError", BOOL),
+        Key("mps_root", "mpsRoot", HOST_PATH),
+        Key("nvidia_driver_root", "nvidiaDriverRoot", HOST_PATH),
+        Key("nvidia_dev_root", "nvidiaDevRoot", HOST_PATH),
+        Key("gdrcopy_enabled", "gdrcopyEnabled", BOOL),
+        Key("gds_enabled", "gdsEnabled", BOOL),
+        Key("mofed_enabled", "mofedEnabled", BOOL),
+        Key("use_node_feature_api", "useNodeFeatureAPI", BOOL),
+        Key("device_discovery_strategy", "deviceDiscoveryStrategy", leaf(one_of("auto", "nvml", "tegra", "vfio"))),
+        Key("plugin", "plugin", PLUGIN_FLAGS),
+        Key("gfd", "gfd", GFD_FLAGS),
+    ],
+)
 
 
 # ----- resources ------------------------------------------------------------------------------------
 
+RESOURCE_NAME = then(TEXT, non_empty, normalise_resource_name)
 
-class NamingRuleModel(_Exact):
-    pattern: GoString = Field(min_length=1)
-    name: GoString = Field(min_length=1)
+NAMING_RULE = Section(
+    values.NamingRuleModel,
+    [
+        Key("pattern", "pattern", then(TEXT, non_empty), required=True),
+        Key("name", "name", RESOURCE_NAME, required=True),
+    ],
+    exact=True,
+)
 
-    @field_validator("name")
-    @classmethod
-    def _normalise(cls, value: str) -> str:
-        return normalise_resource_name(value)
-
-
-class ResourcesModel(_Section):
-    gpus: list[NamingRuleModel] = Field(default_factory=list)
-    mig: list[NamingRuleModel] = Field(default_factory=list)
+RESOURCES = Section(
+    values.ResourcesModel, [Key("gpus", "gpus", list_of(NAMING_RULE)), Key("mig", "mig", list_of(NAMING_RULE))]
+)
 
 
 # ----- sharing --------------------------------------------------------------------------------------
 
 
-class ReplicatedResource(_Exact):
-    name: GoString = Field(min_length=1)
-    rename: GoString | None = None
-    replicas: StrictInt
-    devices: Literal["all"] | StrictInt | list[StrictInt | GoString] = "all"
-    # Tessera's extensions. memoryLimit: each replica's GPU memory (MPS: the client's pinned-memory limit;
-    # time-slicing: what the driver holds its container to); memoryBurstLimit (time-slicing only): the hard limit
-    # a replica may burst to above its memoryLimit (its request); the rest sharing.mps only.
-    memory_limit: GoString | None = Field(None, alias="memoryLimit")  # a quantity: 10Gi, 512Mi, 20G
-    memory_burst_limit: GoString | None = Field(None, alias="memoryBurstLimit")  # a quantity >= memoryLimit
-    active_thread_percentage: StrictInt | None = Field(None, alias="activeThreadPercentage", ge=1, le=100)
-    oversubscribe: StrictBool | None = None
+def replica_count(value: int) -> int:
+    if value < 2:
+        raise ValueError(f"number of replicas must be >= 2 (got {value}); use 2 or more, or remove the entry")
+    if value > MAX_REPLICAS:
+        raise ValueError(
+            f"{value} replicas is more than {MAX_REPLICAS}; every replica is a device the kubelet tracks, "
+            "so use at most that many"
+        )
+    return value
 
-    @field_validator("memory_limit", "memory_burst_limit")
-    @classmethod
-    def _quantity(cls, value: str | None) -> str | None:
-        if value is not None and quantity_mib(value) <= 0:
-            raise ValueError(f"{value!r} is no memory at all; give a size such as 10Gi")
-        return value
 
-    @model_validator(mode="after")
-    def _burst_above_size(self) -> ReplicatedResource:
-        if self.memory_burst_limit is None:
-            return self
-        if self.memory_limit is None:
+def devices(value: object) -> object:
+    """``all``, a count, or a list of GPU and MIG devices by index or UUID."""
+    if isinstance(value, str) and value != "all":
+        raise ValueError(f"devices set as {value!r} but the only valid string input is 'all'")
+    if isinstance(value, bool) or not isinstance(value, str | int | list):
+        raise ValueError(f"devices must be 'all', a count or a list, got {yaml_kind(value)}")
+    if isinstance(value, int) and value <= 0:
+        raise ValueError(f"a count of devices must be > 0 (got {value})")
+    for item in value if isinstance(value, list) else ():
+        reference = str(item) if isinstance(item, int) and not isinstance(item, bool) else item
+        if not isinstance(reference, str) or not re.match(_DEVICE_REF, reference):
             raise ValueError(
-                "memoryBurstLimit needs memoryLimit: a replica bursts from its memoryLimit (its guaranteed request) "
-                "up to memoryBurstLimit; set memoryLimit too"
+                f"unsupported device {shown(item)} in devices list: use a GPU index (0), a MIG index (0:1), "
+                "a GPU-<uuid>, a MIG-<uuid> or a MIG-GPU-<uuid>/<gi>/<ci>"
             )
-        size, ceiling = quantity_mib(self.memory_limit), quantity_mib(self.memory_burst_limit)
-        if ceiling < size:
+    return value
+
+
+def memory_size(value: str) -> str:
+    if quantity_mib(value) <= 0:
+        raise ValueError(f"{value!r} is no memory at all; give a size such as 10Gi")
+    return value
+
+
+def burst_above_size(entry: values.ReplicatedResource) -> None:
+    if entry.memory_burst_limit is None:
+        return
+    if entry.memory_limit is None:
+        raise ValueError(
+            "memoryBurstLimit needs memoryLimit: a replica bursts from its memoryLimit (its guaranteed request) "
+            "up to memoryBurstLimit; set memoryLimit too"
+        )
+    size, ceiling = quantity_mib(entry.memory_limit), quantity_mib(entry.memory_burst_limit)
+    if ceiling < size:
+        raise ValueError(
+            f"memoryBurstLimit {entry.memory_burst_limit} ({ceiling} MiB) is below memoryLimit {entry.memory_limit} "
+            f"({size} MiB): the request would be above the limit; raise memoryBurstLimit or remove it"
+        )
+
+
+def _rename(value: object, path: str, walk: _Walk) -> Any:
+    """``rename``: a resource name; empty is no rename at all."""
+    renamed = TEXT(value, path, walk)
+    if renamed is BAD or renamed == "":
+        return None if renamed == "" else BAD
+    return leaf(normalise_resource_name)(renamed, path, walk)
+
+
+REPLICATED_RESOURCE = Section(
+    values.ReplicatedResource,
+    [
+        Key("name", "name", RESOURCE_NAME, required=True),
+        Key("rename", "rename", _rename),
+        Key("replicas", "replicas", then(INT, replica_count), required=True),
+        Key("devices", "devices", leaf(devices)),
+        # Tessera's extensions. memoryLimit: each replica's GPU memory (MPS: the client's pinned-memory limit;
+        # time-slicing: what the driver holds its container to); memoryBurstLimit (time-slicing only): the hard
+        # limit a replica may burst to above its memoryLimit (its request); the rest sharing.mps only.
+        Key("memory_limit", "memoryLimit", then(TEXT, memory_size)),
+        Key("memory_burst_limit", "memoryBurstLimit", then(TEXT, memory_size)),
+        Key("active_thread_percentage", "activeThreadPercentage", then(INT, between(1, 100))),
+        Key("oversubscribe", "oversubscribe", BOOL),
+    ],
+    exact=True,
+    after=burst_above_size,
+)
+
+
+def at_least_one(resources: list[Any]) -> list[Any]:
+    if not resources:
+        raise ValueError("no resources specified; list at least one resource to share")
+    return resources
+
+
+REPLICATED_RESOURCES = Section(
+    values.ReplicatedResources,
+    [
+        Key("rename_by_default", "renameByDefault", BOOL),
+        Key("fail_requests_greater_than_one", "failRequestsGreaterThanOne", BOOL),
+        Key("resources", "resources", then(list_of(REPLICATED_RESOURCE), at_least_one), required=True),
+    ],
+    exact=True,
+)
+
+
+def mps_keys_only_for_mps(group: values.ReplicatedResources) -> values.ReplicatedResources:
+    for position, entry in enumerate(group.resources):
+        used = [alias for alias, name in _MPS_ONLY if getattr(entry, name) is not None]
+        if used:
             raise ValueError(
-                f"memoryBurstLimit {self.memory_burst_limit} ({ceiling} MiB) is below memoryLimit {self.memory_limit} "
-                f"({size} MiB): the request would be above the limit; raise memoryBurstLimit or remove it"
+                f"resources[{position}]: {', '.join(used)} only apply to sharing.mps; "
+                "time-slicing cannot limit a client's threads (memoryLimit holds its memory)"
             )
-        return self
+    return group
 
-    @field_validator("name")
-    @classmethod
-    def _normalise_name(cls, value: str) -> str:
-        return normalise_resource_name(value)
 
-    @field_validator("rename")
-    @classmethod
-    def _normalise_rename(cls, value: str | None) -> str | None:
-        return normalise_resource_name(value) if value else None
+_MPS_ONLY = (("activeThreadPercentage", "active_thread_percentage"), ("oversubscribe", "oversubscribe"))
 
-    @field_validator("replicas")
-    @classmethod
-    def _at_least_two(cls, value: int) -> int:
-        if value < 2:
-            raise ValueError(f"number of replicas must be >= 2 (got {value}); use 2 or more, or remove the entry")
-        if value > MAX_REPLICAS:
+
+def no_burst_under_mps(group: values.ReplicatedResources) -> values.ReplicatedResources:
+    for position, entry in enumerate(group.resources):
+        if entry.memory_burst_limit is not None:
             raise ValueError(
-                f"{value} replicas is more than {MAX_REPLICAS}; every replica is a device the kubelet tracks, "
-                "so use at most that many"
+                f"resources[{position}]: memoryBurstLimit only applies to sharing.timeSlicing: the MPS server "
+                "holds every client to its memoryLimit, so a replica cannot burst above it; remove "
+                "memoryBurstLimit (or raise memoryLimit)"
             )
+    return group
+
+
+SHARING = Section(
+    values.SharingModel,
+    [
+        Key("time_slicing", "timeSlicing", then(REPLICATED_RESOURCES, mps_keys_only_for_mps)),
+        Key("mps", "mps", then(REPLICATED_RESOURCES, no_burst_under_mps)),
+    ],
+)
+
+
+def channel_ids(ids: list[int]) -> list[int]:
+    if ids not in ([], [0]):
+        raise ValueError(f"invalid IMEX config: channelIDs must be [] or [0]; found {ids}")
+    return ids
+
+
+IMEX = Section(
+    values.ImexModel,
+    [Key("channel_ids", "channelIDs", then(list_of(INT), channel_ids)), Key("required", "required", BOOL)],
+)
+
+# Tessera: the MIG layout this config wants, in mig-parted's format (``layouts``: validated by
+# agent.mig.layout_file where it is used), and which of its mig-configs (a node label nvidia.com/mig.config wins).
+MIG_LAYOUT = Section(values.MigLayoutSection, [Key("config", "config", TEXT), Key("layouts", "layouts", leaf(mapping))])
+
+
+def xid_overrides(value: object) -> dict[str, Any]:
+    """``health.xids``: an XID (``"94"``) or an inclusive range (``"144-150"``) to an effect (docs/health.md)."""
+    if not isinstance(value, dict):
+        raise ValueError('must be a map of XID to effect, e.g. {"94": unhealthy, "13": ignore}')
+    problems, effects = [], {}
+    for key, effect in value.items():
+        try:
+            parse_xid_key(key)
+        except ValueError as error:
+            problems.append(f"key {error}")
+            continue
+        try:
+            effects[str(key).strip()] = parse_effect(effect)
+        except ValueError as error:
+            problems.append(f"XID {str(key).strip()}: {error}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return effects
+
+
+HEALTH = Section(values.HealthSection, [Key("xids", "xids", leaf(xid_overrides))])
+
+
+# ----- DRA ------------------------------------------------------------------------------------------
+
+
+def gpu_selection(value: object) -> str | list[int | str]:
+    """``all``, or a list of GPU indices and UUIDs, each named once."""
+    if value == "all":
+        return "all"
+    if not isinstance(value, list):
+        raise ValueError(f"expected 'all' or a list of GPU indices and UUIDs, got {yaml_kind(value)}")
+    entries = [v if isinstance(v, int) and not isinstance(v, bool) else _text_or_self(v) for v in value]
+    problems = [
+        f"{shown(entry)} is neither a GPU index nor a GPU UUID"
+        for entry in entries
+        if not (isinstance(entry, int) and entry >= 0) and not (isinstance(entry, str) and re.match(_GPU_UUID, entry))
+    ]
+    if len(set(map(str, entries))) != len(entries):
+        problems.append("a GPU is named twice")
+    if not entries:
+        problems.append('an empty list serves no GPU: use enabled: false, or "all"')
+    if problems:
+        raise ValueError("; ".join(problems))
+    return entries
+
+
+def _text_or_self(value: object) -> object:
+    try:
+        return text(value)
+    except ValueError:
         return value
 
-    @field_validator("devices", mode="before")
-    @classmethod
-    def _devices(cls, value: object) -> object:
-        if isinstance(value, str) and value != "all":
-            raise ValueError(f"devices set as {value!r} but the only valid string input is 'all'")
-        if isinstance(value, bool):
-            raise ValueError("devices must be 'all', a count or a list")
-        if isinstance(value, int) and value <= 0:
-            raise ValueError(f"a count of devices must be > 0 (got {value})")
-        if isinstance(value, list):
-            for item in value:
-                text = str(item) if isinstance(item, int) and not isinstance(item, bool) else item
-                if not isinstance(text, str) or not _DEVICE_REF.match(text) or text.startswith("-"):
-                    raise ValueError(
-                        f"unsupported device {item!r} in devices list: use a GPU index (0), a MIG index (0:1), "
-                        "a GPU-<uuid>, a MIG-<uuid> or a MIG-GPU-<uuid>/<gi>/<ci>"
-                    )
-        return value
+
+def default_share(value: object) -> int:
+    """``dra.defaultShare``: a memory size in whole MiB (``10Gi``), as bytes."""
+    from agent.core.dra.shares import MEMORY_STEP
+    from agent.core.quantity import parse_quantity
+
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("write a memory size such as 10Gi")
+    # bounded before any arithmetic: "1e10000000" is refused at once, naming the bound (QuantityError)
+    amount = parse_quantity(value, what="memory size", hint="write a whole number of MiB such as 1500Mi or 10Gi")
+    if amount <= 0 or amount.denominator != 1 or amount % MEMORY_STEP:
+        quoted = repr(value) if isinstance(value, int) or len(value) <= 40 else f"{value[:40]!r}..."
+        raise ValueError(f"{quoted} is not a whole number of MiB (1500Mi, 10Gi, …): shares come in 1Mi steps")
+    return int(amount)
 
 
-class ReplicatedResources(_Exact):
-    rename_by_default: StrictBool = Field(False, alias="renameByDefault")
-    fail_requests_greater_than_one: StrictBool | None = Field(None, alias="failRequestsGreaterThanOne")
-    resources: list[ReplicatedResource]
+def consumable_shares(value: object) -> int | str:
+    from agent.core.dra.shares import check_mode
 
-    @field_validator("resources")
-    @classmethod
-    def _not_empty(cls, value: list[ReplicatedResource]) -> list[ReplicatedResource]:
-        if not value:
-            raise ValueError("no resources specified; list at least one resource to share")
-        return value
+    return check_mode(value)
 
 
-class SharingModel(_Section):
-    time_slicing: ReplicatedResources | None = Field(None, alias="timeSlicing")
-    mps: ReplicatedResources | None = None
+def driver_name(value: str) -> str:
+    from agent.dra.names import check_driver_name
 
-    @field_validator("time_slicing")
-    @classmethod
-    def _mps_keys_only_for_mps(cls, value: ReplicatedResources | None) -> ReplicatedResources | None:
-        for position, entry in enumerate(value.resources if value else ()):
-            used = [k for k in ("activeThreadPercentage", "oversubscribe") if _given(entry, k)]
-            if used:
-                raise ValueError(
-                    f"resources[{position}]: {', '.join(used)} only apply to sharing.mps; "
-                    "time-slicing cannot limit a client's threads (memoryLimit holds its memory)"
-                )
-        return value
-
-    @field_validator("mps")
-    @classmethod
-    def _no_burst_under_mps(cls, value: ReplicatedResources | None) -> ReplicatedResources | None:
-        for position, entry in enumerate(value.resources if value else ()):
-            if entry.memory_burst_limit is not None:
-                raise ValueError(
-                    f"resources[{position}]: memoryBurstLimit only applies to sharing.timeSlicing: the MPS server "
-                    "holds every client to its memoryLimit, so a replica cannot burst above it; remove "
-                    "memoryBurstLimit (or raise memoryLimit)"
-                )
-        return value
+    return check_driver_name(value)
 
 
-def _given(entry: ReplicatedResource, alias: str) -> bool:
-    name = next(n for n, f in type(entry).model_fields.items() if (f.alias or n) == alias)
-    return getattr(entry, name) is not None
+def shares_named(section: values.DraSection) -> None:
+    if section.consumable_shares == "disabled" and section.gpu_shares is not None:
+        raise ValueError(
+            "consumableShares is disabled but gpuShares names GPUs to share: remove one of dra.consumableShares "
+            "and dra.gpuShares"
+        )
+    if section.default_share is not None and section.shared_gpus is None:
+        raise ValueError("defaultShare is set but gpuShares names no GPU to share: add dra.gpuShares")
+    if section.default_share is not None and section.share_mode != "memory":
+        raise ValueError(
+            f"defaultShare is what a claim that asks for no memory gets with consumableShares: memory; with "
+            f"consumableShares: {section.share_mode} such a claim takes no memory (as on NVIDIA's driver): remove "
+            "dra.defaultShare"
+        )
 
 
-class ImexModel(_Section):
-    channel_ids: list[StrictInt] = Field(default_factory=list, alias="channelIDs")
-    required: StrictBool = False
-
-    @field_validator("channel_ids")
-    @classmethod
-    def _zero_only(cls, value: list[int]) -> list[int]:
-        if value not in ([], [0]):
-            raise ValueError(f"invalid IMEX config: channelIDs must be [] or [0]; found {value}")
-        return value
-
-
-class MigLayoutSection(_Section):
-    """Tessera: the MIG layout this config wants, in mig-parted's format (``layouts``), and which one."""
-
-    config: GoString | None = None  # the mig-config to apply (a node label nvidia.com/mig.config wins)
-    layouts: dict[str, Any] | None = None  # {version: v1, mig-configs: {...}}, validated by agent.mig.layout_file
-
-
-class HealthSection(_Section):
-    """Tessera: what an XID does to a device, overriding the Xid-catalog default (docs/health.md).
-
-    ``xids`` maps an XID (``"94"``) or an inclusive range (``"144-150"``) to ``ignore``, ``application``,
-    ``unhealthy`` or ``lost``. A ``--xid-overrides`` flag wins over it, XID by XID.
-    """
-
-    xids: dict[str, XidEffect] | None = None
-
-    @field_validator("xids", mode="before")
-    @classmethod
-    def _xids(cls, value: object) -> object:
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise ValueError('must be a map of XID to effect, e.g. {"94": unhealthy, "13": ignore}')
-        problems, out = [], {}
-        for key, effect in value.items():
-            try:
-                parse_xid_key(key)
-            except ValueError as error:
-                problems.append(f"key {error}")
-                continue
-            try:
-                out[str(key).strip()] = parse_effect(effect)
-            except ValueError as error:
-                problems.append(f"XID {str(key).strip()}: {error}")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return out
-
-
-class DraSection(_Section):
-    """Tessera: the DRA front end. ``gpus`` (``all``, or GPU indices and UUIDs) are served to DRA claims as the
-    ResourceSlices of driver ``driverName``; every other GPU stays with the device plugin. Off by default.
-    ``dynamicMig`` (``all``: every MIG-capable GPU DRA serves, or indices and UUIDs) lists those GPUs as
-    partitionable devices: MIG devices are created for a claim and destroyed after it. ``gpuShares`` (``all``:
-    every GPU DRA serves outside dynamic MIG, or indices and UUIDs) publishes those GPUs (and their MIG devices) for
-    shares: several claims each take part of the device, enforced through MPS. ``consumableShares`` is NVIDIA's
-    ``--consumable-shares``: ``memory`` (the default: memory in 1Mi steps, a claim that asks for none gets all of
-    it), ``unlimited`` (memory in 1Mi steps, none by default: any number of claims), a number N (plus a ``shares``
-    capacity of N, one per claim by default) or ``disabled``; set without ``gpuShares`` it shares every GPU DRA
-    serves outside dynamic MIG, as NVIDIA's does. ``defaultShare`` (``memory`` mode, whole MiB) is what a claim that
-    asks for no memory gets of such a GPU (default: all of it), so requests by count — an unchanged pod's
-    ``nvidia.com/gpu.shared: 1`` through a DeviceClass — share GPUs too."""
-
-    enabled: StrictBool = False
-    driver_name: GoString = Field("gpu.nvidia.com", alias="driverName")
-    gpus: Literal["all"] | list[StrictInt | GoString] = "all"
-    dynamic_mig: Literal["all"] | list[StrictInt | GoString] | None = Field(None, alias="dynamicMig")
-    gpu_shares: Literal["all"] | list[StrictInt | GoString] | None = Field(None, alias="gpuShares")
-    default_share: StrictInt | None = Field(None, alias="defaultShare")  # bytes, from a quantity such as "10Gi"
-    consumable_shares: StrictInt | GoString | None = Field(None, alias="consumableShares")  # NVIDIA's spelling
-
-    @field_validator("consumable_shares", mode="before")
-    @classmethod
-    def _consumable_shares(cls, value: object) -> object:
-        from agent.core.dra.shares import check_mode
-
-        return None if value is None else check_mode(value)
-
-    @property
-    def shared_gpus(self) -> Literal["all"] | list[int | str] | None:
-        return values.shared_gpus(self.gpu_shares, self.consumable_shares)
-
-    @property
-    def share_mode(self) -> int | str:
-        return values.share_mode(self.consumable_shares)
-
-    @field_validator("default_share", mode="before")
-    @classmethod
-    def _default_share(cls, value: object) -> object:
-        if value is None:
-            return None
-        from agent.core.dra.shares import MEMORY_STEP
-        from agent.core.quantity import parse_quantity
-
-        if isinstance(value, bool) or not isinstance(value, int | str):
-            raise ValueError("write a memory size such as 10Gi")
-        # bounded before any arithmetic: "1e10000000" is refused at once, naming the bound (QuantityError)
-        amount = parse_quantity(value, what="memory size", hint="write a whole number of MiB such as 1500Mi or 10Gi")
-        if amount <= 0 or amount.denominator != 1 or amount % MEMORY_STEP:
-            shown = repr(value) if isinstance(value, int) or len(value) <= 40 else f"{value[:40]!r}..."
-            raise ValueError(f"{shown} is not a whole number of MiB (1500Mi, 10Gi, …): shares come in 1Mi steps")
-        return int(amount)
-
-    @model_validator(mode="after")
-    def _shares_named(self) -> DraSection:
-        if self.consumable_shares == "disabled" and self.gpu_shares is not None:
-            raise ValueError(
-                "consumableShares is disabled but gpuShares names GPUs to share: remove one of dra.consumableShares "
-                "and dra.gpuShares"
-            )
-        if self.default_share is not None and self.shared_gpus is None:
-            raise ValueError("defaultShare is set but gpuShares names no GPU to share: add dra.gpuShares")
-        if self.default_share is not None and self.share_mode != "memory":
-            raise ValueError(
-                f"defaultShare is what a claim that asks for no memory gets with consumableShares: memory; with "
-                f"consumableShares: {self.share_mode} such a claim takes no memory (as on NVIDIA's driver): remove "
-                "dra.defaultShare"
-            )
-        return self
-
-    @field_validator("driver_name")
-    @classmethod
-    def _driver(cls, value: str) -> str:
-        from agent.dra.names import check_driver_name
-
-        return check_driver_name(value)
-
-    @field_validator("gpus", "dynamic_mig", "gpu_shares")
-    @classmethod
-    def _gpus(cls, value: object) -> object:
-        if value == "all" or value is None:
-            return value
-        assert isinstance(value, list)
-        problems = [
-            f"{entry!r} is neither a GPU index nor a GPU UUID"
-            for entry in value
-            if not (isinstance(entry, int) and entry >= 0) and not (isinstance(entry, str) and _GPU_UUID.match(entry))
-        ]
-        if len(set(map(str, value))) != len(value):
-            problems.append("a GPU is named twice")
-        if not value:
-            problems.append('an empty list serves no GPU: use enabled: false, or "all"')
-        if problems:
-            raise ValueError("; ".join(problems))
-        return value
+# agent.config.model.DraSection says what each key does (and docs/dra.md)
+DRA = Section(
+    values.DraSection,
+    [
+        Key("enabled", "enabled", BOOL),
+        Key("driver_name", "driverName", then(TEXT, driver_name)),
+        Key("gpus", "gpus", leaf(gpu_selection)),
+        Key("dynamic_mig", "dynamicMig", leaf(gpu_selection)),
+        Key("gpu_shares", "gpuShares", leaf(gpu_selection)),
+        Key("default_share", "defaultShare", leaf(default_share)),
+        Key("consumable_shares", "consumableShares", leaf(consumable_shares)),
+    ],
+    after=shares_named,
+)
 
 
 # ----- the document ---------------------------------------------------------------------------------
 
 
-class ConfigModel(_Section):
-    version: GoString | None = None
-    flags: Flags = Field(default_factory=Flags)
-    resources: ResourcesModel | None = None
-    sharing: SharingModel | None = None
-    imex: ImexModel | None = None
-    match: list[GoString] | None = None  # Tessera: the GPU products this config is for (globs)
-    mig_layout: MigLayoutSection | None = Field(None, alias="migLayout")  # Tessera: the MIG layout manager
-    health: HealthSection | None = None  # Tessera: per-XID health overrides
-    dra: DraSection | None = None  # Tessera: which GPUs the DRA front end serves
+def version(value: str) -> str:
+    if value in ("", "v1"):
+        return "v1"
+    raise ValueError(f"unknown version: {value}; this is a version v1 config (NVIDIA's format): set version: v1")
 
-    @field_validator("version")
-    @classmethod
-    def _v1(cls, value: str | None) -> str:
-        if value in (None, "", "v1"):
-            return "v1"
-        raise ValueError(f"unknown version: {value}; this is a version v1 config (NVIDIA's format): set version: v1")
 
-    @field_validator("match", mode="before")
-    @classmethod
-    def _one_or_many(cls, value: object) -> object:
-        return [value] if isinstance(value, str) else value
+CONFIG = Section(
+    values.ConfigModel,
+    [
+        Key("version", "version", then(TEXT, version)),
+        Key("flags", "flags", FLAGS),
+        Key("resources", "resources", RESOURCES),
+        Key("sharing", "sharing", SHARING),
+        Key("imex", "imex", IMEX),
+        Key("match", "match", one_or_many(TEXT)),  # Tessera: the GPU products this config is for (globs)
+        Key("mig_layout", "migLayout", MIG_LAYOUT),  # Tessera: the MIG layout manager
+        Key("health", "health", HEALTH),  # Tessera: per-XID health overrides
+        Key("dra", "dra", DRA),  # Tessera: which GPUs the DRA front end serves
+    ],
+)
+
+SECTIONS: dict[type, Section] = {
+    s.struct: s
+    for s in (
+        PLUGIN_FLAGS,
+        GFD_FLAGS,
+        FLAGS,
+        NAMING_RULE,
+        RESOURCES,
+        REPLICATED_RESOURCE,
+        REPLICATED_RESOURCES,
+        SHARING,
+        IMEX,
+        MIG_LAYOUT,
+        HEALTH,
+        DRA,
+        CONFIG,
+    )
+}
 
 
 def parse_config(data: object, origin: str = "config") -> tuple[values.ConfigModel, list[str]]:
-    """What :func:`agent.config.model.parse_config` does: validate, warn, and convert to the structs.
+    """What :func:`agent.config.model.parse_config` does: validate, warn, and build the structs.
 
     A document that is positively something else (:func:`foreign_document`) is refused for what it is: NVIDIA's
     plugin would read a Pod manifest as a config of unknown keys, i.e. every default, without a word.
@@ -472,116 +658,30 @@ def parse_config(data: object, origin: str = "config") -> tuple[values.ConfigMod
     foreign = foreign_document(data)
     if foreign is not None:
         raise NotASharingConfig(origin, [foreign])
-    try:
-        model = ConfigModel.model_validate({} if data is None else data)
-    except ValidationError as error:
-        raise ConfigError(origin, [_problem(e) for e in error.errors()]) from error
-    warnings = [f"{origin}: {w}" for w in unknown_key_warnings(model)]
-    warnings += [f"{origin}: {w}" for w in _nvidia_flag_warnings(model.flags)]
+    walk = _Walk()
+    model = CONFIG({} if data is None else data, "", walk)
+    if walk.problems or model is BAD:
+        raise ConfigError(origin, walk.problems)
+    warnings = [f"{origin}: {w}" for w in walk.warnings + _nvidia_flag_warnings(model.flags)]
     if model.sharing and model.sharing.mps is not None and model.sharing.time_slicing is not None:
         warnings.append(f"{origin}: sharing has both timeSlicing and mps; mps is used and timeSlicing is ignored")
-    return as_value(model), warnings
+    return model, warnings
 
 
-def value_class(schema: type[BaseModel]) -> type:
-    """The struct of :mod:`agent.config.model` that holds what ``schema`` validates (same name, same fields)."""
-    cls = getattr(values, schema.__name__)
-    assert isinstance(cls, type) and issubclass(cls, Struct), cls
-    return cls
-
-
-def as_value(item: Any) -> Any:
-    """A validated model as its struct, field by field; lists of models item by item; anything else as is."""
-    if isinstance(item, BaseModel):
-        cls = value_class(type(item))
-        return cls(**{name: as_value(getattr(item, name)) for name in cls.__struct_fields__})
-    if isinstance(item, list):
-        return [as_value(v) for v in item]
-    return item
-
-
-def _nvidia_flag_warnings(flags: Flags | None) -> list[str]:
+def _nvidia_flag_warnings(flags: values.Flags) -> list[str]:
     """NVIDIA's ``flags`` that Tessera does not honour at the given value (agent.nvidia_flags says why)."""
-    if flags is None or not flags.model_fields_set:  # no flag given: nothing to warn of (nor to load the table for)
+    if flags == values.Flags():  # no flag given: nothing to warn of (nor to load the table for)
         return []
     from agent.nvidia_flags import CONFIG_FLAGS, config_flag_warnings
 
-    values: dict[str, object] = {}
-    for key in CONFIG_FLAGS:
+    given: dict[str, object] = {}
+    for path in CONFIG_FLAGS:
         section: object = flags
-        for part in key.split(".")[1:]:
-            section = _field_by_alias(section, part)
-        values[key] = section
-    return config_flag_warnings(values)
-
-
-def _field_by_alias(section: object, alias: str) -> object:
-    if not isinstance(section, BaseModel):
-        return None
-    for name, field in type(section).model_fields.items():
-        if (field.alias or name) == alias:
-            return getattr(section, name)
-    return None
-
-
-def unknown_key_warnings(model: BaseModel, path: str = "") -> list[str]:
-    warnings = []
-    known = [f.alias or n for n, f in type(model).model_fields.items()]
-    for key in model.model_extra or {}:
-        where = f"{path}{key}"
-        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-        hint = f"; did you mean {path}{close[0]}?" if close else f"; known keys here: {', '.join(known)}"
-        warnings.append(f"unknown key {where} is ignored{hint}")
-    for name, field in type(model).model_fields.items():
-        value = getattr(model, name)
-        key = field.alias or name
-        if isinstance(value, BaseModel):
-            warnings += unknown_key_warnings(value, f"{path}{key}.")
-        elif isinstance(value, list):
-            for position, item in enumerate(value):
-                if isinstance(item, BaseModel):
-                    warnings += unknown_key_warnings(item, f"{path}{key}[{position}].")
-    return warnings
-
-
-def _problem(error: Any) -> str:
-    path = ""
-    for part in error["loc"]:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part not in ("function-after[_normalise_name(), constrained-str]",) and not str(part).startswith(
-            ("function-", "literal[", "int", "str", "list[", "constrained-")
-        ):
-            path += f".{part}" if path else str(part)
-    message = error["msg"].removeprefix("Value error, ")
-    if error["type"] == "missing":
-        message = "required field is missing; add it"
-    elif error["type"] in ("model_type", "dict_type", "model_attributes_type", "dataclass_type"):
-        # pydantic's own words name its classes ("a valid dictionary or instance of ConfigModel"): say it in YAML's
-        message = f"expected a mapping of keys to values, got {_yaml_kind(error.get('input'))}"
-    elif error["type"] == "list_type":
-        message = f"expected a list, got {_yaml_kind(error.get('input'))}"
-    elif error["type"] in ("int_type", "bool_type") and isinstance(error.get("input"), str):
-        message += f" (got the text {error['input']!r}: write it without quotes)"
-    elif error["type"] == "literal_error":
-        message = f"{message} (got {error.get('input')!r})"
-    return f"{path or '(top level)'}: {message}"
-
-
-def _yaml_kind(value: object) -> str:
-    """What a YAML value is, as its writer sees it: ``a list``, ``the text 'abc'``, ``the number 5``."""
-    if isinstance(value, bool):
-        return f"the boolean {str(value).lower()}"
-    if isinstance(value, int | float):
-        return f"the number {value}"
-    if isinstance(value, str):
-        shown = value if len(value) <= 40 else value[:40] + "…"
-        return f"the text {shown!r}"
-    if isinstance(value, list | tuple):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return "nothing (an empty value)" if value is None else f"a {type(value).__name__}"
+        for alias in path.split(".")[1:]:
+            key = SECTIONS[type(section)].key(alias) if type(section) in SECTIONS else None
+            section = None if key is None else getattr(section, key.field)
+        given[path] = section
+    return config_flag_warnings(given)
 
 
 class NotASharingConfig(ConfigError):
@@ -617,8 +717,7 @@ def foreign_document(data: object) -> str | None:
             "apply it with tessera mig apply --dry-run --config FILE, or put it in a sharing config under "
             "migLayout.layouts"
         )
-    known = {(f.alias or n).lower() for n, f in ConfigModel.model_fields.items()} - {"version"}
-    if any(str(key).lower() in known for key in data):
+    if any(CONFIG.known(key) not in (None, "version") for key in data):
         return None
     gpus = data.get("gpus")
     if isinstance(gpus, list) and gpus and all(isinstance(g, dict) and "model" in g for g in gpus):

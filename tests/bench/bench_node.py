@@ -332,8 +332,7 @@ SIM_SHARE = {  # the agent's run path without and with the simulator: the differ
 PARTS = {  # what a piece costs on top of `import grpc`, each in a fresh process (RSS, MB)
     "grpc (the base of both)": "",
     "the Kubernetes client (`import kubernetes`)": "import kubernetes",
-    "pydantic's model machinery (one model)": "from pydantic import BaseModel\nclass A(BaseModel):\n    x: int",
-    "the config's models (agent.config.schema)": "import agent.config.schema",
+    "the config checker's work (PyYAML, agent.config.schema)": "import yaml, agent.config.schema",
     "prometheus_client": "import prometheus_client",
     "the simulator, dgx-a100 (not on a real node)": SIMULATOR,
 }

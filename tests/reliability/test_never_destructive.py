@@ -272,7 +272,7 @@ BOMBS: list[tuple[str, bytes]] = [
 
 @pytest.mark.parametrize(
     "reloads",
-    # each reload is checked by a child process of its own (agent.config.check: no pydantic in the agent), ~0.1-0.3 s
+    # each reload is checked by a child process of its own (agent.config.check: no PyYAML in the agent), ~0.1-0.3 s
     [pytest.param(25, id="ci"), pytest.param(1000, id="long", marks=[pytest.mark.long, pytest.mark.timeout(900)])],
 )
 def test_config_bombs_hot_reloaded_never_stop_the_agent(sim_node, figures, reloads: int) -> None:

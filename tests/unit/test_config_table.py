@@ -213,10 +213,10 @@ ROWS = [
     Row("replicas-0", ts("name: gpu\nreplicas: 0"), Err(f"{R0}.replicas", "number of replicas must be >= 2")),
     Row("replicas-negative", ts("name: gpu\nreplicas: -1"), Err(f"{R0}.replicas", "number of replicas must be >= 2")),
     Row("replicas-missing", ts("name: gpu"), Err(f"{R0}.replicas", "required field is missing")),
-    Row("replicas-null", ts("name: gpu\nreplicas:"), Err(f"{R0}.replicas", "valid integer")),
+    Row("replicas-null", ts("name: gpu\nreplicas:"), Err(f"{R0}.replicas", "expected a whole number, got nothing")),
     Row("replicas-as-text", ts('name: gpu\nreplicas: "4"'), Err(f"{R0}.replicas", "got the text '4'")),
-    Row("replicas-float", ts("name: gpu\nreplicas: 2.0"), Err(f"{R0}.replicas", "valid integer")),
-    Row("replicas-bool", ts("name: gpu\nreplicas: true"), Err(f"{R0}.replicas", "valid integer")),
+    Row("replicas-float", ts("name: gpu\nreplicas: 2.0"), Err(f"{R0}.replicas", "whole number, got the number 2.0")),
+    Row("replicas-bool", ts("name: gpu\nreplicas: true"), Err(f"{R0}.replicas", "whole number, got the boolean true")),
     Row("replicas-no-upper-bound", ts("name: gpu\nreplicas: 48"), Adv({GPU: (96, TS, 48)})),
     # ----- resources list -----------------------------------------------------------------------------
     Row(
@@ -258,7 +258,7 @@ ROWS = [
         ts("name: gpu\nreplicas: 2\ndevices: -2"),
         Err(f"{R0}.devices", "a count of devices must be > 0"),
     ),
-    Row("devices-float", ts("name: gpu\nreplicas: 2\ndevices: 2.0"), Err(f"{R0}.devices", "got 2.0")),
+    Row("devices-float", ts("name: gpu\nreplicas: 2\ndevices: 2.0"), Err(f"{R0}.devices", "got the number 2.0")),
     Row("devices-bool", ts("name: gpu\nreplicas: 2\ndevices: true"), Err(f"{R0}.devices", "'all', a count or a list")),
     Row(
         "devices-list-negative-int",
@@ -521,7 +521,11 @@ ROWS = [
         Err("imex.channelIDs", "channelIDs must be [] or [0]; found [2]"),
     ),
     Row("imex-channel-as-text", 'imex:\n  channelIDs: ["0"]\n', Err("imex.channelIDs[0]", "write it without quotes")),
-    Row("imex-required-as-text", 'imex:\n  required: "yes"\n', Err("imex.required", "valid boolean")),
+    Row(
+        "imex-required-as-text",
+        'imex:\n  required: "yes"\n',
+        Err("imex.required", "expected a boolean (true or false), got the text 'yes': write it without quotes"),
+    ),
     # ----- key case -----------------------------------------------------------------------------------
     Row(
         "section-keys-any-case",
@@ -585,6 +589,22 @@ ROWS = [
         "typo-flag",
         "flags:\n  migStrategey: mixed\n",
         Adv({GPU: (2, NONE, 1)}, warns=("unknown key flags.migStrategey is ignored; did you mean flags.migStrategy?",)),
+    ),
+    Row(
+        # NVIDIA's decoder matches keys case-insensitively but never a snake_case spelling: ignored there, warned here
+        "snake-case-flag-is-not-the-flag",
+        "flags:\n  mig_strategy: mixed\n",
+        Adv({GPU: (2, NONE, 1)}, warns=("unknown key flags.mig_strategy is ignored; did you mean flags.migStrategy?",)),
+    ),
+    Row(
+        "snake-case-entry-key-is-not-the-key",
+        ts("name: gpu\nreplicas: 2\nmemory_limit: 10Gi"),
+        Adv({GPU: (4, TS, 2)}, warns=(f"unknown key {R0}.memory_limit is ignored; did you mean {R0}.memoryLimit?",)),
+    ),
+    Row(
+        "number-key-is-unknown-not-an-error",
+        "1: x\n",
+        Adv({GPU: (2, NONE, 1)}, warns=("unknown key 1 is ignored; known keys here: version, flags, resources",)),
     ),
     Row(
         "typo-inside-entry",

@@ -70,7 +70,7 @@ def test_run_without_a_config_loads_no_pydantic_and_no_yaml():
     assert not packages(loaded_after(RUN_PATH), "pydantic", "pydantic_core", "yaml")
 
 
-def test_the_config_modules_load_no_pydantic_and_no_yaml_until_a_config_is_read():
+def test_the_config_modules_load_no_yaml_until_a_config_is_read_and_no_pydantic_ever():
     code = (
         "import agent.config.model, agent.config.effective, agent.config.source, agent.config.labels\n"
         "from agent.config.effective import FlagOverrides, effective\n"
@@ -79,7 +79,11 @@ def test_the_config_modules_load_no_pydantic_and_no_yaml_until_a_config_is_read(
     )
     assert not packages(loaded_after(code), "pydantic", "pydantic_core", "yaml", "agent.config.schema")
     parsed = loaded_after(code + "\nfrom agent.config.source import parse_document\nparse_document('{}', 'x')")
-    assert packages(parsed, "pydantic", "yaml", "agent.config.schema") == {"pydantic", "yaml", "agent.config.schema"}
+    # the config checker's whole work (on a start's path): YAML and the walk of agent.config.schema, no pydantic
+    assert packages(parsed, "pydantic", "pydantic_core", "yaml", "agent.config.schema") == {
+        "yaml",
+        "agent.config.schema",
+    }
 
 
 @pytest.mark.parametrize(
@@ -147,31 +151,22 @@ def test_the_cli_alone_loads_no_command():
     assert not packages(loaded, "agent.run", "agent.agent", "agent.config", "grpc", "pydantic", "yaml", "pynvml")
 
 
-# ----- the config is held in plain dataclasses; pydantic (agent.config.schema) only validates ------------
+# ----- the config is held in plain structs; agent.config.schema says how each field is written -------------
 
 
-def test_the_config_dataclasses_mirror_the_schema_field_by_field():
-    from pydantic import BaseModel
-
+def test_every_config_struct_is_read_field_by_field_by_its_section():
     from agent.config import schema
 
-    models = [v for v in vars(schema).values() if isinstance(v, type) and issubclass(v, BaseModel)]
-    models = [m for m in models if m.__module__ == schema.__name__ and not m.__name__.startswith("_")]
-    assert {m.__name__ for m in models} >= {"ConfigModel", "Flags", "ReplicatedResource", "HealthSection"}
-    for schema_class in models:
-        value_class = getattr(model, schema_class.__name__)
-        value_fields = {f.name: f for f in fields(value_class)}
-        assert list(value_fields) == list(schema_class.model_fields), schema_class.__name__
-        for name, info in schema_class.model_fields.items():
-            held = value_fields[name]
-            if info.is_required():
-                assert held.default is NODEFAULT and held.default_factory is NODEFAULT, (schema_class.__name__, name)
-                continue
-            default = held.default_factory() if held.default_factory is not NODEFAULT else held.default
-            assert default == schema.as_value(info.get_default(call_default_factory=True)), (
-                schema_class.__name__,
-                name,
-            )
+    assert {s.__name__ for s in schema.SECTIONS} >= {"ConfigModel", "Flags", "ReplicatedResource", "HealthSection"}
+    structs = {v for v in vars(model).values() if isinstance(v, type) and v.__module__ == model.__name__}
+    assert structs == set(schema.SECTIONS)  # every struct of the config is read by a section of its own
+    for struct, section in schema.SECTIONS.items():
+        held = {f.name: f for f in fields(struct)}
+        assert [k.field for k in section.keys] == list(held), struct.__name__
+        for key in section.keys:
+            no_default = held[key.field].default is NODEFAULT and held[key.field].default_factory is NODEFAULT
+            assert key.required is no_default, (struct.__name__, key.field)
+        assert len({k.alias.lower() for k in section.keys}) == len(section.keys), struct.__name__
 
 
 def test_an_empty_document_is_the_default_config():

@@ -1,0 +1,58 @@
+"""How agent.config.schema's walk reports a document: every problem in one pass, each by its path, values quoted
+short. (What each field accepts is tests/unit/test_config_table.py, row by row.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.config.model import ConfigError, parse_config
+
+
+def problems(document: object) -> list[str]:
+    with pytest.raises(ConfigError) as raised:
+        parse_config(document, "cfg.yaml")
+    return raised.value.problems
+
+
+def test_one_walk_names_every_problem_of_the_document_by_its_path():
+    found = problems(
+        {
+            "flags": {"migStrategy": "several", "failOnInitError": "no"},
+            "sharing": {"timeSlicing": {"resources": [{"name": "gpu", "replicas": 1}, {"replicas": 2}]}},
+            "imex": {"channelIDs": [3]},
+        }
+    )
+    assert [p.split(": ", 1)[0] for p in found] == [
+        "flags.migStrategy",
+        "flags.failOnInitError",
+        "sharing.timeSlicing.resources[0].replicas",
+        "sharing.timeSlicing.resources[1].name",
+        "imex.channelIDs",
+    ]
+    assert "required field is missing" in found[3]
+
+
+def test_a_section_with_a_problem_is_not_checked_as_a_whole_too():
+    """memoryBurstLimit below memoryLimit is a check of the entry as a whole: it is not made (nor reported) while
+    one of the entry's own values is wrong, which would be a second message for one mistake."""
+    entry = {"name": "gpu", "replicas": "4", "memoryLimit": "8Gi", "memoryBurstLimit": "4Gi"}
+    found = problems({"sharing": {"timeSlicing": {"resources": [entry]}}})
+    assert found == [
+        "sharing.timeSlicing.resources[0].replicas: expected a whole number, got the text '4': write it without quotes"
+    ]
+    entry["replicas"] = 4
+    assert "is below memoryLimit" in problems({"sharing": {"timeSlicing": {"resources": [entry]}}})[0]
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"flags": {"migStrategy": ["x" * 100] * 1000}},
+        {"sharing": {"mps": {"resources": [{"name": "gpu", "replicas": 2, "devices": [{"k": "v" * 10_000}]}]}}},
+        {"dra": {"gpus": ["GPU-" + "0" * 10_000]}},
+    ],
+)
+def test_a_message_quotes_a_value_short_never_the_whole_of_it(document: dict[str, object]):
+    (problem,) = problems(document)
+    assert len(problem) < 300, problem
+    assert "…" in problem
