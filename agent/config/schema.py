@@ -32,8 +32,9 @@ from agent.config.model import (
 from agent.core.xid_effect import parse_effect, parse_xid_key
 
 _UUID = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
-_GPU_UUID = rf"^GPU-{_UUID}$"
-_DEVICE_REF = rf"^(\d+|\d+:\d+|GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/\d+/\d+)$"
+# matched whole (re.fullmatch: no trailing newline as with ``$``), digits ASCII only (``\d`` takes Arabic-Indic ones)
+_GPU_UUID = rf"GPU-{_UUID}"
+_DEVICE_REF = rf"[0-9]+|[0-9]+:[0-9]+|GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/[0-9]+/[0-9]+"
 
 
 class _Walk:
@@ -132,6 +133,11 @@ def text(value: object) -> str:
     """sigs.k8s.io/yaml turns a YAML scalar into text for a text field; so do we (``true``, ``1``, ``1.5``)."""
     if isinstance(value, str):
         return value
+    if isinstance(value, bytes):  # YAML's !!binary: Go's decoder makes it the text it encodes
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("expected text, got binary data that is not UTF-8 text") from None
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
@@ -187,8 +193,8 @@ def mapping(value: object) -> dict[str, Any]:
         raise ValueError(f"expected a mapping of keys to values, got {yaml_kind(value)}")
     odd = [key for key in value if not isinstance(key, str)]
     if odd:
-        raise ValueError(f"keys must be text: quote {', '.join(repr(str(k)) for k in odd)}")
-    return value
+        raise ValueError(f"keys must be text: quote {', '.join(shown(str(k)) for k in odd)}")
+    return dict(value)  # the config's own: the document it came from is not shared
 
 
 # ----- sections -------------------------------------------------------------------------------------
@@ -360,19 +366,19 @@ def replica_count(value: int) -> int:
 def devices(value: object) -> object:
     """``all``, a count, or a list of GPU and MIG devices by index or UUID."""
     if isinstance(value, str) and value != "all":
-        raise ValueError(f"devices set as {value!r} but the only valid string input is 'all'")
+        raise ValueError(f"devices set as {shown(value)} but the only valid string input is 'all'")
     if isinstance(value, bool) or not isinstance(value, str | int | list):
         raise ValueError(f"devices must be 'all', a count or a list, got {yaml_kind(value)}")
     if isinstance(value, int) and value <= 0:
         raise ValueError(f"a count of devices must be > 0 (got {value})")
     for item in value if isinstance(value, list) else ():
         reference = str(item) if isinstance(item, int) and not isinstance(item, bool) else item
-        if not isinstance(reference, str) or not re.match(_DEVICE_REF, reference):
+        if not isinstance(reference, str) or not re.fullmatch(_DEVICE_REF, reference):
             raise ValueError(
                 f"unsupported device {shown(item)} in devices list: use a GPU index (0), a MIG index (0:1), "
                 "a GPU-<uuid>, a MIG-<uuid> or a MIG-GPU-<uuid>/<gi>/<ci>"
             )
-    return value
+    return list(value) if isinstance(value, list) else value  # the config's own, as mapping()
 
 
 def memory_size(value: str) -> str:
@@ -528,7 +534,8 @@ def gpu_selection(value: object) -> str | list[int | str]:
     problems = [
         f"{shown(entry)} is neither a GPU index nor a GPU UUID"
         for entry in entries
-        if not (isinstance(entry, int) and entry >= 0) and not (isinstance(entry, str) and re.match(_GPU_UUID, entry))
+        if not (isinstance(entry, int) and entry >= 0)
+        and not (isinstance(entry, str) and re.fullmatch(_GPU_UUID, entry))
     ]
     if len(set(map(str, entries))) != len(entries):
         problems.append("a GPU is named twice")

@@ -19,6 +19,8 @@ values; the shipped layouts file 5 levels and 60 values):
   each repetition: nine aliases of nine aliases of ... ("billion laughs") is 9^n values from a few hundred
   bytes, and is refused as soon as the count passes the limit.
 - ``MAX_ALIASES`` (1,000) alias references; an alias to the collection it is in (a cycle) is refused.
+- ``MAX_INT_DIGITS`` (100): a longer integer is refused where it is written. YAML's ``0x``/``0o``/``0b`` integers
+  escape Python's 4,300-digit limit on reading text, and a number past it cannot be printed in any message.
 - one document: a second non-empty document (after ``---``) is an error. NVIDIA's plugin silently reads
   only the first one, so a second config in the same file would be ignored without a word.
 
@@ -44,6 +46,8 @@ from agent.config.model import ConfigError
 MAX_DEPTH = 64
 MAX_NODES = 20_000
 MAX_ALIASES = 1_000
+MAX_INT_DIGITS = 100  # a memory size in bytes has 14 digits, a GPU index 1
+_INT_BOUND = 10**MAX_INT_DIGITS
 _EXCERPT_WIDTH = 100  # characters of the offending line shown under a syntax error
 # libyaml 0.2.6 (in PyYAML's wheels from 6.0.4) refuses more than 1,000 nested levels while it scans ahead, before
 # a collection reaches the composer: "exceeded maximum nesting depth" (yaml_set_max_nest_level's default)
@@ -315,6 +319,16 @@ class _BoundedLoader(Composer, *_PARSER, SafeConstructor, Resolver):  # type: ig
                 None, None, f"a value cannot be read: {type(error).__name__}: {_one_line(str(error))}", node.start_mark
             ) from None
 
+    def _construct_int(self, node: ScalarNode) -> int:
+        """An integer of at most ``MAX_INT_DIGITS`` digits. YAML's hex, octal and binary integers are not held to
+        Python's 4,300-digit limit for text, so a 1 MiB document could hold an int that no message could print."""
+        value: int = SafeConstructor.construct_yaml_int(self, node)
+        if abs(value) >= _INT_BOUND:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a number of more than {MAX_INT_DIGITS} digits: no setting takes one", node.start_mark
+            )
+        return value
+
     def compose_node(self, parent: Node | None, index: Any) -> Node:
         if self.check_event(AliasEvent):
             return self._alias(parent, index)
@@ -388,3 +402,6 @@ class _BoundedLoader(Composer, *_PARSER, SafeConstructor, Resolver):  # type: ig
             f"nested {how_deep} levels deep (level {self._max_depth + 1} at {_where(mark)}); {self._kind} nests "
             f"at most {self._max_depth} levels: flatten it"
         )
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader._construct_int)

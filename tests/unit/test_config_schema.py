@@ -56,3 +56,44 @@ def test_a_message_quotes_a_value_short_never_the_whole_of_it(document: dict[str
     (problem,) = problems(document)
     assert len(problem) < 300, problem
     assert "…" in problem
+
+
+UUID = "GPU-12345678-1234-1234-1234-123456789abc"
+
+
+@pytest.mark.parametrize(
+    ("document", "path"),
+    [
+        ({"sharing": {"mps": {"resources": [{"name": "gpu", "replicas": 2, "devices": ["0\n"]}]}}}, "devices"),
+        ({"sharing": {"mps": {"resources": [{"name": "gpu", "replicas": 2, "devices": ["0:1\n"]}]}}}, "devices"),
+        ({"sharing": {"mps": {"resources": [{"name": "gpu", "replicas": 2, "devices": ["\u0661"]}]}}}, "devices"),
+        ({"dra": {"gpus": [UUID + "\n"]}}, "dra.gpus"),
+    ],
+    ids=["index-newline", "mig-index-newline", "arabic-indic-digit", "uuid-newline"],
+)
+def test_a_device_reference_is_matched_whole_with_ascii_digits(document: dict[str, object], path: str):
+    """NVIDIA's Go patterns match the whole text with ASCII digits; "0\\n" or an Arabic-Indic digit is no GPU."""
+    (problem,) = problems(document)
+    assert path in problem.split(": ", 1)[0]
+
+
+def test_yaml_binary_text_is_read_as_the_text_it_encodes():
+    """sigs.k8s.io/yaml decodes ``!!binary`` to the text it holds, for a text field; so does Tessera."""
+    from agent.config.source import parse_document
+
+    model, _ = parse_document("version: !!binary djE=\nmatch: [!!binary QTEwMCo=]\n", "cfg.yaml")
+    assert (model.version, model.match) == ("v1", ["A100*"])
+    with pytest.raises(ConfigError, match="version: expected text, got binary data that is not UTF-8 text"):
+        parse_document("version: !!binary /w==\n", "cfg.yaml")
+
+
+def test_the_config_holds_its_own_values_not_the_documents():
+    """A config is frozen: changing the document it was read from afterwards changes nothing in it."""
+    entry = {"name": "gpu", "replicas": 2, "devices": [0, 1]}
+    layouts = {"version": "v1", "mig-configs": {}}
+    document = {"sharing": {"timeSlicing": {"resources": [entry]}}, "migLayout": {"layouts": layouts}}
+    model, _ = parse_config(document, "cfg.yaml")
+    entry["devices"].append(2)
+    layouts["mig-configs"] = {"all-1g": []}
+    assert model.sharing.time_slicing.resources[0].devices == [0, 1]
+    assert model.mig_layout.layouts == {"version": "v1", "mig-configs": {}}
