@@ -19,8 +19,10 @@ values; the shipped layouts file 5 levels and 60 values):
   each repetition: nine aliases of nine aliases of ... ("billion laughs") is 9^n values from a few hundred
   bytes, and is refused as soon as the count passes the limit.
 - ``MAX_ALIASES`` (1,000) alias references; an alias to the collection it is in (a cycle) is refused.
-- ``MAX_INT_DIGITS`` (100): a longer integer is refused where it is written. YAML's ``0x``/``0o``/``0b`` integers
-  escape Python's 4,300-digit limit on reading text, and a number past it cannot be printed in any message.
+- ``MAX_INT_DIGITS`` (4,300, Python's bound on an int read from text): a longer integer is refused where it is
+  written. YAML's hex, octal and binary integers escape that bound when they are read, and a number past it cannot
+  be printed in any message. (A shorter one reaches the field, which names its own bound: ``dra.defaultShare: a
+  number of about 4000 digits is too large...``.)
 - one document: a second non-empty document (after ``---``) is an error. NVIDIA's plugin silently reads
   only the first one, so a second config in the same file would be ignored without a word.
 
@@ -46,7 +48,7 @@ from agent.config.model import ConfigError
 MAX_DEPTH = 64
 MAX_NODES = 20_000
 MAX_ALIASES = 1_000
-MAX_INT_DIGITS = 100  # a memory size in bytes has 14 digits, a GPU index 1
+MAX_INT_DIGITS = 4300  # Python's default bound on an int read from or written as text (sys.int_info)
 _INT_BOUND = 10**MAX_INT_DIGITS
 _EXCERPT_WIDTH = 100  # characters of the offending line shown under a syntax error
 # libyaml 0.2.6 (in PyYAML's wheels from 6.0.4) refuses more than 1,000 nested levels while it scans ahead, before
@@ -325,7 +327,7 @@ class _BoundedLoader(Composer, *_PARSER, SafeConstructor, Resolver):  # type: ig
         value: int = SafeConstructor.construct_yaml_int(self, node)
         if abs(value) >= _INT_BOUND:
             raise yaml.constructor.ConstructorError(
-                None, None, f"a number of more than {MAX_INT_DIGITS} digits: no setting takes one", node.start_mark
+                None, None, f"a number of more than {MAX_INT_DIGITS:,} digits: no setting takes one", node.start_mark
             )
         return value
 

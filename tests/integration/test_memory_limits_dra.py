@@ -70,6 +70,8 @@ def test_a_claims_share_holds_its_container_through_the_driver(
         return None if found is None else (found.soft, found.hard)
 
     poll(lambda: limit() == (10 * GIB, 10 * GIB), "the claim's container held to 10 GiB on GPU 0")
+    # the room's report follows its look (the limit is set in the driver first, the row shown when the look ends)
+    poll(lambda: len(report()) == 1, "the container's row in the memory-limits report")
     (row,) = report()
     assert (row["claim"], row["pod"], row["container"], row["enforcement"]) == (
         "default/small", "pod-small", "main", "driver",
