@@ -76,12 +76,14 @@ def leaf(check: Callable[[Any], Any]) -> Rule:
 def then(first: Rule, *checks: Callable[[Any], Any]) -> Rule:
     """``first``, then each check on what it returned (each returns the value as held or raises ValueError)."""
 
+    rest = [leaf(check) for check in checks]
+
     def rule(value: Any, path: str, walk: _Walk) -> Any:
         value = first(value, path, walk)
-        for check in checks:
+        for check in rest:
             if value is BAD:
                 break
-            value = leaf(check)(value, path, walk)
+            value = check(value, path, walk)
         return value
 
     return rule
@@ -382,8 +384,8 @@ def devices(value: object) -> object:
 
 
 def memory_size(value: str) -> str:
-    if quantity_mib(value) <= 0:
-        raise ValueError(f"{value!r} is no memory at all; give a size such as 10Gi")
+    """A memory quantity from 1Mi to 16Ti (``quantity_mib`` says why not)."""
+    quantity_mib(value)
     return value
 
 
@@ -406,9 +408,12 @@ def burst_above_size(entry: values.ReplicatedResource) -> None:
 def _rename(value: object, path: str, walk: _Walk) -> Any:
     """``rename``: a resource name; empty is no rename at all."""
     renamed = TEXT(value, path, walk)
-    if renamed is BAD or renamed == "":
-        return None if renamed == "" else BAD
-    return leaf(normalise_resource_name)(renamed, path, walk)
+    if renamed == "":
+        return None
+    return renamed if renamed is BAD else _NORMALISED(renamed, path, walk)
+
+
+_NORMALISED = leaf(normalise_resource_name)
 
 
 REPLICATED_RESOURCE = Section(
@@ -448,6 +453,9 @@ REPLICATED_RESOURCES = Section(
 )
 
 
+_MPS_ONLY = (("activeThreadPercentage", "active_thread_percentage"), ("oversubscribe", "oversubscribe"))
+
+
 def mps_keys_only_for_mps(group: values.ReplicatedResources) -> values.ReplicatedResources:
     for position, entry in enumerate(group.resources):
         used = [alias for alias, name in _MPS_ONLY if getattr(entry, name) is not None]
@@ -457,9 +465,6 @@ def mps_keys_only_for_mps(group: values.ReplicatedResources) -> values.Replicate
                 "time-slicing cannot limit a client's threads (memoryLimit holds its memory)"
             )
     return group
-
-
-_MPS_ONLY = (("activeThreadPercentage", "active_thread_percentage"), ("oversubscribe", "oversubscribe"))
 
 
 def no_burst_under_mps(group: values.ReplicatedResources) -> values.ReplicatedResources:
@@ -563,8 +568,7 @@ def default_share(value: object) -> int:
     # bounded before any arithmetic: "1e10000000" is refused at once, naming the bound (QuantityError)
     amount = parse_quantity(value, what="memory size", hint="write a whole number of MiB such as 1500Mi or 10Gi")
     if amount <= 0 or amount.denominator != 1 or amount % MEMORY_STEP:
-        quoted = repr(value) if isinstance(value, int) or len(value) <= 40 else f"{value[:40]!r}..."
-        raise ValueError(f"{quoted} is not a whole number of MiB (1500Mi, 10Gi, …): shares come in 1Mi steps")
+        raise ValueError(f"{shown(value)} is not a whole number of MiB (1500Mi, 10Gi, …): shares come in 1Mi steps")
     return int(amount)
 
 

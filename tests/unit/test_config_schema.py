@@ -97,3 +97,72 @@ def test_the_config_holds_its_own_values_not_the_documents():
     layouts["mig-configs"] = {"all-1g": []}
     assert model.sharing.time_slicing.resources[0].devices == [0, 1]
     assert model.mig_layout.layouts == {"version": "v1", "mig-configs": {}}
+
+
+def entry(**more: object) -> dict[str, object]:
+    return {"name": "gpu", "replicas": 2, **more}
+
+
+def ts(*entries: dict[str, object]) -> dict[str, object]:
+    return {"sharing": {"timeSlicing": {"resources": list(entries)}}}
+
+
+def mps(*entries: dict[str, object]) -> dict[str, object]:
+    return {"sharing": {"mps": {"resources": list(entries)}}}
+
+
+R0 = "sharing.timeSlicing.resources[0]"
+M0 = "sharing.mps.resources[0]"
+
+
+@pytest.mark.parametrize(
+    ("document", "path", "phrase"),
+    [
+        ({"resources": {"gpus": [{"pattern": "", "name": "x"}]}}, "resources.gpus[0].pattern", "must not be empty"),
+        (ts(entry(name="")), f"{R0}.name", "must not be empty"),
+        (ts({"replicas": 2}), f"{R0}.name", "required field is missing"),
+        (ts(entry(replicas=2000)), f"{R0}.replicas", "2000 replicas is more than 1024"),
+        (ts(entry(rename="Bad_Name")), f"{R0}.rename", "incorrect format for resource name"),
+        (ts(entry(memoryLimit="0")), f"{R0}.memoryLimit", "'0' is out of range: use between 1Mi and 16Ti"),
+        (ts(entry(memoryBurstLimit="2Gi")), R0, "memoryBurstLimit needs memoryLimit"),
+        (ts(entry(memoryLimit="4Gi", memoryBurstLimit="2Gi")), R0, "is below memoryLimit"),
+        (ts(entry(oversubscribe=True)), "sharing.timeSlicing", "oversubscribe only apply to sharing.mps"),
+        (mps(entry(memoryLimit="1Gi", memoryBurstLimit="2Gi")), "sharing.mps", "only applies to sharing.timeSlicing"),
+        (mps(entry(activeThreadPercentage=101)), f"{M0}.activeThreadPercentage", "must be from 1 to 100 (got 101)"),
+        ({"sharing": {"mps": {"resources": None}}}, "sharing.mps.resources", "expected a list, got nothing"),
+        ({"flags": {"migStrategy": "several"}}, "flags.migStrategy", "must be 'none', 'single' or 'mixed'"),
+        ({"flags": {"mpsRoot": "run/mps"}}, "flags.mpsRoot", "must be an absolute path"),
+        ({"flags": ["a"]}, "flags", "expected a mapping of keys to values, got a list"),
+        ({"imex": {"channelIDs": [2]}}, "imex.channelIDs", "channelIDs must be [] or [0]"),
+        ({"version": "v2"}, "version", "unknown version: v2"),
+        ({"match": 5}, "match", "expected a list, got the number 5"),
+        ({"migLayout": {"layouts": {1: "x"}}}, "migLayout.layouts", "keys must be text: quote '1'"),
+        ({"migLayout": {"layouts": ["x"]}}, "migLayout.layouts", "expected a mapping of keys to values"),
+        ({"health": {"xids": [94]}}, "health.xids", "must be a map of XID to effect"),
+        ({"health": {"xids": {"94": "explode"}}}, "health.xids", "XID 94:"),
+        ({"health": {"xids": {"x": "ignore"}}}, "health.xids", "key "),
+        ({"dra": {"gpus": [0, 0]}}, "dra.gpus", "a GPU is named twice"),
+        ({"dra": {"gpus": []}}, "dra.gpus", "an empty list serves no GPU"),
+        ({"dra": {"dynamicMig": ["GPU-x"]}}, "dra.dynamicMig", "'GPU-x' is neither a GPU index nor a GPU UUID"),
+        ({"dra": {"gpuShares": "some"}}, "dra.gpuShares", "expected 'all' or a list of GPU indices and UUIDs"),
+        ({"dra": {"driverName": "Not A Name"}}, "dra.driverName", "must be a DNS subdomain"),
+        ({"dra": {"consumableShares": "lots"}}, "dra.consumableShares", "is not a consumableShares value"),
+        ({"dra": {"defaultShare": True, "gpuShares": "all"}}, "dra.defaultShare", "write a memory size such as 10Gi"),
+        ({"dra": {"defaultShare": "1.5Mi", "gpuShares": "all"}}, "dra.defaultShare", "is not a whole number of MiB"),
+        ({"dra": {"defaultShare": "1Gi"}}, "dra", "defaultShare is set but gpuShares names no GPU to share"),
+        ({"dra": {"defaultShare": "1Gi", "consumableShares": 4}}, "dra", "with consumableShares: 4"),
+        ({"dra": {"consumableShares": "disabled", "gpuShares": [0]}}, "dra", "consumableShares is disabled but"),
+    ],
+    ids=lambda value: None if not isinstance(value, str) else value[:40],
+)
+def test_each_rule_of_the_walk_refuses_naming_the_field(document: dict[str, object], path: str, phrase: str):
+    (problem,) = problems(document)
+    where, message = problem.split(": ", 1)
+    assert where == path
+    assert phrase in message
+
+
+def test_a_single_device_list_strategy_is_a_list_of_one_and_a_null_is_the_default():
+    model, _ = parse_config({"flags": {"plugin": {"deviceListStrategy": "cdi-cri"}, "migStrategy": None}}, "c")
+    assert model.flags.plugin is not None and model.flags.plugin.device_list_strategy == ["cdi-cri"]
+    assert model.flags.mig_strategy is None
